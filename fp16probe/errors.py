@@ -1,0 +1,19 @@
+"""The exception hierarchy: everything fp16probe raises derives from Fp16ProbeError."""
+
+from __future__ import annotations
+
+
+class Fp16ProbeError(RuntimeError):
+    """Base class of every error fp16probe raises on purpose."""
+
+
+class UnknownFormatError(Fp16ProbeError, ValueError):
+    """A number-format name that fp16probe does not know."""
+
+
+class ReportError(Fp16ProbeError):
+    """A report file that cannot be read: missing, malformed, truncated or of another schema."""
+
+
+class ProbeError(Fp16ProbeError):
+    """A Probe used in a way it cannot serve (nothing to hook, wrong state)."""

@@ -1,0 +1,526 @@
+"""The Report: plain, immutable data that a Probe hands over, and its JSON file.
+
+Nothing here touches a model or a device; everything is host-side Python numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from fp16probe.errors import ReportError
+from fp16probe.formats import Format, get_format
+from fp16probe.histogram import MAX_EXP, MIN_EXP, NUM_EXP_BINS
+
+__all__ = [
+    "KINDS",
+    "SCHEMA_VERSION",
+    "Histogram",
+    "Metadata",
+    "ModuleStats",
+    "Report",
+    "StepTrace",
+    "atomic_write_text",
+]
+
+SCHEMA_VERSION = 1
+
+ACTIVATION_GRAD = "activation_grad"
+WEIGHT_GRAD = "weight_grad"
+ACTIVATION = "activation"
+KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD, ACTIVATION)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts of values per power-of-two magnitude bin, as measured.
+
+    ``counts[i]`` counts magnitudes in ``(2^(e-1), 2^e]`` for ``e = MIN_EXP + i``
+    (-149 to 128, the whole fp32 range). Zeros, infinities and NaNs are counted apart.
+    ``max_abs`` is the largest finite magnitude (0.0 when there is none).
+    """
+
+    counts: tuple[int, ...] = (0,) * NUM_EXP_BINS
+    zero: int = 0
+    inf: int = 0
+    nan: int = 0
+    max_abs: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != NUM_EXP_BINS:
+            raise ValueError(f"expected {NUM_EXP_BINS} bin counts, got {len(self.counts)}")
+
+    # -- totals --------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        return sum(self.counts) + self.zero + self.inf + self.nan
+
+    @property
+    def nonzero_finite(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def nonfinite(self) -> int:
+        return self.inf + self.nan
+
+    def count(self, e: int) -> int:
+        """Values with magnitude in ``(2^(e-1), 2^e]``."""
+        if e < MIN_EXP or e > MAX_EXP:
+            return 0
+        return self.counts[e - MIN_EXP]
+
+    def at_most(self, log2_bound: int) -> int:
+        """Nonzero finite values with magnitude ``<= 2^log2_bound`` (exact)."""
+        hi = min(log2_bound, MAX_EXP) - MIN_EXP
+        if hi < 0:
+            return 0
+        return sum(self.counts[: hi + 1])
+
+    def between(self, log2_lo: int, log2_hi: int) -> int:
+        """Nonzero finite values with magnitude in ``(2^log2_lo, 2^log2_hi]`` (exact)."""
+        if log2_hi <= log2_lo:
+            return 0
+        return self.at_most(log2_hi) - self.at_most(log2_lo)
+
+    @property
+    def lowest_exp(self) -> int | None:
+        """The lowest occupied bin, or None when there are no nonzero finite values."""
+        for i, c in enumerate(self.counts):
+            if c:
+                return MIN_EXP + i
+        return None
+
+    @property
+    def highest_exp(self) -> int | None:
+        for i in range(NUM_EXP_BINS - 1, -1, -1):
+            if self.counts[i]:
+                return MIN_EXP + i
+        return None
+
+    # -- what-if at S = 2^k --------------------------------------------------------
+    def flushed(self, fmt: str | Format, log2_scale: int = 0) -> int:
+        """Nonzero finite values that become 0 when ``x * 2^log2_scale`` is cast to ``fmt``.
+
+        Exact: the cast rounds to nearest even, so ``|x S| <= min_subnormal / 2`` flushes,
+        and that bound is a bin edge for every power-of-two S.
+        """
+        fmt = get_format(fmt)
+        return self.at_most(fmt.log2_flush_threshold - log2_scale)
+
+    def subnormal(self, fmt: str | Format, log2_scale: int = 0) -> int:
+        """Values that survive the cast but sit at or below the format's min normal.
+
+        Counts ``|x S|`` in ``(min_subnormal / 2, min_normal]``: the boundary bin holds
+        exactly ``min_normal`` too, which is normal, and values just below min normal
+        may round up to it; so this is an upper bound, tight in practice.
+        """
+        fmt = get_format(fmt)
+        return self.between(fmt.log2_flush_threshold - log2_scale, fmt.log2_min_normal - log2_scale)
+
+    def overflows(self, fmt: str | Format, log2_scale: int = 0) -> bool:
+        """Whether any value would land beyond the format's max at S = 2^log2_scale.
+
+        Exact for finite values (from ``max_abs``); an inf or NaN already present
+        overflows at any scale.
+        """
+        fmt = get_format(fmt)
+        if self.inf or self.nan:
+            return True
+        if self.max_abs == 0.0:
+            return False
+        return fmt.overflows(math.ldexp(self.max_abs, log2_scale))
+
+    # -- combining -----------------------------------------------------------------
+    def __add__(self, other: "Histogram") -> "Histogram":
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return Histogram(
+            counts=tuple(a + b for a, b in zip(self.counts, other.counts)),
+            zero=self.zero + other.zero,
+            inf=self.inf + other.inf,
+            nan=self.nan + other.nan,
+            max_abs=max(self.max_abs, other.max_abs),
+        )
+
+    @staticmethod
+    def sum(histograms: Iterable["Histogram"]) -> "Histogram":
+        out = Histogram()
+        for h in histograms:
+            out = out + h
+        return out
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bins": {str(MIN_EXP + i): c for i, c in enumerate(self.counts) if c},
+            "zero": self.zero,
+            "inf": self.inf,
+            "nan": self.nan,
+            "max_abs": self.max_abs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Histogram":
+        counts = [0] * NUM_EXP_BINS
+        for key, c in d["bins"].items():
+            e = int(key)
+            if not MIN_EXP <= e <= MAX_EXP:
+                raise ValueError(f"bin {e} outside [{MIN_EXP}, {MAX_EXP}]")
+            counts[e - MIN_EXP] = _count(c)
+        return cls(
+            counts=tuple(counts),
+            zero=_count(d["zero"]),
+            inf=_count(d["inf"]),
+            nan=_count(d["nan"]),
+            max_abs=float(d["max_abs"]),
+        )
+
+    @classmethod
+    def from_values(cls, counts_by_exp: Mapping[int, int], *, zero: int = 0, inf: int = 0,
+                    nan: int = 0, max_abs: float | None = None) -> "Histogram":
+        """Build a histogram by hand: ``{e: count}`` for bins ``(2^(e-1), 2^e]``.
+
+        ``max_abs`` defaults to the top occupied bin's upper edge, ``2^e``.
+        """
+        counts = [0] * NUM_EXP_BINS
+        for e, c in counts_by_exp.items():
+            counts[int(e) - MIN_EXP] += int(c)
+        if max_abs is None:
+            occupied = [e for e, c in counts_by_exp.items() if c]
+            max_abs = math.ldexp(1.0, max(occupied)) if occupied else 0.0
+        return cls(tuple(counts), zero, inf, nan, float(max_abs))
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"a count must be a non-negative integer, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """One module's (or parameter's) histogram of one kind over all profiled steps."""
+
+    name: str
+    kind: str
+    module_type: str
+    order: int
+    histogram: Histogram
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "module_type": self.module_type,
+            "order": self.order,
+            "histogram": self.histogram.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModuleStats":
+        if d["kind"] not in KINDS:
+            raise ValueError(f"unknown kind {d['kind']!r}")
+        return cls(
+            name=str(d["name"]),
+            kind=str(d["kind"]),
+            module_type=str(d["module_type"]),
+            order=int(d["order"]),
+            histogram=Histogram.from_dict(d["histogram"]),
+        )
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """What a scale simulator needs, per profiled step.
+
+    ``histograms[kind][i]`` is the histogram of all values of that kind at step
+    ``steps[i]``; ``module_max[kind][name][i]`` the largest finite magnitude a module
+    saw in it (0.0 when it saw nothing); ``scale[i]`` the GradScaler scale in force
+    (None without a scaler); ``found_inf[i]`` whether any gradient held inf or NaN.
+    """
+
+    steps: tuple[int, ...] = ()
+    histograms: Mapping[str, tuple[Histogram, ...]] = field(default_factory=dict)
+    module_max: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
+    scale: tuple[float | None, ...] = ()
+    found_inf: tuple[bool, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def global_max(self, kind: str = ACTIVATION_GRAD) -> tuple[float, ...]:
+        """Largest finite magnitude of ``kind`` per step."""
+        return tuple(h.max_abs for h in self.histograms.get(kind, ()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": list(self.steps),
+            "histograms": {k: [h.to_dict() for h in hs] for k, hs in self.histograms.items()},
+            "module_max": {k: {n: list(v) for n, v in m.items()} for k, m in self.module_max.items()},
+            "scale": list(self.scale),
+            "found_inf": list(self.found_inf),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepTrace":
+        steps = tuple(int(s) for s in d["steps"])
+        n = len(steps)
+        histograms = {k: tuple(Histogram.from_dict(h) for h in hs) for k, hs in d["histograms"].items()}
+        module_max = {
+            k: {name: tuple(float(v) for v in vals) for name, vals in m.items()}
+            for k, m in d["module_max"].items()
+        }
+        scale = tuple(None if s is None else float(s) for s in d["scale"])
+        found_inf = tuple(bool(f) for f in d["found_inf"])
+        for what, seq in [("scale", scale), ("found_inf", found_inf)] + [
+            (f"histograms[{k}]", v) for k, v in histograms.items()
+        ]:
+            if len(seq) != n:
+                raise ValueError(f"trace.{what} has {len(seq)} entries for {n} steps")
+        return cls(steps, histograms, module_max, scale, found_inf)
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Where a report came from."""
+
+    fp16probe_version: str
+    torch_version: str
+    device: str
+    model_class: str
+    precision: str = "fp32"
+    param_dtype: str = "torch.float32"
+    steps_seen: int = 0
+    steps_total: int = 0
+    every: int = 1
+    captured: tuple[str, ...] = ()
+    hooked_modules: tuple[str, ...] = ()
+    grad_scaler: bool = False
+    world_size: int = 1
+    partial: bool = False
+    created: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["captured"] = list(self.captured)
+        d["hooked_modules"] = list(self.hooked_modules)
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Metadata":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        known["captured"] = tuple(known.get("captured", ()))
+        known["hooked_modules"] = tuple(known.get("hooked_modules", ()))
+        known["extra"] = dict(known.get("extra", {}))
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything a Probe measured, on the host, ready to analyse, save or merge."""
+
+    metadata: Metadata
+    modules: tuple[ModuleStats, ...] = ()
+    trace: StepTrace = field(default_factory=StepTrace)
+    recommendation: Mapping[str, Any] | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    # -- accessors -----------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        present = {m.kind for m in self.modules}
+        return tuple(k for k in KINDS if k in present)
+
+    def modules_of(self, kind: str = ACTIVATION_GRAD) -> tuple[ModuleStats, ...]:
+        """Module records of one kind, in forward (hook) order."""
+        return tuple(sorted((m for m in self.modules if m.kind == kind), key=lambda m: m.order))
+
+    def module(self, name: str, kind: str = ACTIVATION_GRAD) -> ModuleStats:
+        for m in self.modules:
+            if m.name == name and m.kind == kind:
+                return m
+        raise KeyError(f"no {kind} record for module {name!r}")
+
+    def histogram(self, kind: str = ACTIVATION_GRAD) -> Histogram:
+        """All values of one kind, over every module and step."""
+        return Histogram.sum(m.histogram for m in self.modules if m.kind == kind)
+
+    def with_recommendation(self, recommendation: Mapping[str, Any] | None) -> "Report":
+        return replace(self, recommendation=recommendation)
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "metadata": self.metadata.to_dict(),
+            "modules": [m.to_dict() for m in self.modules],
+            "trace": self.trace.to_dict(),
+            "recommendation": None if self.recommendation is None else dict(self.recommendation),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "report") -> "Report":
+        if not isinstance(d, dict):
+            raise ReportError(f"{source}: expected a JSON object at the top level, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if version is None:
+            raise ReportError(f"{source}: no schema_version; this is not an fp16probe report")
+        if version != SCHEMA_VERSION:
+            raise ReportError(
+                f"{source}: schema_version {version!r} is not supported (this fp16probe reads "
+                f"version {SCHEMA_VERSION}); re-create the report with this version of fp16probe"
+            )
+        try:
+            return cls(
+                metadata=Metadata.from_dict(d["metadata"]),
+                modules=tuple(ModuleStats.from_dict(m) for m in d["modules"]),
+                trace=StepTrace.from_dict(d["trace"]),
+                recommendation=d.get("recommendation"),
+                schema_version=version,
+            )
+        except KeyError as e:
+            raise ReportError(f"{source}: malformed report, missing field {e.args[0]!r}") from e
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ReportError(f"{source}: malformed report: {e}") from e
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the report as JSON, atomically: a crash never leaves half a file."""
+        path = Path(path)
+        atomic_write_text(path, self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Report":
+        """Read a report file; a bad file raises ReportError naming the problem."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError as e:
+            raise ReportError(f"{path}: no such report file") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise ReportError(f"{path}: cannot read report: {e}") from e
+        if not text.strip():
+            raise ReportError(f"{path}: the report file is empty")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ReportError(
+                f"{path}: not valid JSON (truncated or corrupt?) at line {e.lineno} column {e.colno}: {e.msg}"
+            ) from e
+        return cls.from_dict(data, source=str(path))
+
+    # -- merging -------------------------------------------------------------------
+    def merge(self, *others: "Report", how: str = "auto") -> "Report":
+        """Combine reports from several runs or ranks.
+
+        ``how="ranks"`` treats them as ranks of one run over the same steps: per-step
+        histograms add up and maxima take the max. ``how="runs"`` appends the traces
+        one after another. ``"auto"`` picks ranks when every report has the same steps.
+        Module histograms add up either way.
+        """
+        return merge_reports((self, *others), how=how)
+
+
+def merge_reports(reports: Sequence[Report], *, how: str = "auto") -> Report:
+    """Combine reports; see :meth:`Report.merge`."""
+    if not reports:
+        raise ValueError("nothing to merge")
+    if how not in ("auto", "ranks", "runs"):
+        raise ValueError(f"how must be 'auto', 'ranks' or 'runs', got {how!r}")
+    first = reports[0]
+    if how == "auto":
+        how = "ranks" if all(r.trace.steps == first.trace.steps for r in reports) else "runs"
+
+    by_key: dict[tuple[str, str], ModuleStats] = {}
+    for r in reports:
+        for m in r.modules:
+            key = (m.name, m.kind)
+            prev = by_key.get(key)
+            by_key[key] = m if prev is None else replace(prev, histogram=prev.histogram + m.histogram)
+
+    trace = _merge_traces([r.trace for r in reports], how)
+    meta = first.metadata
+    hooked = list(meta.hooked_modules)
+    for r in reports[1:]:
+        hooked += [n for n in r.metadata.hooked_modules if n not in hooked]
+    metadata = replace(
+        meta,
+        steps_seen=meta.steps_seen if how == "ranks" else sum(r.metadata.steps_seen for r in reports),
+        steps_total=meta.steps_total if how == "ranks" else sum(r.metadata.steps_total for r in reports),
+        world_size=sum(r.metadata.world_size for r in reports) if how == "ranks" else meta.world_size,
+        partial=any(r.metadata.partial for r in reports),
+        hooked_modules=tuple(hooked),
+        captured=tuple(k for k in KINDS if any(k in r.metadata.captured for r in reports)),
+    )
+    return Report(metadata=metadata, modules=tuple(by_key.values()), trace=trace)
+
+
+def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
+    if how == "runs":
+        kinds = {k for t in traces for k in t.histograms}
+        histograms = {k: tuple(h for t in traces for h in t.histograms.get(k, ((Histogram(),) * len(t))))
+                      for k in kinds}
+        module_max: dict[str, dict[str, tuple[float, ...]]] = {}
+        for k in {k for t in traces for k in t.module_max}:
+            names = {n for t in traces for n in t.module_max.get(k, {})}
+            module_max[k] = {
+                n: tuple(v for t in traces for v in t.module_max.get(k, {}).get(n, (0.0,) * len(t)))
+                for n in names
+            }
+        return StepTrace(
+            steps=tuple(s for t in traces for s in t.steps),
+            histograms=histograms,
+            module_max=module_max,
+            scale=tuple(s for t in traces for s in t.scale),
+            found_inf=tuple(f for t in traces for f in t.found_inf),
+        )
+    first = traces[0]
+    n = len(first)
+    kinds = {k for t in traces for k in t.histograms}
+    histograms = {}
+    for k in kinds:
+        per_step = [Histogram()] * n
+        for t in traces:
+            for i, h in enumerate(t.histograms.get(k, ())):
+                per_step[i] = per_step[i] + h
+        histograms[k] = tuple(per_step)
+    module_max = {}
+    for k in {k for t in traces for k in t.module_max}:
+        merged: dict[str, list[float]] = {}
+        for t in traces:
+            for name, vals in t.module_max.get(k, {}).items():
+                cur = merged.setdefault(name, [0.0] * n)
+                for i, v in enumerate(vals):
+                    cur[i] = max(cur[i], v)
+        module_max[k] = {name: tuple(v) for name, v in merged.items()}
+    found_inf = tuple(any(t.found_inf[i] for t in traces) for i in range(n))
+    return StepTrace(first.steps, histograms, module_max, first.scale, found_inf)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
