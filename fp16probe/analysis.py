@@ -427,6 +427,7 @@ def analyze(
             simulated_skipped_fraction=chosen.skipped_fraction,
             simulated_mean_flushed_fraction=chosen.mean_flushed_fraction,
             simulated_final_scale=chosen.final_scale,
+            simulated_meets_threshold=chosen.meets_threshold,
         )
     else:
         growth_interval = int(GRADSCALER_DEFAULTS["growth_interval"])
@@ -588,6 +589,12 @@ def _text_constant(fmt, k, margin, ev, kwargs, table, tau) -> str:
 
 
 def _text_dynamic(fmt, k, margin, ev, kwargs, table, tau) -> str:
+    caveat = ""
+    if ev.get("simulated_meets_threshold") is False:
+        caveat = (f" In the replay no candidate schedule got the flushed share down to {_pct(tau)}: "
+                  "with the profiled steps in random order, a scale that follows the range only "
+                  "catches slow drift, not jumps from one step to the next; if your range jumps "
+                  "like this, per-tensor scaling or bf16 is the sturdier fix.")
     return (
         f"Use a dynamic loss-scale schedule for {fmt.name}: {_kwargs_words(kwargs)}. The largest "
         f"gradient moves over the profile by {ev.get('per_step_max_range_bits', 0.0):.3g} bits from step to "
@@ -596,7 +603,8 @@ def _text_dynamic(fmt, k, margin, ev, kwargs, table, tau) -> str:
         f"the nonzero values flushed (threshold {_pct(tau)}), while a scale fitted to each step leaves "
         f"{_pct(ev['per_step_scale_flushed_fraction'])}. At S = 1, {_pct(ev['flushed_fraction_at_1'])} flush. "
         f"init_scale = 2^{k} comes from the data: the largest power of two, less the margin, at which no "
-        f"profiled step overflows, so the schedule starts without skipped steps.{_schedule_words(kwargs, table, ev)} "
+        f"profiled step overflows, so the schedule starts without skipped steps.{_schedule_words(kwargs, table, ev)}"
+        f"{caveat} "
         f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
     )
 
