@@ -17,3 +17,7 @@ class ReportError(Fp16ProbeError):
 
 class ProbeError(Fp16ProbeError):
     """A Probe used in a way it cannot serve (nothing to hook, wrong state)."""
+
+
+class AnalysisError(Fp16ProbeError, ValueError):
+    """An analysis asked of a report that cannot answer it, or with parameters out of range."""
