@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import sys
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,21 +200,28 @@ def load_state_dict_file(path: str | os.PathLike[str], *, trust_checkpoint: bool
 
 
 def _torch_load(path: Path, trust: bool, what: str) -> Any:
+    """torch.load with weights_only=True; the unsafe load only when the caller opted in."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    except Exception as e:
+        if not _is_refusal(e):
+            raise ModelLoadError(
+                f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {_first_line(e)}"
+            ) from e
         if not trust:
             raise ModelLoadError(
                 f"{what} {path}: refused, the file holds Python objects beyond tensors and {_UNSAFE_HINT}"
             ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ModelLoadError(
-            f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {_first_line(e)}"
-        ) from e
     try:  # only reached with trust_checkpoint=True: the caller opted in to running the file's code
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         raise ModelLoadError(f"{what} {path}: loading it failed: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """Whether weights_only loading stopped at a Python object (as opposed to a corrupt file)."""
+    text = str(e)
+    return isinstance(e, pickle.UnpicklingError) and ("safe_globals" in text or "Unsupported global" in text)
 
 
 def _apply_state_dict(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> str:
@@ -326,18 +332,9 @@ def _load_export(path: Path) -> LoadedModel:
 
 
 def _load_pickled(path: Path, trust: bool) -> LoadedModel:
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trust:
-            raise ModelLoadError(f"MODEL {path}: refused, it is a pickled Python object and {_UNSAFE_HINT}") from e
-        obj = _torch_load(path, trust, what="MODEL")
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ModelLoadError(
-            f"MODEL {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {_first_line(e)}"
-        ) from e
+    obj = _torch_load(path, trust, what="MODEL")
     if isinstance(obj, nn.Module):
-        return LoadedModel(obj, PICKLE, str(path), notes=("whole pickled module (loaded with --trust-checkpoint)",))
+        return LoadedModel(obj, PICKLE, str(path), notes=("whole pickled module, loaded with --trust-checkpoint",))
     if isinstance(obj, Mapping):
         raise ModelLoadError(
             f"MODEL {path} is a state_dict: weights without an architecture; pass the model's factory as "

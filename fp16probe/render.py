@@ -84,7 +84,7 @@ def print_error(console: Any, message: str) -> None:
     """One line: what was wrong and what to do."""
     from rich.text import Text
 
-    console.print(Text.assemble(("error: ", "bold red"), message))
+    console.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
 @contextlib.contextmanager
