@@ -47,6 +47,7 @@ def one_error_line(result) -> str:
 # -- profile: each MODEL kind --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_profile_shows_underflow_recovered(tmp_path):
     """The demo's claim, computed: a sizeable share flushes at S = 1, the recommended S recovers most."""
     ok("profile", "--steps", "3", "--out", "demo.json")
@@ -106,6 +107,7 @@ def test_weights_safetensors_and_ckpt(tmp_path):
     ok("profile", "cli_models:TinyMLP", "--weights", "w.ckpt", *TINY, "--out", "b.json")
 
 
+@pytest.mark.slow
 def test_export_archive(tmp_path):
     from cli_models import TinyMLP
 
@@ -268,10 +270,12 @@ def test_unknown_format_is_usage_error():
 # -- show, recommend, compare ----------------------------------------------------------
 
 
-@pytest.fixture
-def demo_report(tmp_path) -> Path:
-    ok("profile", "--steps", "2", "--out", "demo.json")
-    return tmp_path / "demo.json"
+@pytest.fixture(scope="module")
+def demo_report(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "demo.json"
+    result = CliRunner().invoke(app, ["profile", "--steps", "2", "--out", str(path)])
+    assert result.exit_code == EXIT_OK, result.output
+    return path
 
 
 def test_show(demo_report):
