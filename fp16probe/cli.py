@@ -57,6 +57,11 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class Granularity(str, enum.Enum):
+    module = "module"
+    op = "op"
+
+
 class Precision(str, enum.Enum):
     fp32 = "fp32"
     fp16 = "fp16"
@@ -156,6 +161,7 @@ def profile(
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
     format: FormatOpt = FormatName["fp16"],
     kind: KindOpt = Kind.activation_grad,
+    granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
@@ -195,7 +201,13 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
             raise InputError("--loss-scale applies to --precision fp16 or bf16 (fp32 runs are the unscaled reference)")
         if not o["loss_scale"] > 0:
             raise InputError(f"--loss-scale {o['loss_scale']}: expected a positive number such as 1024")
+    from fp16probe import distributed
+
+    is_dist = distributed.init_from_env()
+    rank = distributed.rank()
     dev = pick_device(o["device"].value)
+    if is_dist and dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
     loaded = load_model(o["model"], weights=o["weights"], trust_checkpoint=o["trust_checkpoint"],
                         trust_remote_code=o["trust_remote_code"])
@@ -214,7 +226,8 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     model = model.to(dev)
 
     batch_src = make_batches(loaded, dev, input_shape=o["input_shape"], input_dtype=o["input_dtype"].value,
-                             vocab_size=o["vocab_size"], batches=o["batches"], seed=o["seed"])
+                             vocab_size=o["vocab_size"], batches=o["batches"],
+                             seed=o["seed"] + rank)  # each rank draws its own synthetic batches
     loss = make_loss(loaded, o["loss"])
     scaler = None
     if precision != "fp32" and o["loss_scale"] is not None:
@@ -222,14 +235,16 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     optimizer = None if o["optimizer"].value == "none" else o["optimizer"].value
     settings = RunSettings(steps=o["steps"], device=str(dev), precision=precision,
                            loss_scale=o["loss_scale"], optimizer=optimizer, lr=o["lr"])
-    probe = Probe(model, modules=o["modules"] or None, scaler=scaler)
+    probe = Probe(model, modules=o["modules"] or None, scaler=scaler, granularity=o["granularity"].value)
     if o["modules"] and not probe.hooked_modules:
         names = [n for n, _ in model.named_modules() if n][:6]
         raise InputError(
             f"--modules {o['modules']}: no module name matches; names look like {', '.join(names)}"
         )
-    with probe, render.progress(console, o["steps"], enabled=not o["json_out"]) as update:
-        result = run_profile(model, batch_src, loss, settings, probe, scaler=scaler, on_step=update)
+    # Under torchrun the probe watches the plain module (clean names) while DDP runs it.
+    runner = torch.nn.parallel.DistributedDataParallel(model) if is_dist else model
+    with probe, render.progress(console, o["steps"], enabled=not o["json_out"] and rank == 0) as update:
+        result = run_profile(runner, batch_src, loss, settings, probe, scaler=scaler, on_step=update)
     if result.steps_done == 0:
         if result.interrupted:
             console.print("interrupted before the first step finished; no report written")
@@ -252,7 +267,12 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     }
     if result.exhausted:
         extra["notes"] = notes + [f"the batches ran out after {result.steps_done} step(s)"]
-    report = probe.report(partial=result.interrupted, extra=extra)
+    if is_dist:
+        extra["batches_per_rank"] = "synthetic inputs seeded with --seed + rank" if batch_src.synthetic else (
+            "each rank ran the batches it was given")
+    report = distributed.gather_report(probe, partial=result.interrupted, extra=extra)
+    if report is None:  # a rank other than 0: rank 0 writes and prints
+        return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
     rec = _analyze(report, fmt, kind)
     report = report.with_recommendation(rec.to_dict())
     report.save(out)
