@@ -31,6 +31,9 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
+from fp16probe.display import field as _get
+from fp16probe.display import flushed_fraction
+from fp16probe.display import resolve_recommendation as _resolve_recommendation
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP
@@ -85,40 +88,6 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
         "min_normal": float(fmt.log2_min_normal),
         "max": math.log2(fmt.max),
     }
-
-
-def flushed_fraction(histogram: Histogram, fmt: str | Format, log2_scale: int = 0) -> float:
-    """Share of the nonzero finite values that become 0 when cast at S = 2^log2_scale."""
-    n = histogram.nonzero_finite
-    return histogram.flushed(fmt, log2_scale) / n if n else 0.0
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Read a field of a Recommendation, or of its ``to_dict()`` form."""
-    if obj is None:
-        return default
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-def _resolve_recommendation(report: Report | None, recommendation: Any, fmt: Format,
-                            kind: str) -> Any:
-    """Pick the recommendation to draw: the one given, the report's own, or a fresh one."""
-    if recommendation is not None:
-        return recommendation
-    if report is None:
-        return None
-    stored = report.recommendation
-    if stored is not None and get_format(_get(stored, "format", fmt.name)) == fmt:
-        return stored
-    try:
-        from fp16probe.analysis import analyze
-    except ImportError:
-        return None
-    if not report.modules_of(kind):
-        return None
-    return analyze(report, fmt.name, kind=kind)
 
 
 def _log2_scale_of(recommendation: Any) -> int | None:
