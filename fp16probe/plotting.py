@@ -41,7 +41,6 @@ from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
 
 __all__ = [
     "FIGURE_KINDS",
-    "GRAD_SCALER_DEFAULTS",
     "figure",
     "flushed_fraction",
     "format_bounds",
@@ -53,15 +52,6 @@ __all__ = [
 ]
 
 FIGURE_KINDS = ("all", "distribution", "heatmap", "what_if", "timeline")
-
-# torch.amp.GradScaler's defaults; the three schedule constants come from NVIDIA's
-# mixed-precision guide (widely run, not measured optima).
-GRAD_SCALER_DEFAULTS: Mapping[str, float | int] = {
-    "init_scale": 2.0**16,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-}
 
 _SAVE_EXTENSIONS = (".png", ".svg", ".pdf")
 
@@ -377,24 +367,25 @@ def plot_scale_timeline(
 ) -> Axes:
     """Draw the replayed loss scale per step, recommended schedule beside GradScaler's default.
 
-    Both schedules are replayed by ``fp16probe.replay.simulate`` over the report's
-    trace; skipped steps (an overflow threw the step away) are marked with crosses.
+    Both schedules are replayed by ``fp16probe.replay.simulate``, which draws the
+    report's profiled steps at random for ``horizon`` steps (its default when None);
+    skipped steps (an overflow threw the step away) are marked with crosses.
     A scale the run itself recorded (it had a GradScaler) is drawn too.
     """
-    from fp16probe.replay import simulate
+    from fp16probe.replay import GRADSCALER_DEFAULTS, simulate
 
     fmt = get_format(format)
     recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
     ax = _new_axes(ax, (8, 4))
     n = len(report.trace)
-    horizon = horizon if horizon is not None else n
+    horizon_kw = {} if horizon is None else {"horizon": horizon}
     schedules: list[tuple[str, Mapping[str, Any], str]] = []
     kwargs = dict(_get(recommendation, "grad_scaler_kwargs", {}) or {})
     if kwargs:
         schedules.append(("recommended", kwargs, _SCALED_COLOR))
-    schedules.append(("GradScaler default", dict(GRAD_SCALER_DEFAULTS), "#555555"))
+    schedules.append(("GradScaler default", dict(GRADSCALER_DEFAULTS), "#555555"))
     for label, kw, color in schedules:
-        result = simulate(report.trace, fmt.name, kw, horizon=horizon, seed=seed)
+        result = simulate(report.trace, fmt.name, kw, seed=seed, kind=kind, **horizon_kw)
         scales = np.asarray(result.scales, dtype=np.float64)
         steps = np.arange(len(scales))
         skipped = np.asarray(result.skipped, dtype=bool)
@@ -412,7 +403,7 @@ def plot_scale_timeline(
         ax.text(0.02, 0.04, f"verdict {verdict}: no scaler to replay", transform=ax.transAxes,
                 fontsize=8, gid="annotation:no_schedule")
     ax.set_yscale("log", base=2)
-    ax.set_xlabel("step (replayed over the profiled trace)")
+    ax.set_xlabel(f"simulated step (the {n} profiled steps drawn at random, seed {seed})")
     ax.set_ylabel("loss scale")
     ax.set_title(f"loss scale per step in {fmt.name}: recommended vs GradScaler's default")
     ax.legend(loc="best", fontsize=7.5)
