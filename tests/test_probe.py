@@ -1,0 +1,318 @@
+"""The Probe: captures what it should, leaves no trace on the model, survives failures."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fp16probe import Probe, ProbeError
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD
+from tests.fixtures.models import (
+    SmallConvNet,
+    SmallTransformer,
+    classification_loss,
+    conv_batch,
+    token_batch,
+)
+
+MODELS = {
+    "convnet": (SmallConvNet, conv_batch),
+    "transformer": (SmallTransformer, token_batch),
+}
+
+
+def train(model, batches, probe=None, raise_at=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, batch in enumerate(batches):
+        if raise_at == i:
+            raise RuntimeError("boom")
+        loss = classification_loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if probe is not None:
+            probe.step()
+
+
+def hook_count(model: nn.Module) -> int:
+    n = 0
+    for m in model.modules():
+        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+    for p in model.parameters():
+        n += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+        n += len(p._backward_hooks or {})
+    return n
+
+
+def snapshot(model: nn.Module):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        [m.training for m in model.modules()],
+        [p.requires_grad for p in model.parameters()],
+    )
+
+
+def assert_same(a, b):
+    sa, ga, ta, ra = a
+    sb, gb, tb, rb = b
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(ga, gb))
+    assert ta == tb and ra == rb
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_probe_changes_nothing_and_leaves_no_hooks(name):
+    cls, make_batch = MODELS[name]
+    batches = [make_batch() for _ in range(3)]
+    plain = cls()
+    probed = copy.deepcopy(plain)
+    probed.blocks_frozen = None  # an attribute the probe must not care about
+    before = hook_count(probed)
+    train(plain, batches)
+    with Probe(probed, activations=True) as probe:
+        assert hook_count(probed) > before
+        train(probed, batches, probe)
+    assert hook_count(probed) == before
+    assert_same(snapshot(plain), snapshot(probed))
+    report = probe.report()
+    assert report.metadata.steps_seen == 3
+    assert set(report.kinds) == {ACTIVATION_GRAD, WEIGHT_GRAD, ACTIVATION}
+    # Every leaf module saw activation gradients, every parameter its gradient.
+    leaves = [n for n, m in probed.named_modules() if not list(m.children())]
+    assert set(report.metadata.hooked_modules) == set(leaves)
+    assert {m.name for m in report.modules_of(WEIGHT_GRAD)} == {n for n, _ in probed.named_parameters()}
+    assert report.histogram(ACTIVATION_GRAD).total > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_probe_cleans_up_when_the_loop_raises(name):
+    cls, make_batch = MODELS[name]
+    model = cls()
+    model.train()
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    before_hooks = hook_count(model)
+    before = snapshot(model)
+    batches = [make_batch() for _ in range(3)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with Probe(model) as probe:
+            train(model, batches, probe, raise_at=2)
+    assert hook_count(model) == before_hooks
+    assert not probe.active
+    # Collected data survives the failure.
+    report = probe.report(partial=True)
+    assert report.metadata.partial and report.metadata.steps_seen == 2
+    # Nothing but the two real training steps changed the model: replay them without a probe.
+    replay = copy.deepcopy(model)
+    fresh = cls()
+    fresh.load_state_dict(before[0])
+    next(fresh.parameters()).requires_grad_(False)
+    train(fresh, batches[:2])
+    assert_same(snapshot(fresh), snapshot(replay))
+    assert [p.requires_grad for p in model.parameters()] == before[3]
+
+
+def test_histograms_equal_direct_measurement():
+    # The activation gradient of a module equals what a plain tensor hook sees.
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    seen = {}
+
+    def keep(name):
+        def fwd(m, a, out):
+            out.register_hook(lambda g: seen.setdefault(name, []).append(g.clone()))
+        return fwd
+
+    x = torch.randn(4, 6)
+    handles = [model[i].register_forward_hook(keep(str(i))) for i in range(3)]
+    with Probe(model) as probe:
+        model(x).pow(2).sum().backward()
+        probe.step()
+    for h in handles:
+        h.remove()
+    report = probe.report()
+    from tests.test_histogram import histogram_of
+
+    for name, grads in seen.items():
+        assert report.module(name, ACTIVATION_GRAD).histogram == histogram_of(torch.cat(grads))
+    for pname, p in model.named_parameters():
+        assert report.module(pname, WEIGHT_GRAD).histogram == histogram_of(p.grad)
+
+
+def test_weight_grads_count_the_accumulated_gradient_once_per_step():
+    model = nn.Linear(4, 2)
+    with Probe(model, activation_grads=False) as probe:
+        for _ in range(3):  # gradient accumulation over three micro-batches
+            model(torch.randn(2, 4)).sum().backward()
+        probe.step()
+    h = probe.report().module("weight", WEIGHT_GRAD).histogram
+    assert h.total == model.weight.numel()
+    from tests.test_histogram import histogram_of
+
+    assert h == histogram_of(model.weight.grad)
+
+
+def test_every_n_samples_only_those_steps():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with Probe(model, every=3) as probe:
+        for _ in range(7):
+            model(torch.randn(2, 4)).sum().backward()
+            probe.step()
+    report = probe.report()
+    assert report.trace.steps == (0, 3, 6)
+    assert report.metadata.steps_total == 7 and report.metadata.steps_seen == 3
+    assert report.module("0", ACTIVATION_GRAD).histogram.total == 3 * 2 * 4
+
+
+def test_module_selection_by_pattern_and_type():
+    model = SmallTransformer()
+    probe = Probe(model, modules=["encoder.layers.*.linear*"])
+    assert probe.hooked_modules == (
+        "encoder.layers.0.linear1", "encoder.layers.0.linear2",
+        "encoder.layers.1.linear1", "encoder.layers.1.linear2",
+    )
+    probe = Probe(model, types=nn.LayerNorm, weight_grads=False)
+    assert all("norm" in n for n in probe.hooked_modules) and len(probe.hooked_modules) == 5
+    with pytest.raises(ProbeError, match="no module of SmallTransformer matches"):
+        Probe(model, modules=["nope*"], weight_grads=False)
+
+
+def test_structured_outputs_are_followed():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"a": y * 2, "b": (y, [y + 1])}
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+
+        def forward(self, x):
+            out = self.pair(x)
+            return out["a"].sum() + out["b"][0].sum() + out["b"][1][0].sum()
+
+    model = Outer()
+    with Probe(model, modules=["pair"]) as probe:
+        model(torch.randn(2, 3)).backward()
+        probe.step()
+    # Three output tensors of 2x3 each carried a gradient.
+    assert probe.report().module("pair", ACTIVATION_GRAD).histogram.total == 18
+
+
+def test_gradscaler_histograms_are_unscaled():
+    torch.manual_seed(1)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = [torch.randn(3, 8) for _ in range(3)]
+
+    def run(scaler, tell_probe):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put
+        with Probe(model, scaler=scaler if tell_probe else None) as probe:
+            for x in batches:
+                loss = model(x).pow(2).mean()
+                (scaler.scale(loss) if scaler else loss).backward()
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+                probe.step()
+        return probe.report()
+
+    reference = run(None, False)
+    scaled = run(torch.amp.GradScaler("cpu", init_scale=2.0**12), True)
+    naive = run(torch.amp.GradScaler("cpu", init_scale=2.0**12), False)
+    for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):
+        for ref in reference.modules_of(kind):
+            got = scaled.module(ref.name, kind).histogram
+            assert got == ref.histogram, (kind, ref.name)
+            # Without telling the Probe, the histogram is the scaled one: shifted by 12 bins.
+            wrong = naive.module(ref.name, kind).histogram
+            if ref.histogram.nonzero_finite:
+                assert wrong.highest_exp == ref.histogram.highest_exp + 12
+    assert scaled.trace.scale == (2.0**12,) * 3
+    assert reference.trace.scale == (None,) * 3
+    assert scaled.metadata.grad_scaler
+
+
+def test_found_inf_is_recorded_per_step():
+    model = nn.Linear(3, 1)
+    with Probe(model) as probe:
+        for i in range(3):
+            x = torch.randn(2, 3)
+            if i == 1:
+                x[0, 0] = float("inf")
+            model(x).sum().backward()
+            model.zero_grad()
+            probe.step()
+    report = probe.report()
+    assert report.trace.found_inf == (False, True, False)
+    assert report.histogram(ACTIVATION_GRAD).inf == 0
+    assert report.module("weight", WEIGHT_GRAD).histogram.nonfinite > 0
+
+
+def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch):
+    import fp16probe.probe as probe_mod
+
+    def broken(x):
+        raise RuntimeError("engine exploded")
+
+    monkeypatch.setattr(probe_mod, "raw_histogram", broken)
+    model = nn.Linear(3, 2)
+    with pytest.warns(RuntimeWarning, match="engine exploded"):
+        with Probe(model) as probe:
+            for _ in range(2):
+                model(torch.randn(2, 3)).sum().backward()
+                probe.step()
+    assert model.weight.grad is not None
+    assert probe.report().metadata.extra["hook_errors"] > 1
+
+
+def test_report_includes_an_unfinished_step_and_stop_keeps_data():
+    model = nn.Linear(3, 2)
+    probe = Probe(model).start()
+    model(torch.randn(2, 3)).sum().backward()
+    probe.stop()
+    assert not probe.active
+    report = probe.report()
+    assert report.metadata.steps_seen == 1
+    with pytest.raises(ProbeError, match="already started"):
+        probe.start().start()
+    probe.stop()
+
+
+def test_bad_arguments():
+    with pytest.raises(ProbeError, match="needs a torch.nn.Module"):
+        Probe(object())
+    with pytest.raises(ProbeError, match="every must be"):
+        Probe(nn.Linear(1, 1), every=0)
+    with pytest.raises(ProbeError, match="nothing to capture"):
+        Probe(nn.Linear(1, 1), activation_grads=False, weight_grads=False)
+
+
+def test_activations_capture_the_forward_pass():
+    model = nn.Sequential(nn.Linear(3, 3))
+    with Probe(model, activation_grads=False, weight_grads=False, activations=True) as probe:
+        with torch.no_grad():
+            model(torch.full((2, 3), 1e5))
+        probe.step()
+    h = probe.report().module("0", ACTIVATION).histogram
+    assert h.total == 6 and h.overflows("fp16", 0) == (h.max_abs >= 65520)
+
+
+def test_precision_is_detected_from_autocast():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with Probe(model) as probe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 4)).float().sum().backward()
+        probe.step()
+    assert probe.report().metadata.precision == "bf16-autocast"
