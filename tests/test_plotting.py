@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from fp16probe import Fp16ProbeError, get_format
 from fp16probe.report import ACTIVATION_GRAD, Histogram
-from plot_fixtures import HAND_MODULES, hand_report, probe_report
+from tests.fixtures.reports import HAND_MODULES, hand_report, probe_report
 
 from fp16probe import plotting
 
