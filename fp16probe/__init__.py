@@ -1,12 +1,15 @@
 """fp16probe: measure whether FP16 training loses gradients to underflow, and what fixes it."""
 
 from fp16probe._version import __version__
-from fp16probe.errors import Fp16ProbeError, ProbeError, ReportError, UnknownFormatError
+from fp16probe.analysis import Recommendation, WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
+from fp16probe.errors import AnalysisError, Fp16ProbeError, ProbeError, ReportError, UnknownFormatError
 from fp16probe.formats import FORMATS, Format, get_format
 from fp16probe.probe import Probe
+from fp16probe.replay import ReplayResult, replay_scaler, simulate
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 
 __all__ = [
+    "AnalysisError",
     "FORMATS",
     "Format",
     "Fp16ProbeError",
@@ -15,10 +18,19 @@ __all__ = [
     "ModuleStats",
     "Probe",
     "ProbeError",
+    "Recommendation",
+    "ReplayResult",
     "Report",
     "ReportError",
     "StepTrace",
     "UnknownFormatError",
+    "WhatIfRow",
+    "WhatIfTable",
     "__version__",
+    "analyze",
     "get_format",
+    "replay_scaler",
+    "simulate",
+    "weight_update_loss",
+    "what_if",
 ]

@@ -17,3 +17,15 @@ class ReportError(Fp16ProbeError):
 
 class ProbeError(Fp16ProbeError):
     """A Probe used in a way it cannot serve (nothing to hook, wrong state)."""
+
+
+class AnalysisError(Fp16ProbeError, ValueError):
+    """An analysis asked of a report that cannot answer it, or with parameters out of range."""
+
+
+class ModelLoadError(Fp16ProbeError):
+    """A model that could not be loaded, or whose loading was refused as unsafe."""
+
+
+class InputError(Fp16ProbeError, ValueError):
+    """Input the command line cannot use: a missing file, a bad shape, a model that rejects it."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe import distributed as _distributed
 from fp16probe._version import __version__
 from fp16probe.errors import ProbeError
 from fp16probe.histogram import (
@@ -44,6 +45,7 @@ from fp16probe.report import (
 __all__ = ["Probe", "iter_tensors"]
 
 ROOT_NAME = "(model)"
+GRANULARITIES = ("module", "op")
 
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
@@ -167,6 +169,15 @@ class Probe:
             scaler's scale as a device tensor (no ``get_scale()`` sync).
         precision: what the run computes in, for the report (default: detected from
             autocast at the first probed forward; "fp32" without autocast).
+        granularity: ``"module"`` records the gradient of each hooked module's output;
+            ``"op"`` records the gradient of every differentiable op's output inside
+            the selected modules (functional calls too: ``F.gelu``, residual adds,
+            softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.ops`). With
+            ``"op"`` the default selection is every module, not only leaves.
+
+    Under torch.distributed (a process group of more than one rank at :meth:`start`),
+    weight gradients are read once backward has finished, after DDP's all-reduce, so
+    they are the gradients the optimizer steps with (see :mod:`fp16probe.distributed`).
 
     Use as a context manager (hooks are removed on exit, also by exception) or with
     :meth:`start`/:meth:`stop`; call :meth:`step` at each optimizer step and
@@ -185,6 +196,7 @@ class Probe:
         every: int = 1,
         scaler: Any = None,
         precision: str | None = None,
+        granularity: str = "module",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -192,6 +204,9 @@ class Probe:
             raise ProbeError(f"every must be a positive number of steps, got {every!r}")
         if not (activation_grads or weight_grads or activations):
             raise ProbeError("nothing to capture: enable activation_grads, weight_grads or activations")
+        if granularity not in GRANULARITIES:
+            raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.granularity = granularity
         self.model = model
         self.every = int(every)
         self.scaler = scaler
@@ -217,6 +232,8 @@ class Probe:
         self._errors = 0
         self._first_error: str | None = None
         self._device_seen: str | None = None
+        self._defer_weight_grads = False
+        self._deferred: list[tuple[int, torch.Tensor]] = []
         self._hooked: list[str] = self._select_modules()
         if not self._hooked and not weight_grads:
             raise ProbeError(
@@ -232,8 +249,10 @@ class Probe:
             if self._patterns:
                 if not any(fnmatch.fnmatchcase(display, p) for p in self._patterns):
                     continue
-            elif not self._types and next(module.children(), None) is not None:
-                continue  # default: leaves only
+            elif (
+                not self._types and self.granularity == "module" and next(module.children(), None) is not None
+            ):
+                continue  # default: leaves only (op granularity names ops by their innermost module)
             if self._types and not isinstance(module, self._types):
                 continue
             chosen.append(name)
@@ -256,8 +275,14 @@ class Probe:
         if self._active:
             raise ProbeError("this Probe is already started")
         modules = dict(self.model.named_modules())
+        # DDP all-reduces weight gradients after their accumulate hooks fire: read them later.
+        self._defer_weight_grads = _distributed.is_distributed()
         try:
-            for name in self._hooked:
+            if self.granularity == "op" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
+                from fp16probe import ops
+
+                self._handles.extend(ops.attach(self, self._hooked))
+            for name in (self._hooked if self.granularity == "module" else ()):
                 module = modules[name]
                 display = name or ROOT_NAME
                 tname = type(module).__name__
@@ -330,10 +355,31 @@ class Probe:
 
     def _param_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            if self._active and self._sampling and p.grad is not None:
+            if not (self._active and self._sampling and p.grad is not None):
+                return
+            if self._defer_weight_grads:
+                self._defer_weight_grad(i, p)
+            else:
                 self._record(WEIGHT_GRAD, i, p.grad, replace=True, unscale=True)
 
         return hook
+
+    def _defer_weight_grad(self, i: int, p: torch.Tensor) -> None:
+        try:
+            with self._lock:
+                self._deferred.append((i, p))
+                first = len(self._deferred) == 1
+            if first:
+                _distributed.after_backward(self._flush_deferred)
+        except Exception as e:
+            self._note_error(e)
+
+    def _flush_deferred(self) -> None:
+        with self._lock:
+            pending, self._deferred = self._deferred, []
+        for i, p in pending:
+            if p.grad is not None:
+                self._record(WEIGHT_GRAD, i, p.grad, replace=True, unscale=True)
 
     def _record(self, kind: str, i: int, t: torch.Tensor, *, replace: bool, unscale: bool) -> None:
         try:
@@ -469,6 +515,8 @@ class Probe:
                 found_inf=found_inf,
             )
             extra_meta = dict(extra or {})
+            if self.granularity != "module":
+                extra_meta["granularity"] = self.granularity
             if self._errors:
                 extra_meta["hook_errors"] = self._errors
                 extra_meta["first_hook_error"] = self._first_error

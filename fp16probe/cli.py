@@ -1,0 +1,368 @@
+"""The ``fp16probe`` command line: profile, show, recommend, compare.
+
+Human output goes to stderr through rich (see :mod:`fp16probe.render`); ``--json`` puts
+machine output alone on stdout. Exit codes are stable and documented in the README:
+0 fine, 1 a gate failed, 2 bad usage or input, 3 the model could not be loaded or its
+loading was refused, 4 an internal error, 130 interrupted (a partial report is written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fp16probe.errors import Fp16ProbeError, InputError, ModelLoadError
+from fp16probe.formats import FORMATS
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report, atomic_write_text
+
+__all__ = ["EXIT_GATE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_USAGE", "app", "main"]
+
+EXIT_OK = 0
+EXIT_GATE = 1
+EXIT_USAGE = 2
+EXIT_LOAD = 3
+EXIT_INTERNAL = 4
+EXIT_INTERRUPTED = 130
+
+DEFAULT_OUT = Path("fp16probe-report.json")
+
+app = typer.Typer(
+    name="fp16probe",
+    help="Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+FormatName = enum.Enum("FormatName", {name: name for name in FORMATS}, type=str)
+
+
+class Kind(str, enum.Enum):
+    activation_grad = ACTIVATION_GRAD
+    weight_grad = WEIGHT_GRAD
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class OptimizerName(str, enum.Enum):
+    none = "none"
+    sgd = "sgd"
+    adam = "adam"
+    adamw = "adamw"
+
+
+class InputDtype(str, enum.Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    int64 = "int64"
+    int32 = "int32"
+
+
+FormatOpt = Annotated[FormatName, typer.Option("--format", "-f", help="Target number format.")]
+KindOpt = Annotated[Kind, typer.Option("--kind", help="Which gradients to analyse.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON alone on stdout.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe profile.", dir_okay=False)]
+
+
+@contextlib.contextmanager
+def _errors(console: Any, debug: bool) -> Iterator[None]:
+    """Turn errors into one line on stderr and a stable exit code."""
+    from fp16probe.render import print_error
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        print_error(console, "interrupted")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except ModelLoadError as e:
+        _fail(console, str(e), EXIT_LOAD, debug, print_error)
+    except Fp16ProbeError as e:  # ReportError, InputError, UnknownFormatError, ProbeError
+        _fail(console, str(e), EXIT_USAGE, debug, print_error)
+    except Exception as e:
+        _fail(
+            console,
+            f"internal error {type(e).__name__}: {e}; rerun with --debug and report it",
+            EXIT_INTERNAL, debug, print_error,
+        )
+
+
+def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) -> None:
+    if debug:
+        traceback.print_exc(file=sys.stderr)
+    print_error(console, message)
+    raise typer.Exit(code)
+
+
+def _analyze(report: Report, fmt: str, kind: str) -> Any:
+    from fp16probe.analysis import analyze
+
+    return analyze(report, fmt, kind=kind)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _refuse_overwrite(out: Path, inputs: list[Path], option: str) -> None:
+    for p in inputs:
+        if p is not None and p.exists() and (_same_file(out, p) or (p.is_dir() and out.resolve().is_relative_to(p.resolve()))):
+            raise InputError(f"{option} {out} would overwrite the input {p}; choose another output path")
+
+
+@app.command()
+def profile(
+    model: Annotated[Optional[str], typer.Argument(
+        help="package.module:factory, a Hugging Face folder, a .pt2 archive, or a pickled module "
+             "(with --trust-checkpoint). Omit for the built-in demo.")] = None,
+    weights: Annotated[Optional[Path], typer.Option(help="state_dict for an import-string MODEL: .pt/.pth, .safetensors or Lightning .ckpt.")] = None,
+    trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help="Allow unpickling (runs code from the file).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a Hugging Face folder's own model code.")] = False,
+    input_shape: Annotated[Optional[str], typer.Option(help="Shape of synthetic inputs, e.g. 8,64 (token models: batch,seq).")] = None,
+    input_dtype: Annotated[InputDtype, typer.Option(help="dtype of synthetic inputs.")] = InputDtype.float32,
+    vocab_size: Annotated[Optional[int], typer.Option(min=1, help="Range of synthetic integer ids (default: the model config's).")] = None,
+    batches: Annotated[Optional[str], typer.Option(help="package.module:function returning an iterable of real batches.")] = None,
+    loss: Annotated[Optional[str], typer.Option(help="package.module:function(output, batch) -> scalar loss.")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Forward+backward passes to profile.")] = 10,
+    device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
+    precision: Annotated[Precision, typer.Option(help="fp32 reference, or autocast fp16/bf16.")] = Precision.fp32,
+    loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
+    optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
+    lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
+    plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for synthetic inputs.")] = 0,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
+    from fp16probe import render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        code = _profile(console, render, locals())
+    raise typer.Exit(code)
+
+
+def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
+    import torch
+
+    from fp16probe.loading import load_model
+    from fp16probe.probe import Probe
+    from fp16probe.workload import RunSettings, make_batches, make_loss, pick_device, run_profile
+
+    fmt = o["format"].value
+    kind = o["kind"].value
+    out: Path = o["out"]
+    inputs = [Path(o["model"])] if o["model"] and Path(o["model"]).exists() else []
+    if o["weights"] is not None:
+        inputs.append(o["weights"])
+    _refuse_overwrite(out, inputs, "--out")
+    if o["plot"] is not None:
+        _refuse_overwrite(o["plot"], inputs + [out], "--plot")
+        _plotting()  # fail before the run, not after it
+    precision = o["precision"].value
+    if o["loss_scale"] is not None:
+        if precision == "fp32":
+            raise InputError("--loss-scale applies to --precision fp16 or bf16 (fp32 runs are the unscaled reference)")
+        if not o["loss_scale"] > 0:
+            raise InputError(f"--loss-scale {o['loss_scale']}: expected a positive number such as 1024")
+    dev = pick_device(o["device"].value)
+
+    loaded = load_model(o["model"], weights=o["weights"], trust_checkpoint=o["trust_checkpoint"],
+                        trust_remote_code=o["trust_remote_code"])
+    model = loaded.model
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InputError(
+            f"{type(model).__name__} has no trainable parameters (none requires grad); nothing to "
+            "profile: unfreeze them (requires_grad_(True)) in the factory"
+        )
+    notes = list(loaded.notes)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes - {torch.float32}:
+        # Autocast and the fp32 reference both want fp32 master weights.
+        notes.append(f"parameters cast from {', '.join(sorted(str(d) for d in dtypes))} to torch.float32")
+        model = model.float()
+    model = model.to(dev)
+
+    batch_src = make_batches(loaded, dev, input_shape=o["input_shape"], input_dtype=o["input_dtype"].value,
+                             vocab_size=o["vocab_size"], batches=o["batches"], seed=o["seed"])
+    loss = make_loss(loaded, o["loss"])
+    scaler = None
+    if precision != "fp32" and o["loss_scale"] is not None:
+        scaler = torch.amp.GradScaler(dev.type, init_scale=o["loss_scale"])
+    optimizer = None if o["optimizer"].value == "none" else o["optimizer"].value
+    settings = RunSettings(steps=o["steps"], device=str(dev), precision=precision,
+                           loss_scale=o["loss_scale"], optimizer=optimizer, lr=o["lr"])
+    probe = Probe(model, modules=o["modules"] or None, scaler=scaler)
+    if o["modules"] and not probe.hooked_modules:
+        names = [n for n, _ in model.named_modules() if n][:6]
+        raise InputError(
+            f"--modules {o['modules']}: no module name matches; names look like {', '.join(names)}"
+        )
+    with probe, render.progress(console, o["steps"], enabled=not o["json_out"]) as update:
+        result = run_profile(model, batch_src, loss, settings, probe, scaler=scaler, on_step=update)
+    if result.steps_done == 0:
+        if result.interrupted:
+            console.print("interrupted before the first step finished; no report written")
+            return EXIT_INTERRUPTED
+        raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
+
+    extra = {
+        "model_kind": loaded.kind,
+        "model_source": loaded.source,
+        "inputs": batch_src.description,
+        "inputs_synthetic": batch_src.synthetic,
+        "loss": loss.description,
+        "loss_synthetic": loss.synthetic,
+        "optimizer": None if optimizer is None else {"name": optimizer, "lr": o["lr"]},
+        "loss_scale": o["loss_scale"],
+        "nonfinite_loss_steps": list(result.nonfinite_loss_steps),
+        "steps_requested": o["steps"],
+        "notes": notes,
+        **{k: v for k, v in loaded.extra.items()},
+    }
+    if result.exhausted:
+        extra["notes"] = notes + [f"the batches ran out after {result.steps_done} step(s)"]
+    report = probe.report(partial=result.interrupted, extra=extra)
+    rec = _analyze(report, fmt, kind)
+    report = report.with_recommendation(rec.to_dict())
+    report.save(out)
+    if o["plot"] is not None:
+        _plotting().save_figures(report, o["plot"], recommendation=rec)
+    if o["json_out"]:
+        sys.stdout.write(report.to_json() + "\n")
+    else:
+        render.print_profile_summary(console, report, rec, fmt=fmt, kind=kind, out=str(out))
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+
+
+def _plotting() -> Any:
+    try:
+        import fp16probe.plotting as plotting
+    except ImportError as e:
+        raise InputError(f"--plot needs fp16probe.plotting, which this install lacks ({e}); drop --plot") from e
+    if not hasattr(plotting, "save_figures"):
+        raise InputError("--plot: fp16probe.plotting has no save_figures in this install; drop --plot")
+    return plotting
+
+
+@app.command()
+def show(
+    report: ReportArg,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
+    debug: DebugOpt = False,
+) -> None:
+    """Show a report: the distribution against the format's bounds, worst modules, verdict and evidence."""
+    from fp16probe import render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        r = Report.load(report)
+        rec = _analyze(r, format.value, kind.value)
+        render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
+
+
+@app.command()
+def recommend(
+    report: ReportArg,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    device: Annotated[str, typer.Option(help="Device string for the GradScaler line.")] = "cuda",
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Print the recommendation alone, with GradScaler arguments ready to paste."""
+    from fp16probe import render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        r = Report.load(report)
+        rec = _analyze(r, format.value, kind.value)
+        if json_out:
+            d = rec.to_dict()
+            d["grad_scaler_code"] = render.grad_scaler_code(rec, device)
+            sys.stdout.write(json.dumps(d, indent=2) + "\n")
+        else:
+            render.print_recommendation(console, rec, device)
+
+
+@app.command()
+def compare(
+    baseline: Annotated[Path, typer.Argument(help="The baseline report.", dir_okay=False)],
+    current: Annotated[Path, typer.Argument(help="The current report.", dir_okay=False)],
+    max_flushed_increase: Annotated[float, typer.Option(min=0.0, help="Allowed rise of the flushed fraction at S=1 (0.01 = 1 point).")] = 0.01,
+    max_scale_shift: Annotated[int, typer.Option(min=0, help="Allowed move of the recommended scale, in powers of two.")] = 2,
+    worst: Annotated[int, typer.Option(min=1, help="How many worst modules to compare.")] = 3,
+    allow_new_overflow: Annotated[bool, typer.Option("--allow-new-overflow", help="Do not fail on new overflow.")] = False,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    summary: Annotated[Optional[Path], typer.Option(help="Append the Markdown summary to this file (also to $GITHUB_STEP_SUMMARY when set).")] = None,
+    junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here.")] = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """The CI gate: exit 1 when CURRENT regressed against BASELINE."""
+    from fp16probe import compare as gate
+    from fp16probe import render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        for p in (summary, junit):
+            if p is not None:
+                _refuse_overwrite(p, [baseline, current], "--summary/--junit")
+        thresholds = gate.Thresholds(max_flushed_increase=max_flushed_increase, max_scale_shift_bits=max_scale_shift,
+                                     worst_n=worst, fail_on_new_overflow=not allow_new_overflow)
+        snaps = []
+        for path in (baseline, current):
+            r = Report.load(path)
+            rec = _analyze(r, format.value, kind.value)
+            snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
+        result = gate.compare(snaps[0], snaps[1], thresholds)
+        markdown = gate.to_markdown(result)
+        targets = [Path(p) for p in (os.environ.get("GITHUB_STEP_SUMMARY"), summary) if p]
+        for target in dict.fromkeys(targets):
+            with open(target, "a", encoding="utf-8") as f:  # appending, as GitHub expects
+                f.write(markdown)
+        if junit is not None:
+            atomic_write_text(junit, gate.to_junit(result))
+        if json_out:
+            sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+        else:
+            render.print_compare(console, result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE)
+
+
+def main() -> None:
+    """Entry point of the ``fp16probe`` console script."""
+    app(prog_name="fp16probe")

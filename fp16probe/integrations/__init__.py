@@ -1,0 +1,47 @@
+"""Callbacks that attach a Probe to the training loops people already run.
+
+The frameworks are optional extras, imported only when a callback module is imported:
+``fp16probe.integrations.huggingface`` (``pip install fp16probe[hf]``) and
+``fp16probe.integrations.lightning`` (``pip install fp16probe[lightning]``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from fp16probe.errors import Fp16ProbeError
+
+__all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "require", "write_outputs"]
+
+REPORT_NAME = "fp16probe_report.json"
+RECOMMENDATION_NAME = "fp16probe_recommendation.txt"
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import an optional framework, or say which extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise Fp16ProbeError(
+            f"{what} needs the {module!r} package, which is not installed ({e}); "
+            f"install it with: pip install 'fp16probe[{extra}]'"
+        ) from e
+
+
+def write_outputs(report: Any, folder: str | Path, *, format: str = "fp16") -> Any:
+    """Analyse ``report`` for ``format``; write the report with its recommendation
+    (REPORT_NAME) and the recommendation's text (RECOMMENDATION_NAME) into ``folder``.
+
+    Returns the report as written, recommendation included.
+    """
+    from fp16probe.analysis import analyze
+    from fp16probe.report import atomic_write_text
+
+    recommendation = analyze(report, format)
+    report = report.with_recommendation(recommendation.to_dict())
+    folder = Path(folder)
+    report.save(folder / REPORT_NAME)
+    atomic_write_text(folder / RECOMMENDATION_NAME, recommendation.text.rstrip("\n") + "\n")
+    return report

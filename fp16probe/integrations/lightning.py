@@ -1,0 +1,83 @@
+"""A PyTorch Lightning ``Callback`` that probes the LightningModule being fit.
+
+    from fp16probe.integrations.lightning import Fp16ProbeCallback
+
+    trainer = pl.Trainer(precision="16-mixed", callbacks=[Fp16ProbeCallback(every=10)])
+    trainer.fit(module, data)   # writes fp16probe_report.json and fp16probe_recommendation.txt
+
+Under ``precision="16-mixed"`` Lightning's precision plugin owns a ``torch.amp.GradScaler``
+(``trainer.precision_plugin.scaler``) and backward runs on ``scale * loss``: gradients are
+still scaled in ``on_after_backward`` and only unscaled just before
+``on_before_optimizer_step``. The Probe records during backward, so the callback gives it
+the plugin's scaler and every histogram is of the unscaled gradients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fp16probe.integrations import require, write_outputs
+
+pl = require("pytorch_lightning", "lightning", "fp16probe.integrations.lightning")
+
+from fp16probe import distributed  # noqa: E402
+from fp16probe.probe import Probe  # noqa: E402
+
+__all__ = ["Fp16ProbeCallback", "lightning_scaler"]
+
+
+def lightning_scaler(trainer: Any) -> Any:
+    """The GradScaler of a Lightning Trainer's precision plugin, or None (fp32, bf16)."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: True)() else None
+
+
+class Fp16ProbeCallback(pl.Callback):
+    """Probe the LightningModule during ``fit``; write the report and recommendation at its end.
+
+    Args:
+        every: sample every Nth optimizer step.
+        format: the format the recommendation is for (``"fp16"``, ``"bf16"``, ...).
+        dirpath: where to write (default: the Trainer's ``default_root_dir``).
+        **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
+    """
+
+    def __init__(
+        self, *, every: int = 1, format: str = "fp16", dirpath: str | Path | None = None, **probe_options: Any
+    ) -> None:
+        super().__init__()
+        self.every = every
+        self.format = format
+        self.dirpath = dirpath
+        self.probe_options = probe_options
+        self.probe: Probe | None = None
+        self.report = None  # on global rank 0, once fit ends: the report as written
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.probe = Probe(
+            pl_module, every=self.every, scaler=lightning_scaler(trainer), **self.probe_options
+        ).start()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Called once per optimizer step, after the (accumulated) backward passes of it.
+        if self.probe is not None:
+            self.probe.step()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        probe, self.probe = self.probe, None
+        if probe is None:
+            return
+        probe.stop()
+        report = distributed.gather_report(
+            probe, extra={"trainer": "lightning", "global_step": int(trainer.global_step)}
+        )
+        if report is None or not trainer.is_global_zero:
+            return
+        self.report = write_outputs(report, self.dirpath or trainer.default_root_dir, format=self.format)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None

@@ -1,0 +1,353 @@
+"""Turn the MODEL argument of ``fp16probe profile`` into an ``nn.Module``, safely.
+
+MODEL is one of: nothing (the built-in demo), an import string ``package.module:factory``
+(with ``weights`` for a state_dict or Lightning checkpoint), a Hugging Face
+``save_pretrained`` folder, a ``torch.export`` archive (``.pt2``) or a whole pickled module.
+Unpickling a whole module runs code from the file, so it happens only when the caller
+passes ``trust_checkpoint=True``; nothing here ever falls back to an unsafe load by itself.
+Every failure raises :class:`ModelLoadError` with what went wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp16probe.errors import InputError, ModelLoadError
+
+__all__ = [
+    "LoadedModel",
+    "is_import_string",
+    "load_model",
+    "load_state_dict_file",
+    "resolve_import",
+]
+
+DEMO = "demo"
+IMPORT = "import"
+HF = "huggingface"
+EXPORT = "torch.export"
+PICKLE = "pickled-module"
+
+_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_UNSAFE_HINT = (
+    "unpickling it can run arbitrary code from the file; if you trust where it came from, "
+    "pass --trust-checkpoint, otherwise save model.state_dict() and pass "
+    "MODEL=package.module:factory --weights FILE"
+)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to profile, and what the command line needs to feed it.
+
+    ``example_inputs`` are ``(args, kwargs)`` that the source itself records (a
+    ``torch.export`` archive does); ``vocab_size`` is set for models that take token ids.
+    """
+
+    model: nn.Module
+    kind: str
+    source: str
+    notes: tuple[str, ...] = ()
+    vocab_size: int | None = None
+    has_loss: bool = False
+    example_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def is_import_string(spec: str) -> bool:
+    """Whether ``spec`` reads as ``package.module:attribute`` (and is not an existing path)."""
+    return bool(_IMPORT_RE.match(spec)) and not Path(spec).exists()
+
+
+def load_model(
+    spec: str | None,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    trust_checkpoint: bool = False,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load MODEL (see the module docstring); raise ModelLoadError or InputError on failure."""
+    if spec is None or spec == "":
+        if weights is not None:
+            raise InputError("--weights needs a MODEL import string (package.module:factory) to build the model")
+        from fp16probe.demo import DemoNet
+
+        return LoadedModel(DemoNet(), DEMO, "fp16probe.demo:DemoNet", notes=("the built-in demo model",))
+    if is_import_string(spec):
+        return _load_import(spec, weights, trust_checkpoint)
+    path = Path(spec)
+    if not path.exists():
+        raise InputError(
+            f"MODEL {spec!r}: no such file or folder, and not an import string; expected a path to a "
+            "checkpoint/.pt2/Hugging Face folder or package.module:factory"
+        )
+    if weights is not None:
+        raise InputError(
+            f"--weights applies to an import-string MODEL, not to the file {spec!r}; pass the "
+            "factory as MODEL (package.module:factory) and the state_dict as --weights"
+        )
+    if path.is_dir():
+        return _load_hf(path, trust_remote_code)
+    if path.suffix == ".pt2":
+        return _load_export(path)
+    return _load_pickled(path, trust_checkpoint)
+
+
+# -- import strings ------------------------------------------------------------------
+
+
+def resolve_import(spec: str, what: str = "MODEL") -> Any:
+    """Import ``package.module:attr.sub`` and return the attribute.
+
+    Like ``python -m``, the current directory is importable, so a script's own module
+    can be named from where it runs.
+    """
+    if ":" not in spec:
+        raise InputError(f"{what} {spec!r}: expected an import string package.module:name")
+    module_name, attr = spec.split(":", 1)
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ModelLoadError(
+            f"{what} {spec!r}: cannot import {module_name!r} ({e}); check the spelling and that it is "
+            "importable from the current directory or PYTHONPATH"
+        ) from e
+    except Exception as e:  # a module that fails while importing: user code
+        raise ModelLoadError(
+            f"{what} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {_first_line(e)}"
+        ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ModelLoadError(
+                f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}; check the name after the colon"
+            ) from e
+    return obj
+
+
+def _load_import(spec: str, weights: Any, trust: bool) -> LoadedModel:
+    obj = resolve_import(spec)
+    if isinstance(obj, nn.Module):
+        model = obj
+    elif callable(obj):
+        try:
+            model = obj()
+        except Exception as e:
+            raise ModelLoadError(
+                f"MODEL {spec!r}: calling the factory raised {type(e).__name__}: {_first_line(e)}; "
+                "the factory must build the model with no arguments"
+            ) from e
+    else:
+        raise ModelLoadError(f"MODEL {spec!r} is a {type(obj).__name__}, expected an nn.Module class or factory")
+    if not isinstance(model, nn.Module):
+        raise ModelLoadError(
+            f"MODEL {spec!r} returned a {type(model).__name__}, expected a torch.nn.Module"
+        )
+    notes: list[str] = []
+    if weights is not None:
+        state = load_state_dict_file(weights, trust_checkpoint=trust)
+        notes.append(_apply_state_dict(model, state, Path(weights)))
+    return LoadedModel(model, IMPORT, spec, notes=tuple(n for n in notes if n),
+                       has_loss=False, extra={"weights": str(weights)} if weights else {})
+
+
+def load_state_dict_file(path: str | os.PathLike[str], *, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """Read a state_dict from ``.safetensors``, ``.pt``/``.pth``/``.bin`` or a Lightning ``.ckpt``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--weights {str(path)!r}: no such file; expected a .pt/.pth/.safetensors/.ckpt state_dict")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise ModelLoadError(
+                f"{path}: reading .safetensors needs the safetensors package; pip install 'fp16probe[hf]'"
+            ) from e
+        try:
+            return dict(load_file(str(path), device="cpu"))
+        except Exception as e:
+            raise ModelLoadError(f"{path}: not a readable safetensors file (corrupt or truncated?): {_first_line(e)}") from e
+    obj = _torch_load(path, trust_checkpoint, what="--weights")
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]  # a Lightning checkpoint, or a training checkpoint that keeps one
+    if isinstance(obj, nn.Module):
+        raise ModelLoadError(
+            f"{path} holds a whole module, not a state_dict; pass it as MODEL (with --trust-checkpoint) "
+            "or save model.state_dict() instead"
+        )
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ModelLoadError(
+            f"{path}: expected a state_dict (a mapping of names to tensors), found a {type(obj).__name__}; "
+            "save model.state_dict() with torch.save or safetensors"
+        )
+    return dict(obj)
+
+
+def _torch_load(path: Path, trust: bool, what: str) -> Any:
+    """torch.load with weights_only=True; the unsafe load only when the caller opted in."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if not _is_refusal(e):
+            raise ModelLoadError(
+                f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {_first_line(e)}"
+            ) from e
+        if not trust:
+            raise ModelLoadError(
+                f"{what} {path}: refused, the file holds Python objects beyond tensors and {_UNSAFE_HINT}"
+            ) from e
+    try:  # only reached with trust_checkpoint=True: the caller opted in to running the file's code
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ModelLoadError(f"{what} {path}: loading it failed: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """Whether weights_only loading stopped at a Python object (as opposed to a corrupt file)."""
+    text = str(e)
+    return isinstance(e, pickle.UnpicklingError) and ("safe_globals" in text or "Unsupported global" in text)
+
+
+def _apply_state_dict(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> str:
+    """Load ``state`` strictly; strip one common key prefix (Lightning's ``model.``) if that makes it fit."""
+    expected = model.state_dict()
+    note = ""
+    if set(state) != set(expected):
+        prefixes = {k.split(".", 1)[0] for k in state if "." in k}
+        if len(prefixes) == 1 and all("." in k for k in state):
+            prefix = prefixes.pop() + "."
+            stripped = {k[len(prefix):]: v for k, v in state.items()}
+            if set(stripped) == set(expected):
+                state, note = stripped, f"stripped the key prefix {prefix!r} from {path.name}"
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {_few(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatch {_few(shapes)} (file vs model)")
+        raise ModelLoadError(
+            f"--weights {path}: the state_dict does not match the model: {'; '.join(parts)}; "
+            "check that MODEL builds the same architecture the weights were saved from"
+        )
+    try:
+        model.load_state_dict(state, strict=True)
+    except Exception as e:
+        raise ModelLoadError(f"--weights {path}: load_state_dict failed: {_first_line(e)}") from e
+    return note
+
+
+# -- Hugging Face ----------------------------------------------------------------------
+
+
+def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(
+            f"MODEL {str(path)!r} is a folder without config.json; expected a Hugging Face "
+            "save_pretrained folder (or pass a checkpoint file or an import string)"
+        )
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: not readable JSON: {_first_line(e)}") from e
+    if raw.get("auto_map") and not trust_remote_code:
+        raise ModelLoadError(
+            f"MODEL {str(path)!r}: the model's code lives in the folder (config.json has auto_map) and running "
+            "it executes that code; pass --trust-remote-code if you trust it"
+        )
+    try:
+        import transformers
+    except ImportError as e:
+        raise ModelLoadError(
+            f"MODEL {str(path)!r} is a Hugging Face folder, which needs transformers; pip install 'fp16probe[hf]'"
+        ) from e
+    archs = raw.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        cls = transformers.AutoModel
+    try:
+        model = cls.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:
+        raise ModelLoadError(
+            f"MODEL {str(path)!r}: transformers could not load it ({type(e).__name__}: {_first_line(e)})"
+        ) from e
+    config = model.config
+    vocab = getattr(config, "vocab_size", None)
+    name = type(model).__name__
+    has_loss = name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM"))
+    return LoadedModel(
+        model, HF, str(path), vocab_size=int(vocab) if vocab else None, has_loss=has_loss,
+        notes=(f"Hugging Face {name}",), extra={"hf_class": name},
+    )
+
+
+# -- torch.export and pickles ------------------------------------------------------------
+
+
+def _load_export(path: Path) -> LoadedModel:
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as e:
+        raise ModelLoadError(
+            f"MODEL {path}: cannot read it as a torch.export archive (corrupt, or saved by another torch?): "
+            f"{type(e).__name__}: {_first_line(e)}"
+        ) from e
+    notes = ["torch.export program; runs as exported (train/eval mode fixed at export)"]
+    try:
+        # unflatten restores the submodule hierarchy, so per-module activation gradients exist.
+        model: nn.Module = torch.export.unflatten(ep)
+    except Exception as e:
+        model = ep.module()
+        notes.append(f"module hierarchy not restored ({type(e).__name__}); only whole-model hooks")
+    example = getattr(ep, "example_inputs", None)
+    return LoadedModel(model, EXPORT, str(path), notes=tuple(notes),
+                       example_inputs=(tuple(example[0]), dict(example[1])) if example else None)
+
+
+def _load_pickled(path: Path, trust: bool) -> LoadedModel:
+    obj = _torch_load(path, trust, what="MODEL")
+    if isinstance(obj, nn.Module):
+        return LoadedModel(obj, PICKLE, str(path), notes=("whole pickled module, loaded with --trust-checkpoint",))
+    if isinstance(obj, Mapping):
+        raise ModelLoadError(
+            f"MODEL {path} is a state_dict: weights without an architecture; pass the model's factory as "
+            f"MODEL (package.module:factory) and this file as --weights"
+        )
+    raise ModelLoadError(f"MODEL {path} holds a {type(obj).__name__}, expected a pickled torch.nn.Module")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")

@@ -1,0 +1,115 @@
+"""Where the analyzer's rules and constants come from, and the wording rules its text keeps.
+
+Two sources, with a division of labour the text must respect:
+
+* LIT-011 (Micikevicius et al., *Mixed Precision Training*, arXiv 1710.03740) says *why*:
+  FP16 gradients underflow, a constant loss scale S shifts them into range, and S can be
+  picked so that S x max|g| stays below the format's max. It prescribes no schedule.
+* NVIDIA's *Train With Mixed Precision* guide supplies the dynamic-scaling constants
+  (growth every 2000 steps, x2, x0.5) as settings it trained with successfully, saying in
+  the same breath that many other settings are valid. ``torch.amp.GradScaler`` ships them
+  as defaults, with init_scale 65536.
+
+So 2000 is a widely-run, once-validated default, not a measured optimum, and it is not
+the paper's. :func:`wording_problems` checks any text against these rules.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "BF16_NO_SCALER",
+    "CITATION_GRADSCALER",
+    "CITATION_LIT011",
+    "CITATION_NVIDIA_GUIDE",
+    "CONSTANT_RULE",
+    "DEFAULTS_STANDING",
+    "GRADSCALER_DEFAULT_NOTE",
+    "NVIDIA_GUIDE_URL",
+    "SIMULATION_CAVEAT",
+    "UNDERFLOW_MECHANISM",
+    "WEIGHT_UPDATE_RULE",
+    "wording_problems",
+]
+
+LIT011_ARXIV = "arXiv 1710.03740"
+NVIDIA_GUIDE_URL = (
+    "https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html"
+)
+
+CITATION_LIT011 = (
+    "LIT-011: Micikevicius et al., Mixed Precision Training, arXiv 1710.03740 (ICLR 2018)"
+)
+CITATION_NVIDIA_GUIDE = f"LIT-221: NVIDIA, Train With Mixed Precision (living guide), {NVIDIA_GUIDE_URL}"
+CITATION_GRADSCALER = (
+    "torch.amp.GradScaler defaults: init_scale=65536.0, growth_factor=2.0, "
+    "backoff_factor=0.5, growth_interval=2000"
+)
+
+UNDERFLOW_MECHANISM = (
+    "Gradient values below half the format's smallest subnormal round to zero when cast, "
+    "and that update information is lost; multiplying the loss by S shifts every gradient "
+    "by log2(S) bits before the cast (LIT-011, arXiv 1710.03740)."
+)
+CONSTANT_RULE = (
+    "The constant-S rule is LIT-011's (arXiv 1710.03740): choose S so that S times the "
+    "largest gradient magnitude seen stays below the format's max; here made exact as the "
+    "largest power of two that does so, less a safety margin."
+)
+DEFAULTS_STANDING = (
+    "The growth/backoff factors x2 and x0.5 and a growth interval of 2000 come from NVIDIA's "
+    f"mixed-precision guide ({NVIDIA_GUIDE_URL}), which reports them as one setting it trained "
+    "with successfully and says many other settings are valid; GradScaler ships them as "
+    "defaults. They are a widely-run, once-validated default, not a measured optimum."
+)
+GRADSCALER_DEFAULT_NOTE = (
+    "GradScaler's default growth_interval (2000, from NVIDIA's guide at "
+    f"{NVIDIA_GUIDE_URL}: one validated example among many valid settings, not a measured optimum)"
+)
+BF16_NO_SCALER = (
+    "bf16 has fp32's exponent range (smallest subnormal 2^-133, max about 3.4e38), so "
+    "gradients that fp32 holds do not flush or overflow in bf16; a loss scaler there only "
+    "adds a skipped-step mechanism for a failure that cannot occur."
+)
+SIMULATION_CAVEAT = (
+    "The long-horizon replay resamples the profiled steps (uniformly, with replacement, "
+    "seeded), so it assumes future steps look like the profiled ones: a profile taken at "
+    "nearly fixed weights cannot see the drift in gradient magnitudes that training brings."
+)
+WEIGHT_UPDATE_RULE = (
+    "Without fp32 master weights an update is lost when it is below half an ulp of the "
+    "weight, i.e. when |w| is at least about 2^11 |update| in fp16 (LIT-011, arXiv 1710.03740)."
+)
+
+_SENTENCE = re.compile(r"(?<=[.!?;])\s+")
+
+
+def wording_problems(text: str) -> list[str]:
+    """Return every way ``text`` breaks the provenance rules (empty when it keeps them).
+
+    Rules: nothing is called optimal; "optimum" appears only as "not a measured optimum";
+    a sentence that mentions 2000 or the x2 / x0.5 factors does not cite the paper, and the
+    text then cites NVIDIA's guide by URL; 65536 is only ever GradScaler's default; talk of
+    underflow or flushing cites LIT-011.
+    """
+    problems: list[str] = []
+    lower = text.lower()
+    if "optimal" in lower:
+        problems.append("calls something optimal")
+    for m in re.finditer(r"optimum", lower):
+        if not lower[max(0, m.start() - 20) : m.start()].endswith("not a measured "):
+            problems.append("uses 'optimum' other than as 'not a measured optimum'")
+    mentions_constants = re.search(r"(?<![\d.])2000(?!\d)|x0\.5|×0\.5", text) is not None
+    if mentions_constants and NVIDIA_GUIDE_URL not in text:
+        problems.append("mentions 2000 or x0.5 without citing NVIDIA's guide by URL")
+    for sentence in _SENTENCE.split(text):
+        if re.search(r"(?<![\d.])2000(?!\d)", sentence) and (
+            "1710.03740" in sentence or "LIT-011" in sentence or "Micikevicius" in sentence
+        ):
+            problems.append(f"credits 2000 to the paper: {sentence!r}")
+        if re.search(r"65536|65,536", sentence) and "GradScaler" not in sentence:
+            problems.append(f"mentions 65536 without saying it is GradScaler's default: {sentence!r}")
+    if re.search(r"underflow|flush", lower) and "1710.03740" not in text:
+        problems.append("talks of underflow without citing LIT-011 (arXiv 1710.03740)")
+    return problems

@@ -1,0 +1,65 @@
+"""A tiny DDP training run for tests/test_distributed.py, launched by torchrun on the CPU (gloo).
+
+Usage: torchrun --nproc-per-node 2 tests/ddp_worker.py OUT_DIR
+Rank 0 writes OUT_DIR/merged.json; every rank writes its own OUT_DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 3
+BATCH = 5
+WORLD = 2
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 2))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 2, generator=g) * 1e-3
+
+
+def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(step, rank)
+    return F.mse_loss(model(x), y)
+
+
+def main(out: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fp16probe import Probe
+    from fp16probe.distributed import gather_report, init_from_env, is_distributed, rank
+
+    assert init_from_env() and is_distributed(), "launch with torchrun --nproc-per-node 2"
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = Probe(model).start()
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(batch(step, rank())[0]), batch(step, rank())[1])
+        loss.backward()
+        opt.step()
+        probe.step()
+    probe.stop()
+    probe.report().save(out / f"rank{rank()}.json")
+    merged = gather_report(probe)
+    if rank() == 0:
+        merged.save(out / "merged.json")
+    else:
+        assert merged is None
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,366 @@
+"""The analyzer on hand-built histograms: what-if tables, every verdict and its boundaries, wording."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fp16probe.analysis import (
+    VERDICTS,
+    Recommendation,
+    WhatIfTable,
+    analyze,
+    largest_safe_log2_scale,
+    weight_update_loss,
+    what_if,
+)
+from fp16probe.errors import AnalysisError, Fp16ProbeError
+from fp16probe.formats import get_format
+from fp16probe.provenance import NVIDIA_GUIDE_URL, wording_problems
+from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+
+FAST = dict(horizon=2000)  # a shorter replay keeps these tests quick; the rule is the same
+
+
+def make_report(steps, weight_steps=None, *, trace=True):
+    """A Report from per-step {module: Histogram} dicts (activation grads, optional weight grads)."""
+    kinds = {"activation_grad": steps}
+    if weight_steps is not None:
+        kinds["weight_grad"] = weight_steps
+    modules, histograms, module_max = [], {}, {}
+    order = 0
+    for kind, per_step in kinds.items():
+        names = list(dict.fromkeys(n for s in per_step for n in s))
+        for name in names:
+            total = Histogram.sum(s.get(name, Histogram()) for s in per_step)
+            modules.append(ModuleStats(name, kind, "Hand", order, total))
+            order += 1
+        histograms[kind] = tuple(Histogram.sum(s.values()) for s in per_step)
+        module_max[kind] = {n: tuple(s.get(n, Histogram()).max_abs for s in per_step) for n in names}
+    n = len(steps)
+    st = StepTrace(tuple(range(n)), histograms, module_max, (None,) * n, (False,) * n) if trace else StepTrace()
+    meta = Metadata("0", torch.__version__, "cpu", "Hand", captured=tuple(kinds), steps_seen=n)
+    return Report(meta, tuple(modules), st)
+
+
+H = Histogram.from_values
+
+
+# -- what-if ----------------------------------------------------------------------------------
+
+def test_what_if_is_exact_against_the_histograms_and_by_hand():
+    a = {"m1": H({-30: 60, -10: 30, 0: 10}), "m2": H({-26: 5})}
+    b = {"m1": H({-30: 50, 3: 1}), "m2": H({-24: 4})}
+    report = make_report([a, b])
+    table = what_if(report, "fp16", log2_scales=range(-2, 20))
+    total = report.histogram("activation_grad")
+    assert table.nonzero == 160 and table.steps == 2
+    for row in table.rows:
+        assert row.flushed == total.flushed("fp16", row.log2_scale)
+        assert row.flushed_fraction == row.flushed / 160
+        assert row.subnormal == total.subnormal("fp16", row.log2_scale)
+    # By hand: at S = 1 bins -30 (110 values) and -26 (5) are at or below 2^-25 and flush.
+    assert table.row(0).flushed == 115
+    # At S = 2^1 bin -26 moves to -25: still flushes; at 2^2 it survives.
+    assert table.row(1).flushed == 115 and table.row(2).flushed == 110
+    # Overflow: step b's max 2^3 overflows fp16 from S = 2^13 (8 * 8192 = 65536 >= 65520).
+    assert table.row(12).overflow_steps == 0 and table.row(13).overflow_steps == 1
+    # step a's max 2^0 overflows from 2^16: both steps.
+    assert table.row(16).overflow_steps == 2
+    m2 = dict(table.modules)["m2"]
+    assert [r.flushed for r in m2 if r.log2_scale in (0, 1, 2)] == [5, 5, 0]
+    assert WhatIfTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
+
+
+def test_what_if_for_weight_grads_all_and_other_formats():
+    report = make_report([{"m": H({-12: 4})}], [{"m.weight": H({-20: 2, -8: 2})}])
+    w = what_if(report, "fp8_e5m2", kind="weight_grad", log2_scales=[0, 4])
+    # e5m2 flushes at or below 2^-17: bin -20 at S = 1; at 2^4 it lands on 2^-16 and survives.
+    assert [r.flushed for r in w.rows] == [2, 0]
+    both = what_if(report, "fp8_e5m2", kind="all", log2_scales=[0])
+    assert both.nonzero == 8 and both.rows[0].flushed == 2
+    e4 = what_if(report, "fp8_e4m3", log2_scales=[0, 3])
+    assert [r.flushed for r in e4.rows] == [4, 0]  # e4m3 flushes at or below 2^-10
+    assert set(e4.modules) == {"m"}
+
+
+def test_what_if_without_a_trace_counts_the_profile_as_one_step():
+    report = make_report([{"m": H({-30: 9, 10: 1})}], trace=False)
+    table = what_if(report, log2_scales=[0, 6])
+    assert table.steps == 1 and [r.overflow_steps for r in table.rows] == [0, 1]
+
+
+# -- verdicts and their boundaries --------------------------------------------------------------
+
+def test_none_needed_and_its_flush_boundary():
+    at = analyze(make_report([{"m": H({-10: 999, -25: 1})}]), **FAST)  # exactly 0.1% flushes
+    assert at.verdict == "none_needed" and at.flushed_fraction_at_1 == pytest.approx(1e-3)
+    assert at.grad_scaler_kwargs == {} and at.log2_scale == 0 and at.scale == 1.0
+    over = analyze(make_report([{"m": H({-10: 998, -25: 2})}]), **FAST)
+    assert over.verdict != "none_needed"
+    # The 2^-25 bin is the flush edge itself; 2^-24 survives.
+    survives = analyze(make_report([{"m": H({-10: 500, -24: 500})}]), **FAST)
+    assert survives.verdict == "none_needed" and survives.flushed_fraction_at_1 == 0.0
+
+
+def test_none_needed_and_its_overflow_boundary():
+    # max * 2^1 must stay below 65520 (65504 + half an ulp; the tie rounds up to inf).
+    below = analyze(make_report([{"m": H({-10: 10, 15: 1}, max_abs=32759.99)}]), **FAST)
+    assert below.verdict == "none_needed" and below.headroom_bits == 1
+    edge = analyze(make_report([{"m": H({-10: 10, 15: 1}, max_abs=32760.0)}]), **FAST)
+    assert edge.verdict == "constant" and edge.log2_scale == -1 and edge.headroom_bits == 1
+    assert edge.overflow_steps_at_scale == 0
+    assert analyze(make_report([{"m": H({-10: 10, 15: 1}, max_abs=32760.0)}]), margin_bits=0,
+                   **FAST).verdict == "none_needed"
+
+
+def test_constant_is_lit011s_rule_made_exact():
+    report = make_report([{"m": H({-30: 1000, 0: 1})}] * 3)
+    rec = analyze(report, **FAST)
+    # max 2^0: 2^15 * 1 = 32768 < 65520 <= 2^16; one bit of margin: S = 2^14.
+    assert rec.verdict == "constant" and rec.log2_scale == 14 and rec.scale == 2.0**14
+    assert rec.evidence["largest_safe_log2_scale"] == 15 and rec.headroom_bits == 1
+    assert rec.flushed_fraction_at_1 == pytest.approx(1000 / 1001)
+    assert rec.flushed_fraction_at_scale == 0.0 and rec.overflow_steps_at_scale == 0
+    assert rec.grad_scaler_kwargs["init_scale"] == 2.0**14
+    assert set(rec.grad_scaler_kwargs) == {"init_scale", "growth_factor", "backoff_factor", "growth_interval"}
+    for margin in (0, 3):
+        assert analyze(report, margin_bits=margin, **FAST).log2_scale == 15 - margin
+    assert rec.worst_modules == (("m", pytest.approx(1000 / 1001)),)
+
+
+def test_constant_flush_boundary():
+    # At S = 2^14 values at or below 2^-39 flush.
+    at = make_report([{"m": H({-30: 998, -39: 1, 0: 1})}])
+    assert analyze(at, **FAST).verdict == "constant"
+    assert analyze(at, **FAST).flushed_fraction_at_scale == pytest.approx(1e-3)
+    over = make_report([{"m": H({-30: 997, -39: 2, 0: 1})}])
+    assert analyze(over, **FAST).verdict == "no_single_scale"  # one step: nothing moves
+
+
+def two_step_report(low_bin=-38, low_count=1000):
+    # Step a: max 2^4 -> safe k 11, S 2^10: flushes at or below 2^-35.
+    # Step b: max 2^0 -> safe k 15, S 2^14: flushes at or below 2^-39.
+    a = {"m": H({-30: 1000}), "big": H({4: 1})}
+    b = {"m": H({low_bin: low_count}), "big": H({0: 1})}
+    return make_report([a, b])
+
+
+def test_dynamic_when_the_range_moves():
+    rec = analyze(two_step_report(), **FAST)
+    assert rec.verdict == "dynamic"
+    assert rec.log2_scale == 10 and rec.grad_scaler_kwargs["init_scale"] == 2.0**10
+    assert rec.flushed_fraction_at_scale == pytest.approx(1000 / 2002)
+    assert rec.evidence["per_step_scale_flushed_fraction"] == 0.0
+    assert rec.evidence["per_step_max_range_bits"] == 4.0
+    table = rec.growth_interval_table
+    chosen = [r for r in table["rows"] if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["growth_interval"] == rec.grad_scaler_kwargs["growth_interval"]
+    assert rec.evidence["simulated_skipped_steps"] == chosen[0]["skipped_steps"]
+    # Steps in random order jump 4 bits: no schedule reaches the threshold, and the text says so.
+    assert rec.evidence["simulated_meets_threshold"] is False and "slow drift" in rec.text
+
+
+def test_dynamic_and_no_single_scale_boundary():
+    # Step b at S = 2^14 flushes values at or below 2^-39; step a holds 1000 + 1 values, b 1000 + 1.
+    # tau * 2002 = 2.002: two flushed values fit, three do not.
+    def report(flushed):
+        a = {"m": H({-30: 1000}), "big": H({4: 1})}
+        b = {"m": H({-38: 1000 - flushed, -39: flushed}), "big": H({0: 1})}
+        return make_report([a, b])
+
+    assert analyze(report(2), **FAST).verdict == "dynamic"
+    rec = analyze(report(3), **FAST)
+    assert rec.verdict == "no_single_scale"
+    assert rec.evidence["per_step_scale_flushed_fraction"] == pytest.approx(3 / 2002)
+
+
+def test_no_single_scale_names_the_modules_and_the_options():
+    rec = analyze(make_report([{"tiny": H({-45: 1000}), "big": H({4: 1})}]), **FAST)
+    assert rec.verdict == "no_single_scale"
+    assert rec.evidence["limiting_modules"][0][0] == "big"
+    assert rec.evidence["flushing_modules_at_scale"][0][0] == "tiny"
+    assert rec.evidence["needed_span_bits"] > rec.evidence["format_span_bits"]
+    for option in ("bf16", "per tensor", "fp32"):
+        assert option in rec.text
+    assert "big" in rec.text and "tiny" in rec.text
+
+
+def test_weight_grads_limit_the_scale_too():
+    act = [{"m": H({-30: 100, 0: 1})}]
+    weight = [{"m.weight": H({-20: 10, 8: 1})}]  # 2^8 * 2^7 = 32768: safe k 7
+    rec = analyze(make_report(act, weight), **FAST)
+    assert rec.verdict == "constant" and rec.evidence["largest_safe_log2_scale"] == 7
+    assert rec.log2_scale == 6 and rec.overflow_steps_at_scale == 0
+    assert analyze(make_report(act, weight), kind="weight_grad", **FAST).verdict == "none_needed"
+
+
+def test_bf16_is_none_needed_as_measured_and_says_why():
+    report = make_report([{"m": H({-30: 1000, 0: 1})}])
+    rec = analyze(report, "bf16", **FAST)
+    assert rec.verdict == "none_needed" and "exponent range" in rec.text and "measured" in rec.text
+    flushing = make_report([{"m": H({-140: 10, 0: 1})}])  # bf16 flushes at or below 2^-134
+    rec = analyze(flushing, "bf16", **FAST)
+    assert rec.verdict == "constant" and "Unexpected for bf16" in rec.text
+
+
+def test_fp8_formats():
+    report = make_report([{"m": H({-11: 100, 0: 1})}])  # e4m3 flushes at or below 2^-10
+    e4 = analyze(report, "fp8_e4m3", **FAST)  # 1 * 2^8 = 256 < 464 <= 512: safe 8, S = 2^7
+    assert e4.verdict == "constant" and e4.log2_scale == 7
+    assert "saturated or NaN" in e4.text
+    wide = make_report([{"m": H({-20: 100, 0: 1})}])
+    assert analyze(wide, "fp8_e4m3", **FAST).verdict == "no_single_scale"
+
+
+def test_nothing_but_zeros_needs_nothing():
+    rec = analyze(make_report([{"m": H({}, zero=10)}]), **FAST)
+    assert rec.verdict == "none_needed" and rec.headroom_bits is None
+
+
+def test_no_trace_falls_back_honestly():
+    rec = analyze(make_report([{"m": H({-30: 1000, 0: 1})}], trace=False), **FAST)
+    assert rec.verdict == "constant" and rec.grad_scaler_kwargs["growth_interval"] == 2000
+    assert "not chosen from data" in rec.text and rec.growth_interval_table is None
+
+
+def test_every_verdict_is_reached_and_round_trips_through_json():
+    reports = {
+        "none_needed": make_report([{"m": H({-10: 10})}]),
+        "constant": make_report([{"m": H({-30: 1000, 0: 1})}]),
+        "dynamic": two_step_report(),
+        "no_single_scale": make_report([{"tiny": H({-45: 1000}), "big": H({4: 1})}]),
+    }
+    for verdict, report in reports.items():
+        rec = analyze(report, **FAST)
+        assert rec.verdict == verdict
+        data = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
+        assert Recommendation.from_dict(data) == rec
+        assert rec.thresholds["margin_bits"] == 1 and rec.thresholds["max_flushed_fraction"] == 1e-3
+        saved = report.with_recommendation(rec.to_dict())
+        assert json.loads(saved.to_json())["recommendation"]["verdict"] == verdict
+    assert set(reports) == set(VERDICTS)
+
+
+# -- provenance and wording -----------------------------------------------------------------------
+
+def all_texts():
+    cases = [
+        (make_report([{"m": H({-10: 10})}]), "fp16"),
+        (make_report([{"m": H({-30: 1000, 0: 1})}]), "fp16"),
+        (make_report([{"m": H({-30: 1000, 0: 1})}], trace=False), "fp16"),
+        (two_step_report(), "fp16"),
+        (make_report([{"tiny": H({-45: 1000}), "big": H({4: 1})}]), "fp16"),
+        (make_report([{"m": H({-30: 1000, 0: 1})}]), "bf16"),
+        (make_report([{"m": H({-140: 10, 0: 1})}]), "bf16"),
+        (make_report([{"m": H({-11: 100, 0: 1})}]), "fp8_e4m3"),
+        (make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2"),
+    ]
+    return [analyze(r, f, **FAST) for r, f in cases]
+
+
+def test_every_verdicts_wording_keeps_the_provenance_rules():
+    seen = set()
+    for rec in all_texts():
+        seen.add(rec.verdict)
+        assert wording_problems(rec.text) == [], (rec.verdict, rec.text)
+        assert "1710.03740" in rec.text  # the underflow mechanism is LIT-011's
+        assert "optimal" not in rec.text.lower()
+        if rec.verdict != "none_needed":
+            # The schedule's constants are the guide's and GradScaler's defaults, said so.
+            assert NVIDIA_GUIDE_URL in rec.text
+            assert "many other settings are valid" in rec.text and "not a measured optimum" in rec.text
+            assert any("1710.03740" in c for c in rec.citations)
+            assert any(NVIDIA_GUIDE_URL in c for c in rec.citations)
+            assert any("GradScaler" in c and "65536" in c for c in rec.citations)
+        for row in (rec.growth_interval_table or {}).get("rows", []):
+            assert wording_problems(row["note"]) == []
+    assert seen == set(VERDICTS)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "A growth interval of 2000 is optimal (" + NVIDIA_GUIDE_URL + ").",
+        "LIT-011 (arXiv 1710.03740) grows the scale every 2000 steps. " + NVIDIA_GUIDE_URL,
+        "Grow every 2000 steps, x2, x0.5.",
+        "Start at 65536 as everyone does.",
+        "Most gradients underflow in fp16.",
+        "2000 is the optimum.",
+    ],
+)
+def test_wording_check_catches_bad_provenance(bad):
+    assert wording_problems(bad)
+
+
+def test_wording_check_passes_honest_text():
+    ok = ("GradScaler's default init_scale is 65536. Growth every 2000 steps, x2 and x0.5 come from "
+          f"NVIDIA's guide ({NVIDIA_GUIDE_URL}): not a measured optimum.")
+    assert wording_problems(ok) == []
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def test_analysis_errors_say_what_to_do():
+    report = make_report([{"m": H({-10: 10})}])
+    with pytest.raises(AnalysisError, match="unknown kind"):
+        analyze(report, kind="activations_grad")
+    with pytest.raises(AnalysisError, match="no weight_grad values"):
+        analyze(report, kind="weight_grad")
+    with pytest.raises(AnalysisError, match="margin_bits"):
+        analyze(report, margin_bits=-1)
+    with pytest.raises(AnalysisError, match="max_flushed_fraction"):
+        analyze(report, max_flushed_fraction=1.5)
+    with pytest.raises(Fp16ProbeError):
+        analyze(report, "fp12")
+    with pytest.raises(AnalysisError, match="not a recommendation"):
+        Recommendation.from_dict({"verdict": "maybe"})
+
+
+def test_largest_safe_log2_scale_against_real_casts():
+    for name in ("fp16", "bf16", "fp8_e5m2"):
+        fmt = get_format(name)
+        for m in (1.0, 3.0, 1e-7, 0.7, 12345.0, 2.0**-100):
+            k = largest_safe_log2_scale(fmt, m)
+            x = torch.tensor([math.ldexp(m, k), math.ldexp(m, k + 1)], dtype=torch.float32)
+            cast = x.to(fmt.dtype).float()
+            if math.ldexp(m, k + 1) < 3.4e38:
+                assert math.isfinite(cast[0]) and not math.isfinite(cast[1]), (name, m, k)
+    assert largest_safe_log2_scale("fp16", 0.0) is None
+
+
+# -- weight updates ------------------------------------------------------------------------------
+
+def test_weight_update_loss_by_hand():
+    w = torch.tensor([2048.0, 2048.0, 1.0, 1.0, 1.0, 5.0])
+    u = torch.tensor([1.0, 1.5, 2.0**-12, 2.0**-30, 2.0**-10, 0.0])
+    res = weight_update_loss({"w": w}, {"w": u})
+    # 2048 + 1 ties to even 2048 (lost); 2048 + 1.5 -> 2050; 1 + 2^-12 is below half an ulp (lost);
+    # 2^-30 flushes in fp16 (lost); 1 + 2^-10 is one ulp (kept); a zero update is not counted.
+    assert res.nonzero_updates == 5 and res.lost == 3 and res.lost_fraction == pytest.approx(0.6)
+    assert res.rule_lost == 3  # |w| >= 2^11 |u| for the same three
+    assert "1710.03740" in res.text and wording_problems(res.text) == []
+    bf = weight_update_loss({"w": w}, {"w": u}, format="bf16")
+    assert bf.lost >= res.lost  # 8 bits of mantissa lose more
+
+
+def test_weight_update_loss_from_a_model_and_lr():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    lr = 1e-4
+    res = weight_update_loss(model, lr=lr)
+    direct = weight_update_loss(dict(model.named_parameters()),
+                                {n: -lr * p.grad for n, p in model.named_parameters()})
+    assert res.to_dict() == direct.to_dict()
+    w = model.weight.detach()
+    u = -lr * model.weight.grad
+    want = int(((w.half() + u.half()).half() == w.half()).logical_and(u != 0).sum())
+    assert res.parameters[0].lost == want
+    with pytest.raises(AnalysisError, match="learning rate"):
+        weight_update_loss(model)
+    with pytest.raises(AnalysisError, match="shape"):
+        weight_update_loss({"w": w}, {"w": torch.zeros(3)})

@@ -1,0 +1,346 @@
+"""The command line in-process (CliRunner): each MODEL kind, each command, each exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fp16probe.cli import EXIT_GATE, EXIT_INTERRUPTED, EXIT_LOAD, EXIT_OK, EXIT_USAGE, app
+from fp16probe.report import Report
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY = ["--input-shape", "5,8", "--steps", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+    torch.manual_seed(0)
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def ok(*args: str):
+    result = run(*args)
+    assert result.exit_code == EXIT_OK, result.output
+    return result
+
+
+def one_error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# -- profile: each MODEL kind --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_profile_shows_underflow_recovered(tmp_path):
+    """The demo's claim, computed: a sizeable share flushes at S = 1, the recommended S recovers most."""
+    ok("profile", "--steps", "3", "--out", "demo.json")
+    report = Report.load("demo.json")
+    assert report.metadata.model_class == "DemoNet"
+    h = report.histogram("activation_grad")
+    at_1 = h.flushed("fp16", 0) / h.nonzero_finite
+    k = report.recommendation["log2_scale"]
+    at_s = h.flushed("fp16", k) / h.nonzero_finite
+    assert at_1 > 0.2
+    assert at_s < 0.1 * at_1
+    assert not h.overflows("fp16", k)
+    assert report.metadata.extra["inputs_synthetic"] is False
+
+
+def test_default_out_and_summary(tmp_path):
+    result = ok("profile", "cli_models:TinyMLP", *TINY)
+    assert (tmp_path / "fp16probe-report.json").is_file()
+    assert "report written to fp16probe-report.json" in result.stderr
+    assert result.stdout == ""
+
+
+def test_json_alone_on_stdout(tmp_path):
+    result = ok("profile", "cli_models:make_tiny", *TINY, "--json", "--out", "r.json")
+    data = json.loads(result.stdout)
+    assert data["metadata"]["steps_seen"] == 2
+    assert data["recommendation"]["format"] == "fp16"
+    assert data["metadata"]["extra"]["inputs_synthetic"] is True
+    assert data["metadata"]["extra"]["loss_synthetic"] is True
+    assert Report.load("r.json").to_dict() == data
+
+
+def test_weights_change_the_measurement(tmp_path):
+    from cli_models import TinyMLP
+
+    m = TinyMLP()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1000.0)
+    torch.save(m.state_dict(), "big.pt")
+    ok("profile", "cli_models:TinyMLP", *TINY, "--out", "plain.json")
+    ok("profile", "cli_models:TinyMLP", "--weights", "big.pt", *TINY, "--out", "big.json")
+    plain = Report.load("plain.json").histogram("weight_grad").max_abs
+    big = Report.load("big.json").histogram("weight_grad").max_abs
+    assert big > 100 * plain
+    assert Report.load("big.json").metadata.extra["weights"] == "big.pt"
+
+
+def test_weights_safetensors_and_ckpt(tmp_path):
+    from cli_models import TinyMLP
+    from safetensors.torch import save_file
+
+    state = TinyMLP().state_dict()
+    save_file(state, "w.safetensors")
+    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 0}, "w.ckpt")
+    ok("profile", "cli_models:TinyMLP", "--weights", "w.safetensors", *TINY, "--out", "a.json")
+    ok("profile", "cli_models:TinyMLP", "--weights", "w.ckpt", *TINY, "--out", "b.json")
+
+
+@pytest.mark.slow
+def test_export_archive(tmp_path):
+    from cli_models import TinyMLP
+
+    ep = torch.export.export(TinyMLP(), (torch.randn(3, 8),))
+    torch.export.save(ep, "m.pt2")
+    ok("profile", "m.pt2", "--steps", "2", "--out", "r.json")
+    report = Report.load("r.json")
+    assert report.metadata.extra["model_kind"] == "torch.export"
+    assert report.histogram("weight_grad").nonzero_finite > 0
+    assert "example inputs" in report.metadata.extra["inputs"]
+
+
+def test_pickled_module_needs_trust(tmp_path):
+    from cli_models import TinyMLP
+
+    torch.save(TinyMLP(), "whole.pt")
+    result = run("profile", "whole.pt", *TINY, "--out", "r.json")
+    assert result.exit_code == EXIT_LOAD
+    line = one_error_line(result)
+    assert "arbitrary code" in line and "--trust-checkpoint" in line
+    assert not Path("r.json").exists()
+    ok("profile", "whole.pt", "--trust-checkpoint", *TINY, "--out", "r.json")
+
+
+def test_huggingface_folder_token_ids(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+                        vocab_size=50, max_position_embeddings=32)
+    BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    ok("profile", str(tmp_path / "bert"), "--input-shape", "2,8", "--input-dtype", "int64", "--steps", "1",
+       "--out", "r.json")
+    extra = Report.load("r.json").metadata.extra
+    assert "token ids in [0, 50)" in extra["inputs"]
+    assert extra["loss"] == "the model's own output .loss"
+
+
+# -- profile: options ------------------------------------------------------------------
+
+
+def test_batches_loss_and_modules(tmp_path):
+    ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
+       "--steps", "3", "--modules", "fc*", "--out", "r.json")
+    report = Report.load("r.json")
+    assert report.metadata.hooked_modules == ("fc1", "fc2")
+    assert report.metadata.extra["inputs_synthetic"] is False
+    assert report.metadata.extra["loss_synthetic"] is False
+
+
+def test_fp16_autocast_with_loss_scale_recovers(tmp_path):
+    """Under autocast fp16, a tiny loss flushes gradients; a loss scale brings them back (measured)."""
+    args = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:small_loss",
+            "--steps", "2", "--precision", "fp16", "--device", "cpu"]
+    ok("profile", *args, "--out", "s1.json")
+    ok("profile", *args, "--loss-scale", str(2.0**20), "--out", "s20.json")
+    zero_1 = Report.load("s1.json").module("fc1").histogram.zero
+    zero_20 = Report.load("s20.json").module("fc1").histogram.zero
+    assert Report.load("s20.json").metadata.grad_scaler
+    assert zero_1 > zero_20
+
+
+def test_optimizer_trains(tmp_path):
+    ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
+       "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--out", "r.json")
+    assert Report.load("r.json").metadata.extra["optimizer"] == {"name": "sgd", "lr": 0.1}
+
+
+def test_ctrl_c_writes_partial_report(tmp_path):
+    result = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:interrupting_batches",
+                 "--loss", "cli_models:mse_loss", "--steps", "10", "--out", "r.json")
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    report = Report.load("r.json")
+    assert report.metadata.partial
+    assert report.metadata.steps_seen == 3
+
+
+def test_nan_loss_is_a_finding(tmp_path):
+    ok("profile", "cli_models:TinyMLP", *TINY, "--loss", "cli_models:nan_loss", "--out", "r.json")
+    report = Report.load("r.json")
+    assert report.metadata.extra["nonfinite_loss_steps"] == [0, 1]
+    assert all(report.trace.found_inf)
+
+
+def test_short_batches_note(tmp_path):
+    ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:two_batches", "--steps", "5", "--out", "r.json")
+    report = Report.load("r.json")
+    assert report.metadata.steps_seen == 2
+    assert any("ran out" in n for n in report.metadata.extra["notes"])
+
+
+def test_never_overwrites_an_input(tmp_path):
+    from cli_models import TinyMLP
+
+    torch.save(TinyMLP().state_dict(), "w.pt")
+    before = Path("w.pt").read_bytes()
+    result = run("profile", "cli_models:TinyMLP", "--weights", "w.pt", *TINY, "--out", "w.pt")
+    assert result.exit_code == EXIT_USAGE
+    assert "would overwrite the input" in one_error_line(result)
+    assert Path("w.pt").read_bytes() == before
+
+
+def test_plot_without_plotting_module(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fp16probe.plotting", None)  # as if the module were absent
+    result = run("profile", "cli_models:TinyMLP", *TINY, "--plot", "fig.png", "--out", "r.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "--plot" in one_error_line(result)
+    assert not Path("r.json").exists()
+
+
+# -- profile: bad inputs (one line each, exit 2 or 3) --------------------------------------
+
+
+@pytest.mark.parametrize("args,code,expect", [
+    (["nope/model.pt"], EXIT_USAGE, "no such file or folder"),
+    (["cli_models:Nope", *TINY], EXIT_LOAD, "has no attribute"),
+    (["no_such_pkg_q:Model", *TINY], EXIT_LOAD, "cannot import"),
+    (["cli_models:broken_factory", *TINY], EXIT_LOAD, "factory failed on purpose"),
+    (["cli_models:TinyMLP", "--input-shape", "5,7", "--steps", "1"], EXIT_USAGE, "rejected the input"),
+    (["cli_models:TinyMLP", "--input-shape", "5,x"], EXIT_USAGE, "--input-shape"),
+    (["cli_models:TinyMLP"], EXIT_USAGE, "no inputs: pass --input-shape"),
+    (["cli_models:make_frozen", *TINY], EXIT_USAGE, "no trainable parameters"),
+    (["cli_models:TinyMLP", *TINY, "--modules", "nomatch*"], EXIT_USAGE, "no module name matches"),
+    (["cli_models:TinyMLP", *TINY, "--loss-scale", "8"], EXIT_USAGE, "--loss-scale applies"),
+    (["cli_models:TinyMLP", *TINY, "--weights", "missing.pt"], EXIT_USAGE, "no such file"),
+])
+def test_bad_inputs(args, code, expect):
+    result = run("profile", *args, "--out", "r.json")
+    assert result.exit_code == code, result.output
+    assert expect in one_error_line(result)
+    assert not Path("r.json").exists()
+
+
+def test_state_dict_mismatch_and_corrupt(tmp_path):
+    from cli_models import TinyMLP
+
+    torch.save(TinyMLP().state_dict(), "w.pt")
+    result = run("profile", "cli_models:OtherMLP", "--weights", "w.pt", *TINY)
+    assert result.exit_code == EXIT_LOAD
+    assert "does not match the model" in one_error_line(result)
+    Path("bad.pt").write_bytes(b"\x80\x02garbage")
+    result = run("profile", "cli_models:TinyMLP", "--weights", "bad.pt", *TINY)
+    assert result.exit_code == EXIT_LOAD
+    assert "corrupt or truncated" in one_error_line(result)
+
+
+def test_debug_shows_traceback():
+    result = run("profile", "cli_models:broken_factory", *TINY, "--debug")
+    assert result.exit_code == EXIT_LOAD
+    assert "Traceback" in result.stderr
+
+
+def test_unknown_format_is_usage_error():
+    result = run("profile", "cli_models:TinyMLP", *TINY, "--format", "fp17")
+    assert result.exit_code == EXIT_USAGE
+    assert "fp17" in result.output
+
+
+# -- show, recommend, compare ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_report(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "demo.json"
+    result = CliRunner().invoke(app, ["profile", "--steps", "2", "--out", str(path)])
+    assert result.exit_code == EXIT_OK, result.output
+    return path
+
+
+def test_show(demo_report):
+    before = demo_report.read_bytes()
+    result = ok("show", demo_report)
+    assert "flushed to 0" in result.stderr
+    assert "worst modules" in result.stderr
+    assert "GradScaler(" in result.stderr
+    assert result.stdout == ""
+    assert demo_report.read_bytes() == before
+
+
+def test_recommend_text_and_json(demo_report):
+    result = ok("recommend", demo_report)
+    assert "scaler = torch.amp.GradScaler(" in result.stderr
+    data = json.loads(ok("recommend", demo_report, "--json").stdout)
+    assert data["verdict"] in {"none_needed", "constant", "dynamic", "no_single_scale"}
+    assert data["grad_scaler_code"].startswith("scaler = torch.amp.GradScaler(")
+    bf16 = json.loads(ok("recommend", demo_report, "--json", "--format", "bf16").stdout)
+    assert bf16["format"] == "bf16"
+
+
+@pytest.mark.parametrize("command", ["show", "recommend"])
+def test_report_errors(command, tmp_path):
+    Path("other.json").write_text(json.dumps({"schema_version": 99, "metadata": {}}))
+    result = run(command, "other.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "schema_version 99" in one_error_line(result)
+    Path("trunc.json").write_text('{"schema_version": 1, "meta')
+    result = run(command, "trunc.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "not valid JSON" in one_error_line(result)
+    result = run(command, "missing.json")
+    assert result.exit_code == EXIT_USAGE
+
+
+def test_compare_same_report_passes(demo_report, tmp_path, monkeypatch):
+    summary = tmp_path / "step_summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = ok("compare", demo_report, demo_report, "--junit", "junit.xml")
+    assert "no regression" in result.stderr
+    assert "passed" in summary.read_text()
+    assert 'failures="0"' in Path("junit.xml").read_text()
+
+
+def test_compare_regression_exits_1(tmp_path):
+    base = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--steps", "2"]
+    ok("profile", *base, "--loss", "cli_models:mse_loss", "--out", "base.json")
+    ok("profile", *base, "--loss", "cli_models:small_loss", "--out", "cur.json")
+    result = run("compare", "base.json", "cur.json", "--summary", "sum.md", "--junit", "j.xml", "--json")
+    assert result.exit_code == EXIT_GATE, result.output
+    data = json.loads(result.stdout)
+    failed = {c["name"] for c in data["checks"] if not c["passed"]}
+    assert "flushed_fraction" in failed
+    assert "FAIL" in Path("sum.md").read_text()
+    assert "<failure" in Path("j.xml").read_text()
+
+
+def test_compare_bad_report_exits_2(demo_report):
+    Path("bad.json").write_text("[]")
+    result = run("compare", demo_report, "bad.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "expected a JSON object" in one_error_line(result)
+
+
+def test_no_args_prints_help():
+    result = run()
+    assert "profile" in result.output

@@ -1,0 +1,147 @@
+"""Op-level capture finds gradients of functional ops that module hooks cannot see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp16probe import Probe, ProbeError
+from fp16probe.histogram import canonical_counts, raw_histogram
+from fp16probe.ops import LAYOUT_OPS, op_name
+from fp16probe.probe import _histogram_from
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+class Block(nn.Module):
+    """A transformer-ish block: one Linear, every other op a functional call."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.2)
+
+    def forward(self, x):
+        h = F.gelu(self.proj(x))
+        att = torch.softmax((h @ self.w).view(x.shape[0], -1, x.shape[-1]), dim=-1)
+        return x + att.reshape(x.shape)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.block(x) * 0.5)
+
+
+def _run(granularity: str, model: nn.Module, x: torch.Tensor, **kw):
+    with Probe(model, granularity=granularity, **kw) as probe:
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        probe.step()
+    return probe.report()
+
+
+def test_module_granularity_misses_functional_ops_that_op_granularity_finds():
+    model, x = Net(), torch.randn(6, 16)
+    by_module = {m.name for m in _run("module", model, x).modules_of("activation_grad")}
+    report = _run("op", model, x)
+    by_op = {m.name: m for m in report.modules_of("activation_grad")}
+    assert by_module == {"block.proj", "head"}
+    for name in ("block/gelu", "block/softmax", "block/add", "(model)/mul"):
+        assert name not in by_module
+        assert by_op[name].histogram.total == x.numel()  # one gradient value per output element
+        assert by_op[name].histogram.nonzero_finite > 0
+    assert {"block.proj/linear", "head/linear", "block/matmul"} <= set(by_op)
+    # views and reshapes carry no new numbers: never recorded
+    assert not any(n.split("/")[1].split(".")[0] in LAYOUT_OPS for n in by_op)
+    assert report.metadata.extra["granularity"] == "op"
+    assert report.module("block/softmax").module_type == "softmax"
+
+
+def test_op_gradients_are_exact():
+    """The op rows hold exactly the histogram of each op output's gradient."""
+    model, x = Net(), torch.randn(6, 16)
+    grads = {}
+    block = model.block
+    orig = block.forward
+
+    def forward(inp):
+        h = F.gelu(block.proj(inp))
+        h.register_hook(lambda g: grads.__setitem__("gelu", g.clone()))
+        att = torch.softmax((h @ block.w).view(inp.shape[0], -1, inp.shape[-1]), dim=-1)
+        att.register_hook(lambda g: grads.__setitem__("softmax", g.clone()))
+        return inp + att.reshape(inp.shape)
+
+    block.forward = forward
+    try:
+        report = _run("op", model, x)
+    finally:
+        block.forward = orig
+    for op in ("gelu", "softmax"):
+        raw, key = raw_histogram(grads[op])
+        want = _histogram_from(canonical_counts(raw).tolist(), int(key))
+        assert report.module(f"block/{op}").histogram == want
+
+
+def test_repeated_ops_are_numbered_and_patterns_select():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = x + torch.tanh(self.inner(x))
+            return y + torch.tanh(y)
+
+    model = nn.Sequential(Twice(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    names = {m.name for m in _run("op", model, x).modules_of("activation_grad")}
+    assert {"0/add", "0/add.1", "0/tanh", "0/tanh.1", "0.inner/linear", "1/linear"} <= names
+    only = {m.name for m in _run("op", model, x, modules=["0"]).modules_of("activation_grad")}
+    assert "1/linear" not in only and {"0/add.1", "0.inner/linear"} <= only
+
+
+def test_op_capture_respects_every_and_stop():
+    model, x = Net(), torch.randn(2, 16)
+    probe = Probe(model, granularity="op", every=2, weight_grads=False).start()
+    for _ in range(4):
+        model(x).sum().backward()
+        probe.step()
+    probe.stop()
+    model(x).sum().backward()  # after stop: nothing recorded, and no mode left behind
+    report = probe.report()
+    assert report.metadata.steps_seen == 2
+    assert report.module("block/gelu").histogram.total == 2 * x.numel()
+    assert torch.overrides._get_current_function_mode() is None
+
+
+def test_op_capture_survives_a_forward_that_raises():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            raise ValueError("boom")
+
+    model = nn.Sequential(nn.Linear(2, 2), Bad())
+    with Probe(model, granularity="op"):
+        with pytest.raises(ValueError):
+            model(torch.randn(1, 2, requires_grad=True))
+        assert torch.overrides._get_current_function_mode() is None
+
+
+def test_op_name_and_bad_granularity():
+    assert op_name(torch.Tensor.__getitem__) == "getitem"
+    assert op_name(F.gelu) == "gelu"
+    with pytest.raises(ProbeError, match="granularity"):
+        Probe(Net(), granularity="tensor")
