@@ -37,7 +37,7 @@ from fp16probe.display import resolve_recommendation as _resolve_recommendation
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP
-from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
 
 __all__ = [
     "FIGURE_KINDS",
@@ -78,6 +78,13 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
         "min_normal": float(fmt.log2_min_normal),
         "max": math.log2(fmt.max),
     }
+
+
+def _histogram_of(report: Report, kind: str) -> Histogram:
+    """The merged histogram of one kind; ``all`` is every gradient the loss scale multiplies."""
+    if kind == "all":
+        return report.histogram(ACTIVATION_GRAD) + report.histogram(WEIGHT_GRAD)
+    return report.histogram(kind)
 
 
 def _log2_scale_of(recommendation: Any) -> int | None:
@@ -187,7 +194,7 @@ def plot_distribution(
     if isinstance(report, Histogram):
         hist, source = report, None
     else:
-        hist, source = report.histogram(kind), report
+        hist, source = _histogram_of(report, kind), report
     if log2_scale is None:
         recommendation = _resolve_recommendation(source, recommendation, fmt, kind)
         log2_scale = _log2_scale_of(recommendation)

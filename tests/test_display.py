@@ -141,3 +141,24 @@ def test_worst_modules_skips_modules_that_lose_nothing(hand):
     assert [(n, f) for n, _t, f in e4m3] == [("mid", 1.0), ("deep", 1.0), ("head", 6 * 400 / (6 * 800 + 1))]
     extra = ModuleStats("silent", ACTIVATION_GRAD, "Linear", 9, hand.module("head").histogram)
     assert "silent" not in [n for n, _t, _f in display.worst_modules(replace(hand, modules=(*hand.modules, extra)))]
+
+
+def test_recommendation_displays_itself(hand):
+    from fp16probe.analysis import analyze
+
+    rec = analyze(hand, "fp16")
+    page = rec._repr_html_()
+    assert f">{rec.verdict}</span>" in page
+    assert f"{100 * rec.flushed_fraction_at_1:.3g}%" in page
+    assert f"init_scale={display._number(rec.grad_scaler_kwargs['init_scale'])}" in page
+    text = _rich_text(rec)
+    assert rec.verdict in text and f"2^{rec.log2_scale}" in text
+
+
+def test_report_html_runs_the_analyzer_when_none_is_stored(hand):
+    from fp16probe.analysis import analyze
+
+    rec = analyze(hand, "fp16")
+    page = hand._repr_html_()
+    assert f">{rec.verdict}</span>" in page
+    assert f"2^{rec.log2_scale} = {2.0 ** rec.log2_scale:g}" in page

@@ -264,3 +264,120 @@ def test_report_plot_returns_a_figure_of_one_view(hand, tmp_path):
     (text,) = _by_gid(ax.texts, "annotation:flushed_at_scale")
     assert "2^4" in text.get_text()
     _save_png(fig, tmp_path)
+
+
+# -- against the analyzer ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hand_rec(hand):
+    from fp16probe.analysis import analyze
+
+    return analyze(hand, "fp16")
+
+
+@pytest.fixture(scope="module")
+def probed_rec(probed):
+    from fp16probe.analysis import analyze
+
+    return analyze(probed, "fp16")
+
+
+@pytest.mark.parametrize("which", ["hand", "probed"])
+def test_annotations_equal_the_analyzers_numbers(which, request):
+    report = request.getfixturevalue(which)
+    rec = request.getfixturevalue(f"{which}_rec")
+    ax = plotting.plot_distribution(report, "fp16", recommendation=rec)
+    pct, _, _ = _percent_and_counts(_by_gid(ax.texts, "annotation:flushed_at_1")[0].get_text())
+    assert pct == pytest.approx(100 * rec.flushed_fraction_at_1, rel=5e-3)
+    scaled = [t for t in ax.texts if t.get_gid() == "annotation:flushed_at_scale"]
+    if rec.log2_scale:
+        pct_k, _, _ = _percent_and_counts(scaled[0].get_text())
+        expected = 100 * rec.flushed_fraction_at_scale
+        assert pct_k == pytest.approx(expected, rel=5e-3) if expected else pct_k == 0
+        assert f"2^{rec.log2_scale}" in scaled[0].get_text()
+    else:
+        assert not scaled
+
+
+def test_distribution_uses_the_analyzers_scale_by_default(hand, hand_rec):
+    ax = plotting.plot_distribution(hand, "fp16")
+    values, edges = _stairs(ax, "histogram:scaled")
+    h = hand.histogram(ACTIVATION_GRAD)
+    k = hand_rec.log2_scale
+    assert k, "the hand-built report needs a scale"
+    assert _share_in_bin(values, edges, -30 + k) == pytest.approx(h.count(-30) / h.total)
+
+
+def test_stored_recommendation_dict_is_drawn(hand, hand_rec):
+    report = hand.with_recommendation(hand_rec.to_dict())
+    ax = plotting.plot_distribution(report, "fp16")
+    assert f"2^{hand_rec.log2_scale}" in _by_gid(ax.texts, "annotation:flushed_at_scale")[0].get_text()
+
+
+def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
+    from fp16probe.analysis import what_if
+
+    table = what_if(hand, "fp16")
+    ax = plotting.plot_what_if(hand, "fp16", recommendation=hand_rec)
+    (flushed,) = _by_gid(ax.lines, "what_if:flushed")
+    assert list(flushed.get_xdata()) == [r.log2_scale for r in table.rows]
+    assert list(flushed.get_ydata()) == [r.flushed_fraction for r in table.rows]
+    twin = [a for a in ax.figure.axes if a is not ax][0]
+    (overflow,) = _by_gid(twin.lines, "what_if:overflow")
+    assert list(overflow.get_ydata()) == [r.overflow_steps for r in table.rows]
+    # the hand-built report's 2^10 value overflows fp16 in one of six steps from S = 2^6 on
+    assert table.row(5).overflow_steps == 0 and table.row(6).overflow_steps == 1
+    assert _line_x(ax, "recommendation") == hand_rec.log2_scale
+    (threshold,) = _by_gid(ax.lines, "threshold")
+    assert threshold.get_ydata()[0] == hand_rec.thresholds["max_flushed_fraction"]
+    _save_png(ax, tmp_path)
+
+
+def test_what_if_accepts_a_table(hand):
+    from fp16probe.analysis import what_if
+
+    table = what_if(hand, "bf16", log2_scales=range(0, 5))
+    ax = plotting.plot_what_if(table, "bf16")
+    assert list(_by_gid(ax.lines, "what_if:flushed")[0].get_xdata()) == [0, 1, 2, 3, 4]
+    assert not [line for line in ax.lines if line.get_gid() == "recommendation"]
+
+
+def test_timeline_is_the_replayed_scale_with_skipped_steps(hand, hand_rec, tmp_path):
+    from fp16probe.replay import GRADSCALER_DEFAULTS, simulate
+
+    ax = plotting.plot_scale_timeline(hand, "fp16", recommendation=hand_rec, horizon=300, seed=1)
+    for label, kwargs in [("recommended", hand_rec.grad_scaler_kwargs),
+                          ("GradScaler default", GRADSCALER_DEFAULTS)]:
+        expected = simulate(hand.trace, "fp16", kwargs, horizon=300, seed=1)
+        (line,) = _by_gid(ax.lines, f"timeline:{label}")
+        assert list(line.get_ydata()) == list(expected.scales)
+        skipped = [i for i, s in enumerate(expected.skipped) if s]
+        marks = [m for m in ax.lines if m.get_gid() == f"skipped:{label}"]
+        assert (list(marks[0].get_xdata()) if marks else []) == skipped
+        assert f"({len(skipped)} skipped)" in line.get_label()
+    default_skips = sum(simulate(hand.trace, "fp16", GRADSCALER_DEFAULTS, horizon=300, seed=1).skipped)
+    assert default_skips > 0, "GradScaler's 2^16 overflows on the 2^10 gradient: its backoffs show"
+    _save_png(ax, tmp_path)
+
+
+def test_timeline_without_a_schedule_says_so(probed, probed_rec):
+    ax = plotting.plot_scale_timeline(probed, "bf16", horizon=50)
+    assert [line.get_gid() for line in ax.lines if line.get_gid().startswith("timeline:")] == [
+        "timeline:GradScaler default"]
+    assert _by_gid(ax.texts, "annotation:no_schedule")
+
+
+@pytest.mark.parametrize("ext, magic", [(".png", PNG_MAGIC), (".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_save_figures_writes_all_four_views(hand, hand_rec, tmp_path, ext, magic):
+    path = plotting.save_figures(hand, tmp_path / f"figures{ext}", recommendation=hand_rec)
+    assert path.read_bytes().startswith(magic)
+    fig = plotting.figure(hand, recommendation=hand_rec)
+    gids = {a.get_gid() for ax in fig.axes for a in (*ax.lines, *ax.patches, *ax.collections)}
+    assert {"histogram", "zeros", "heatmap", "what_if:flushed", "timeline:recommended"} <= gids
+    if ext == ".svg":
+        text = path.read_text(encoding="utf-8")
+        assert "bound:min_normal" in text, "gids survive into the SVG"
+
+
+def test_report_plot_all_views(hand):
+    fig = hand.plot()
+    assert len([ax for ax in fig.axes if ax.get_title()]) >= 4
