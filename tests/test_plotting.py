@@ -366,6 +366,7 @@ def test_timeline_without_a_schedule_says_so(probed, probed_rec):
     assert _by_gid(ax.texts, "annotation:no_schedule")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ext, magic", [(".png", PNG_MAGIC), (".svg", b"<?xml"), (".pdf", b"%PDF")])
 def test_save_figures_writes_all_four_views(hand, hand_rec, tmp_path, ext, magic):
     path = plotting.save_figures(hand, tmp_path / f"figures{ext}", recommendation=hand_rec)
