@@ -239,6 +239,17 @@ class Recommendation:
         d["growth_interval_table"] = _jsonable(self.growth_interval_table)
         return d
 
+    # -- presentation (rich and matplotlib load only when these are called) ---------
+    def _repr_html_(self) -> str:
+        from fp16probe.display import recommendation_html
+
+        return recommendation_html(self)
+
+    def __rich__(self) -> Any:
+        from fp16probe.display import recommendation_rich
+
+        return recommendation_rich(self)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Recommendation":
         if d.get("verdict") not in VERDICTS:

@@ -355,6 +355,23 @@ class Report:
     def with_recommendation(self, recommendation: Mapping[str, Any] | None) -> "Report":
         return replace(self, recommendation=recommendation)
 
+    # -- presentation (matplotlib and rich load only when these are called) ---------
+    def plot(self, which: str = "all", **kwargs: Any) -> Any:
+        """Return a matplotlib Figure of this report; see ``fp16probe.plotting.figure``."""
+        from fp16probe.plotting import figure
+
+        return figure(self, which=which, **kwargs)
+
+    def _repr_html_(self) -> str:
+        from fp16probe.display import report_html
+
+        return report_html(self)
+
+    def __rich__(self) -> Any:
+        from fp16probe.display import report_rich
+
+        return report_rich(self)
+
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

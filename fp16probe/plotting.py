@@ -1,0 +1,482 @@
+"""Pictures of a Report: the distribution against a format's range, and what scaling does.
+
+The only module that imports matplotlib; everything else imports this one lazily.
+Figures are built on ``matplotlib.figure.Figure`` directly, never on pyplot's global
+state, so a library call never opens a window or leaks a figure. Every plot function
+takes ``ax=None`` (a fresh Figure is made) and returns the Axes it drew on.
+
+The x-axis of the distribution and the heatmap is log2 of the magnitude: the bin ``e``,
+holding magnitudes in ``(2^(e-1), 2^e]``, spans ``[e - 1, e]``, so the format bounds,
+which are bin edges, fall on the bars' edges. Exact zeros get a bin of their own to the
+left of the axis, as in LIT-011's Figure 3.
+
+Artists that the tests (and anyone post-processing a figure) need to find carry a
+``gid``: ``bound:flush``, ``bound:min_normal``, ``bound:max``, ``region:<name>``,
+``zeros``, ``histogram``, ``histogram:scaled``, ``annotation:flushed_at_1``,
+``annotation:flushed_at_scale``, ``recommendation``, ``what_if:flushed``,
+``what_if:overflow``, ``timeline:<label>``, ``skipped:<label>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter
+
+from fp16probe.display import field as _get
+from fp16probe.display import flushed_fraction
+from fp16probe.display import resolve_recommendation as _resolve_recommendation
+from fp16probe.errors import Fp16ProbeError
+from fp16probe.formats import Format, get_format
+from fp16probe.histogram import MIN_EXP
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
+
+__all__ = [
+    "FIGURE_KINDS",
+    "figure",
+    "flushed_fraction",
+    "format_bounds",
+    "plot_distribution",
+    "plot_module_heatmap",
+    "plot_scale_timeline",
+    "plot_what_if",
+    "save_figures",
+]
+
+FIGURE_KINDS = ("all", "distribution", "heatmap", "what_if", "timeline")
+
+_SAVE_EXTENSIONS = (".png", ".svg", ".pdf")
+
+_REGION_COLORS = {
+    "flushes to zero": "#d9d9d9",
+    "subnormal": "#fde0b2",
+    "normal": "#d7f0d2",
+    "overflow": "#f8c9c4",
+}
+_MEASURED_COLOR = "#3b6ea8"
+_SCALED_COLOR = "#d1495b"
+
+
+# -- numbers the pictures show ---------------------------------------------------------
+def format_bounds(fmt: str | Format) -> dict[str, float]:
+    """Return the x positions (log2 magnitude) of a format's three bounds.
+
+    ``flush``: half the smallest subnormal, the largest magnitude that rounds to 0;
+    ``min_normal``; ``max``: the largest finite value (log2(65504) for fp16).
+    """
+    fmt = get_format(fmt)
+    return {
+        "flush": float(fmt.log2_flush_threshold),
+        "min_normal": float(fmt.log2_min_normal),
+        "max": math.log2(fmt.max),
+    }
+
+
+def _histogram_of(report: Report, kind: str) -> Histogram:
+    """The merged histogram of one kind; ``all`` is every gradient the loss scale multiplies."""
+    if kind == "all":
+        return report.histogram(ACTIVATION_GRAD) + report.histogram(WEIGHT_GRAD)
+    return report.histogram(kind)
+
+
+def _log2_scale_of(recommendation: Any) -> int | None:
+    k = _get(recommendation, "log2_scale")
+    return None if k is None else int(k)
+
+
+def _pct(fraction: float) -> str:
+    """Format a share as a percentage with three significant digits."""
+    if fraction == 0:
+        return "0%"
+    return f"{100 * fraction:.3g}%"
+
+
+def _scale_label(k: int) -> str:
+    return f"S = 2^{k} = {2.0**k:g}" if k >= 0 else f"S = 2^{k}"
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
+    if ax is not None:
+        return ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig.add_subplot()
+
+
+def _x_range(histograms: list[tuple[Histogram, int]], fmt: Format) -> tuple[int, int]:
+    """Integer x limits that hold every occupied bin (after its shift) and every bound."""
+    bounds = format_bounds(fmt)
+    lo = math.floor(bounds["flush"]) - 3
+    hi = math.ceil(bounds["max"]) + 5
+    for h, k in histograms:
+        if h.lowest_exp is not None:
+            lo = min(lo, h.lowest_exp + k - 2)
+            hi = max(hi, h.highest_exp + k + 1)
+    return lo, hi
+
+
+def _bin_values(h: Histogram, lo: int, hi: int, shift: int, denominator: int) -> np.ndarray:
+    """Shares of ``h`` shifted by ``shift`` bins, for bins ``lo + 1 .. hi``."""
+    out = np.zeros(hi - lo)
+    if not denominator:
+        return out
+    counts = np.asarray(h.counts, dtype=np.float64)
+    exps = np.arange(MIN_EXP, MIN_EXP + len(counts)) + shift
+    keep = (exps > lo) & (exps <= hi) & (counts > 0)
+    out[exps[keep] - lo - 1] = counts[keep] / denominator
+    return out
+
+
+def _log2_ticks(ax: Axes, lo: int, hi: int, zero_x: float | None) -> None:
+    span = hi - lo
+    step = 4 if span <= 60 else 8 if span <= 120 else 16 if span <= 240 else 32
+    ticks = [float(t) for t in range(math.ceil(lo / step) * step, hi + 1, step)]
+    labels = {t: f"$2^{{{int(t)}}}$" for t in ticks}
+    if zero_x is not None:  # keep the "0" label clear of its neighbour
+        ticks = [zero_x] + [t for t in ticks if t - zero_x >= 0.75 * step]
+        labels[zero_x] = "0"
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: labels.get(float(x), "")))
+
+
+def _draw_format(ax: Axes, fmt: Format, lo: float, hi: float, *, label_regions: bool) -> None:
+    bounds = format_bounds(fmt)
+    edges = [lo, bounds["flush"], bounds["min_normal"], bounds["max"], hi]
+    for (name, color), a, b in zip(_REGION_COLORS.items(), edges[:-1], edges[1:]):
+        if b <= a:
+            continue
+        ax.axvspan(a, b, color=color, alpha=0.6 if label_regions else 0.0, lw=0, zorder=0,
+                   gid=f"region:{name}")
+        if label_regions:
+            ax.text((a + b) / 2, 0.98, name, transform=ax.get_xaxis_transform(), ha="center",
+                    va="top", fontsize=8, color="#444444", gid=f"region-label:{name}", clip_on=True)
+    names = {"flush": f"{fmt.flush_threshold:.3g} (rounds to 0 at or below)",
+             "min_normal": f"min normal {fmt.min_normal:.3g}",
+             "max": f"max {fmt.max:g}"}
+    for key, x in bounds.items():
+        ax.axvline(x, color="#555555", lw=1, ls="--", zorder=3, gid=f"bound:{key}",
+                   label=f"{fmt.name} {names[key]}" if label_regions else None)
+
+
+# -- the Figure 3 view -------------------------------------------------------------------
+def plot_distribution(
+    report: Report | Histogram,
+    format: str | Format = "fp16",
+    *,
+    recommendation: Any = None,
+    log2_scale: int | None = None,
+    kind: str = ACTIVATION_GRAD,
+    ax: Axes | None = None,
+) -> Axes:
+    """Draw LIT-011's Figure 3 view: value shares per log2 bin against a format's regions.
+
+    Args:
+        report: a Report (its merged histogram of ``kind`` is drawn) or a Histogram.
+        format: the target format whose regions are shaded.
+        recommendation: a Recommendation (or its dict); its ``log2_scale`` is the S
+            drawn beside the measured histogram. Default: the report's stored one, or
+            ``fp16probe.analysis.analyze`` run on the report.
+        log2_scale: draw the histogram shifted by S = 2^log2_scale instead.
+        kind: which values of the report to draw.
+        ax: the Axes to draw on (default: a new Figure's).
+
+    The y-axis is the share of all values counted (zeros, infinities and NaNs
+    included); the annotations give the share of *nonzero* values that flush to zero.
+    """
+    fmt = get_format(format)
+    if isinstance(report, Histogram):
+        hist, source = report, None
+    else:
+        hist, source = _histogram_of(report, kind), report
+    if log2_scale is None:
+        recommendation = _resolve_recommendation(source, recommendation, fmt, kind)
+        log2_scale = _log2_scale_of(recommendation)
+    ax = _new_axes(ax, (9, 4.5))
+    total = hist.total
+    shifted = [(hist, 0)] + ([(hist, log2_scale)] if log2_scale else [])
+    lo, hi = _x_range(shifted, fmt)
+    zero_x = lo - 1.5
+    edges = np.arange(lo, hi + 1, dtype=np.float64)
+
+    _draw_format(ax, fmt, lo, hi, label_regions=True)
+    zero_share = hist.zero / total if total else 0.0
+    ax.bar([zero_x], [zero_share], width=1.0, color="#7f7f7f", edgecolor="black", lw=0.6,
+           zorder=4, gid="zeros", label=f"exact zeros ({_pct(zero_share)}; unchanged by S)")
+    ax.stairs(_bin_values(hist, lo, hi, 0, total), edges, fill=True, color=_MEASURED_COLOR,
+              alpha=0.75, zorder=4, gid="histogram", label="measured (S = 1)")
+    if log2_scale:
+        ax.stairs(_bin_values(hist, lo, hi, log2_scale, total), edges, fill=False,
+                  color=_SCALED_COLOR, lw=1.8, zorder=5, gid="histogram:scaled",
+                  label=f"scaled by {_scale_label(log2_scale)}")
+
+    n = hist.nonzero_finite
+    lines = [(0, "annotation:flushed_at_1",
+              f"flushed to zero at S = 1: {_pct(flushed_fraction(hist, fmt, 0))} of nonzero values "
+              f"({hist.flushed(fmt, 0):,} of {n:,})")]
+    if log2_scale:
+        lines.append((log2_scale, "annotation:flushed_at_scale",
+                      f"flushed at {_scale_label(log2_scale)}: "
+                      f"{_pct(flushed_fraction(hist, fmt, log2_scale))} "
+                      f"({hist.flushed(fmt, log2_scale):,} of {n:,})"
+                      + ("; OVERFLOWS" if hist.overflows(fmt, log2_scale) else "")))
+    for i, (_k, gid, text) in enumerate(lines):
+        ax.text(0.99, 0.86 - 0.07 * i, text, transform=ax.transAxes, ha="right", va="top",
+                fontsize=8.5, zorder=6, gid=gid,
+                bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#999999", "alpha": 0.9})
+    if hist.nonfinite:
+        ax.text(0.99, 0.86 - 0.07 * len(lines), f"not drawn: {hist.inf:,} inf, {hist.nan:,} NaN",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, gid="annotation:nonfinite")
+
+    ax.set_xlim(zero_x - 1.5, hi)
+    top = max([zero_share] + list(_bin_values(hist, lo, hi, 0, total)) or [0.0])
+    ax.set_ylim(0, max(top, 1e-9) * 1.35)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{100 * y:.0f}%" if top > 0.05
+                                               else f"{100 * y:.2g}%"))
+    _log2_ticks(ax, lo, hi, zero_x)
+    ax.set_xlabel("magnitude (log2 bins; bin 2^e holds (2^(e-1), 2^e])")
+    ax.set_ylabel("share of values")
+    what = kind.replace("_", " ")
+    ax.set_title(f"{what} magnitudes vs {fmt.name} ({total:,} values)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=7.5,
+              frameon=False)
+    return ax
+
+
+# -- per-module heatmap ------------------------------------------------------------------
+def plot_module_heatmap(
+    report: Report,
+    format: str | Format = "fp16",
+    *,
+    kind: str = ACTIVATION_GRAD,
+    max_modules: int | None = 60,
+    ax: Axes | None = None,
+) -> Axes:
+    """Draw each module's share of values per log2 bin (rows in forward order).
+
+    Row labels carry each module's flushed share at S = 1; the format's bounds are
+    vertical lines. ``max_modules`` keeps the worst modules (by flushed share) when
+    there are more, still in forward order.
+    """
+    fmt = get_format(format)
+    modules = list(report.modules_of(kind))
+    if max_modules is not None and len(modules) > max_modules:
+        worst = sorted(modules, key=lambda m: -flushed_fraction(m.histogram, fmt))[:max_modules]
+        keep = {id(m) for m in worst}
+        modules = [m for m in modules if id(m) in keep]
+    ax = _new_axes(ax, (9, max(2.5, 0.28 * len(modules) + 1.5)))
+    if not modules:
+        ax.text(0.5, 0.5, f"no {kind} records in this report", transform=ax.transAxes,
+                ha="center", va="center")
+        ax.set_axis_off()
+        return ax
+    lo, hi = _x_range([(m.histogram, 0) for m in modules], fmt)
+    # Columns: the zero bin on [lo-2, lo-1], a blank gap, then bins lo+1 .. hi.
+    edges = np.arange(lo - 2, hi + 1, dtype=np.float64)
+    grid = np.zeros((len(modules), len(edges) - 1))
+    for r, m in enumerate(modules):
+        total = m.histogram.total
+        if total:
+            grid[r, 0] = m.histogram.zero / total
+            grid[r, 2:] = _bin_values(m.histogram, lo, hi, 0, total)
+    masked = np.ma.masked_less_equal(grid, 0.0)
+    positive = grid[grid > 0]
+    norm = LogNorm(vmin=max(positive.min(), 1e-8), vmax=positive.max()) if positive.size else None
+    mesh = ax.pcolormesh(edges, np.arange(len(modules) + 1), masked, cmap="viridis", norm=norm,
+                         gid="heatmap")
+    _draw_format(ax, fmt, lo - 2, hi, label_regions=False)
+    for line in ax.lines:  # stand out on both the dark and the bright cells
+        line.set_color("#e8412c")
+        line.set_linewidth(1.3)
+    labels = [f"{m.name} [{m.module_type}]  ({_pct(flushed_fraction(m.histogram, fmt))})" for m in modules]
+    ax.set_yticks(np.arange(len(modules)) + 0.5, labels, fontsize=7)
+    ax.set_ylim(len(modules), 0)  # first module in forward order at the top
+    ax.set_xlim(lo - 2, hi)
+    _log2_ticks(ax, lo, hi, lo - 1.5)
+    ax.set_xlabel(f"magnitude (log2 bins); dashed: {fmt.name} flush, min normal, max")
+    ax.set_title(f"{kind.replace('_', ' ')} per module, forward order "
+                 f"(label: share flushed in {fmt.name} at S = 1)")
+    ax.figure.colorbar(mesh, ax=ax, label="share of the module's values", pad=0.01)
+    return ax
+
+
+# -- what-if curve -----------------------------------------------------------------------
+def plot_what_if(
+    report: Report | Any,
+    format: str | Format = "fp16",
+    *,
+    recommendation: Any = None,
+    kind: str = ACTIVATION_GRAD,
+    ax: Axes | None = None,
+) -> Axes:
+    """Draw the flushed share and the overflowing steps against log2 S.
+
+    ``report`` is a Report (``fp16probe.analysis.what_if`` is run on it) or a
+    WhatIfTable. The recommended log2 S is a vertical line; the overflow steps use the
+    right-hand axis.
+    """
+    fmt = get_format(format)
+    if isinstance(report, Report):
+        from fp16probe.analysis import what_if
+
+        table = what_if(report, fmt.name, kind=kind)
+        recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
+    else:
+        table = report
+    rows = list(table.rows)
+    ax = _new_axes(ax, (8, 4))
+    xs = [r.log2_scale for r in rows]
+    flushed = [r.flushed_fraction for r in rows]
+    ax.plot(xs, flushed, marker="o", ms=3, color=_MEASURED_COLOR, gid="what_if:flushed",
+            label="flushed share of nonzero values")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_ylim(0, 1.5)
+    ax.set_xlabel("log2 S (loss scale S = 2^k)")
+    ax.set_ylabel("flushed to zero (symlog)")
+    twin = ax.twinx()
+    overflow = [r.overflow_steps for r in rows]
+    twin.step(xs, overflow, where="mid", color=_SCALED_COLOR, gid="what_if:overflow",
+              label="steps that overflow")
+    twin.set_ylabel("steps with an overflow", color=_SCALED_COLOR)
+    twin.set_ylim(0, max(max(overflow, default=0), 1) * 1.15)
+    threshold = _get(_get(recommendation, "thresholds", {}), "max_flushed_fraction")
+    if threshold is not None:
+        ax.axhline(float(threshold), color="#777777", lw=0.8, ls=":", gid="threshold",
+                   label=f"tolerated flushed share ({_pct(float(threshold))})")
+    k = _log2_scale_of(recommendation)
+    if k is not None:
+        verdict = _get(recommendation, "verdict", "")
+        ax.axvline(k, color="black", lw=1.5, gid="recommendation",
+                   label=f"recommended: {_scale_label(k)} ({verdict})")
+    handles = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right", fontsize=8)
+    ax.set_title(f"what if: {fmt.name} at S = 2^k ({kind.replace('_', ' ')})")
+    return ax
+
+
+# -- scale timeline ----------------------------------------------------------------------
+def plot_scale_timeline(
+    report: Report,
+    format: str | Format = "fp16",
+    *,
+    recommendation: Any = None,
+    kind: str = ACTIVATION_GRAD,
+    horizon: int | None = None,
+    seed: int = 0,
+    ax: Axes | None = None,
+) -> Axes:
+    """Draw the replayed loss scale per step, recommended schedule beside GradScaler's default.
+
+    Both schedules are replayed by ``fp16probe.replay.simulate``, which draws the
+    report's profiled steps at random for ``horizon`` steps (its default when None);
+    skipped steps (an overflow threw the step away) are marked with crosses.
+    A scale the run itself recorded (it had a GradScaler) is drawn too.
+    """
+    from fp16probe.replay import GRADSCALER_DEFAULTS, simulate
+
+    fmt = get_format(format)
+    recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
+    ax = _new_axes(ax, (8, 4))
+    n = len(report.trace)
+    horizon_kw = {} if horizon is None else {"horizon": horizon}
+    schedules: list[tuple[str, Mapping[str, Any], str]] = []
+    kwargs = dict(_get(recommendation, "grad_scaler_kwargs", {}) or {})
+    if kwargs:
+        schedules.append(("recommended", kwargs, _SCALED_COLOR))
+    schedules.append(("GradScaler default", dict(GRADSCALER_DEFAULTS), "#555555"))
+    for label, kw, color in schedules:
+        result = simulate(report.trace, fmt.name, kw, seed=seed, kind=kind, **horizon_kw)
+        scales = np.asarray(result.scales, dtype=np.float64)
+        steps = np.arange(len(scales))
+        skipped = np.asarray(result.skipped, dtype=bool)
+        ax.step(steps, scales, where="post", color=color, lw=1.6, gid=f"timeline:{label}",
+                label=f"{label}: {_kwargs_label(kw)} ({int(skipped.sum())} skipped)")
+        if skipped.any():
+            ax.plot(steps[skipped], scales[skipped], "x", color=color, ms=7, mew=1.5,
+                    gid=f"skipped:{label}", label=f"{label}: skipped step")
+    measured = [s for s in report.trace.scale if s is not None]
+    if measured and len(measured) == n:
+        ax.step(np.arange(n), measured, where="post", color="#888888", ls=":",
+                gid="timeline:recorded", label="scale the run recorded")
+    if not kwargs:
+        verdict = _get(recommendation, "verdict", "no recommendation")
+        ax.text(0.02, 0.04, f"verdict {verdict}: no scaler to replay", transform=ax.transAxes,
+                fontsize=8, gid="annotation:no_schedule")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel(f"simulated step (the {n} profiled steps drawn at random, seed {seed})")
+    ax.set_ylabel("loss scale")
+    ax.set_title(f"loss scale per step in {fmt.name}: recommended vs GradScaler's default")
+    ax.legend(loc="best", fontsize=7.5)
+    return ax
+
+
+def _kwargs_label(kw: Mapping[str, Any]) -> str:
+    init = kw.get("init_scale")
+    init_s = f"2^{math.log2(init):g}" if init and init > 0 and math.log2(init).is_integer() else f"{init}"
+    return (f"init {init_s}, x{kw.get('growth_factor', '?')} every {kw.get('growth_interval', '?')}, "
+            f"x{kw.get('backoff_factor', '?')} on overflow")
+
+
+# -- figures and files -------------------------------------------------------------------
+def figure(
+    report: Report,
+    *,
+    which: str = "all",
+    recommendation: Any = None,
+    format: str | Format = "fp16",
+    kind: str = ACTIVATION_GRAD,
+) -> Figure:
+    """Return a Figure with one view (``distribution``, ``heatmap``, ``what_if``,
+    ``timeline``) or ``all`` of them in a 2x2 grid."""
+    if which not in FIGURE_KINDS:
+        raise Fp16ProbeError(f"unknown figure {which!r}: expected one of {', '.join(FIGURE_KINDS)}")
+    fmt = get_format(format)
+    recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
+    draw = {
+        "distribution": lambda ax: plot_distribution(report, fmt, recommendation=recommendation,
+                                                     kind=kind, ax=ax),
+        "heatmap": lambda ax: plot_module_heatmap(report, fmt, kind=kind, ax=ax),
+        "what_if": lambda ax: plot_what_if(report, fmt, recommendation=recommendation, kind=kind, ax=ax),
+        "timeline": lambda ax: plot_scale_timeline(report, fmt, recommendation=recommendation,
+                                                   kind=kind, ax=ax),
+    }
+    if which != "all":
+        fig = Figure(figsize=(9, 4.5), layout="constrained")
+        draw[which](fig.add_subplot())
+        return fig
+    fig = Figure(figsize=(17, 10), layout="constrained")
+    axes = fig.subplots(2, 2)
+    for name, ax in zip(("distribution", "heatmap", "what_if", "timeline"), axes.flat):
+        draw[name](ax)
+    fig.suptitle(f"fp16probe: {report.metadata.model_class}, {report.metadata.steps_seen} steps, "
+                 f"target {fmt.name}")
+    return fig
+
+
+def save_figures(
+    report: Report,
+    path: str | os.PathLike[str],
+    recommendation: Any = None,
+    format: str | Format = "fp16",
+    *,
+    kind: str = ACTIVATION_GRAD,
+    dpi: int = 120,
+) -> Path:
+    """Write every view of the report into one file; PNG, SVG or PDF by the extension."""
+    path = Path(path)
+    if path.suffix.lower() not in _SAVE_EXTENSIONS:
+        raise Fp16ProbeError(
+            f"cannot write figures to {str(path)!r}: expected a file name ending in "
+            f"{', '.join(_SAVE_EXTENSIONS)}; pick one of those extensions"
+        )
+    fig = figure(report, which="all", recommendation=recommendation, format=format, kind=kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
