@@ -277,7 +277,7 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     report = report.with_recommendation(rec.to_dict())
     report.save(out)
     if o["plot"] is not None:
-        _plotting().save_figures(report, o["plot"], recommendation=rec)
+        _plotting().save_figures(report, o["plot"], recommendation=rec, format=fmt, kind=kind)
     if o["json_out"]:
         sys.stdout.write(report.to_json() + "\n")
     else:
@@ -311,6 +311,29 @@ def show(
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
         render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
+
+
+@app.command()
+def plot(
+    report: ReportArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    debug: DebugOpt = False,
+) -> None:
+    """Draw the report: the Figure 3 view, per-module heatmap, what-if curve and scale timeline."""
+    from fp16probe import render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        _refuse_overwrite(output, [report], "--output")
+        plotting = _plotting()
+        if output.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise InputError(f"--output {output}: expected a .png, .svg or .pdf file name")
+        r = Report.load(report)
+        rec = _analyze(r, format.value, kind.value)
+        plotting.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+        console.print(f"figures written to {output}")
 
 
 @app.command()

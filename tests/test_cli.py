@@ -298,17 +298,40 @@ def test_recommend_text_and_json(demo_report):
     assert bf16["format"] == "bf16"
 
 
-@pytest.mark.parametrize("command", ["show", "recommend"])
+def test_plot_command_writes_each_format(demo_report):
+    before = demo_report.read_bytes()
+    for name in ("fig.png", "fig.svg", "fig.pdf"):
+        result = ok("plot", demo_report, "-o", name)
+        assert f"figures written to {name}" in result.stderr
+    assert Path("fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path("fig.svg").read_text().lstrip().startswith("<?xml")
+    assert Path("fig.pdf").read_bytes()[:5] == b"%PDF-"
+    assert demo_report.read_bytes() == before
+
+
+def test_plot_command_bad_output(demo_report):
+    result = run("plot", demo_report, "-o", "fig.txt")
+    assert result.exit_code == EXIT_USAGE
+    assert ".png, .svg or .pdf" in one_error_line(result)
+    before = demo_report.read_bytes()
+    result = run("plot", demo_report, "-o", demo_report)
+    assert result.exit_code == EXIT_USAGE
+    assert "would overwrite the input" in one_error_line(result)
+    assert demo_report.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["show", "recommend", "plot"])
 def test_report_errors(command, tmp_path):
+    extra = ["-o", "x.png"] if command == "plot" else []
     Path("other.json").write_text(json.dumps({"schema_version": 99, "metadata": {}}))
-    result = run(command, "other.json")
+    result = run(command, "other.json", *extra)
     assert result.exit_code == EXIT_USAGE
     assert "schema_version 99" in one_error_line(result)
     Path("trunc.json").write_text('{"schema_version": 1, "meta')
-    result = run(command, "trunc.json")
+    result = run(command, "trunc.json", *extra)
     assert result.exit_code == EXIT_USAGE
     assert "not valid JSON" in one_error_line(result)
-    result = run(command, "missing.json")
+    result = run(command, "missing.json", *extra)
     assert result.exit_code == EXIT_USAGE
 
 
