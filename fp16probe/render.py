@@ -233,12 +233,7 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
         f"[bold]{escape(meta.model_class)}[/bold]: {meta.steps_seen} step(s) in {meta.precision} on {meta.device}"
         + (" [yellow](partial)[/yellow]" if meta.partial else "")
     )
-    for key in ("inputs", "loss"):
-        if key in meta.extra:
-            console.print(f"  {key}: {escape(str(meta.extra[key]))}")
-    bad = meta.extra.get("nonfinite_loss_steps")
-    if bad:
-        console.print(f"[red]the loss was inf/NaN at step(s) {bad}[/red]")
+    _print_run_inputs(console, meta)
     h = report.histogram(kind)
     k = _get(rec, "log2_scale")
     console.print(_distribution_table(h, fmt, k, f"{kind}: {h.total:,} values against {fmt}"))
@@ -257,6 +252,18 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
     print_recommendation(console, rec)
 
 
+def _print_run_inputs(console: Any, meta: Any) -> None:
+    """Say where the inputs and loss came from, and flag a loss that went inf/NaN."""
+    from rich.markup import escape
+
+    for key in ("inputs", "loss"):
+        if key in meta.extra:
+            console.print(f"  {key}: {escape(str(meta.extra[key]))}")
+    bad = meta.extra.get("nonfinite_loss_steps")
+    if bad:
+        console.print(f"[red]finding: the loss was inf/NaN at step(s) {bad}; see the report[/red]")
+
+
 def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, out: str) -> None:
     """A short summary after a profile run."""
     from rich.markup import escape
@@ -269,12 +276,7 @@ def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, k
         f"profiled {state}{escape(meta.model_class)}: {meta.steps_seen} step(s), {len(meta.hooked_modules)} "
         f"module(s), {n:,} nonzero {kind} values, precision {meta.precision}"
     )
-    for key in ("inputs", "loss"):
-        if key in meta.extra:
-            console.print(f"  {key}: {escape(str(meta.extra[key]))}")
-    bad = meta.extra.get("nonfinite_loss_steps")
-    if bad:
-        console.print(f"[red]finding: the loss was inf/NaN at step(s) {bad}; see the report[/red]")
+    _print_run_inputs(console, meta)
     console.print(_worst_table(report, kind, fmt, _get(rec, "log2_scale"), 5))
     print_recommendation(console, rec)
     console.print(f"report written to {escape(out)}")
