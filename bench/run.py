@@ -64,17 +64,17 @@ class Sizes:
 
 FULL = Sizes(
     engine_numel=1 << 24,
-    engine_rounds=15,
-    conv_batch=32,
+    engine_rounds=9,
+    conv_batch=16,
     conv_image=32,
     conv_width=32,
     tf_batch=8,
-    tf_seq=128,
-    tf_dim=256,
-    tf_layers=4,
-    tf_vocab=2048,
-    step_rounds=7,
-    steps_per_round=2,
+    tf_seq=64,
+    tf_dim=192,
+    tf_layers=2,
+    tf_vocab=1024,
+    step_rounds=5,
+    steps_per_round=1,
     memory_steps=(10, 100, 1000),
 )
 QUICK = Sizes(
@@ -445,10 +445,17 @@ def format_table(r: dict) -> str:
 def run(sizes: Sizes) -> dict:
     """Run every section and return the results as plain data."""
     result = {"machine": machine(), "sizes": sizes.__dict__ | {"memory_steps": list(sizes.memory_steps)}}
-    result["engine"] = bench_engine(sizes)
-    result["steps"] = [bench_steps(w, sizes) for w in make_workloads(sizes)]
-    result["memory"] = bench_memory(sizes)
+    result["engine"] = _progress("engine", bench_engine, sizes)
+    result["steps"] = [_progress(w.name, bench_steps, w, sizes) for w in make_workloads(sizes)]
+    result["memory"] = _progress("memory", bench_memory, sizes)
     return result
+
+
+def _progress(what: str, fn: Callable, *args: object):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    print(f"  {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
