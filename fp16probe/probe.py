@@ -147,10 +147,22 @@ class _KindStats:
             self.step_key.index_copy_(0, rows, torch.stack(keys))
             self.pending_set = {}
         if self.pending_add:
-            idx, raws, keys = zip(*self.pending_add)
-            rows = torch.tensor(idx, dtype=torch.int64, device=self.device)
-            self.step_counts.index_add_(0, rows, torch.stack(raws))
-            self.step_key.scatter_reduce_(0, rows, torch.stack(keys), "amax")
+            # Merge repeats of a row first (a module called twice, gradient accumulation)
+            # so the rows are unique: gather + add + copy is far cheaper on the CPU than
+            # index_add_ over [rows, NUM_RAW], which runs as a serial scatter.
+            groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for i, raw, key in self.pending_add:
+                groups.setdefault(i, []).append((raw, key))
+            raws, keys = [], []
+            for g in groups.values():
+                raw, key = g[0]
+                for r, k in g[1:]:
+                    raw, key = raw + r, torch.maximum(key, k)
+                raws.append(raw)
+                keys.append(key)
+            rows = torch.tensor(list(groups), dtype=torch.int64, device=self.device)
+            self.step_counts.index_copy_(0, rows, self.step_counts.index_select(0, rows).add_(torch.stack(raws)))
+            self.step_key.index_copy_(0, rows, torch.maximum(self.step_key.index_select(0, rows), torch.stack(keys)))
             self.pending_add = []
 
     def close_step(self) -> None:
