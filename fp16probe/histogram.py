@@ -129,7 +129,8 @@ def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     synchronisation happens here. Non-fp32 inputs are converted to fp32 first (exact for
     fp16, bf16 and fp8; float64 rounds to fp32).
     """
-    x = x.detach()
+    if x.requires_grad:  # gradients seen in hooks usually do not: skip the dispatch
+        x = x.detach()
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
     flat = x.reshape(-1)
@@ -153,7 +154,13 @@ def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ones = torch.ones((), dtype=torch.int64, device=device).expand(n)
         counts.index_add_(0, idx, ones)
         return counts, key
-    ibuf, fbuf = _cpu_workspace(min(n, _CPU_CHUNK))
+    if n <= _CPU_CHUNK:
+        # One chunk: fresh small buffers cost less than slicing the workspace (a model
+        # has many small gradient tensors, and each dispatched op counts).
+        idx = torch.empty_like(bits)
+        key = _fill_raw_index(bits, idx, torch.empty_like(flat))
+        return torch.bincount(idx, minlength=NUM_RAW), key
+    ibuf, fbuf = _cpu_workspace(_CPU_CHUNK)
     counts = None
     key = None
     for start in range(0, n, _CPU_CHUNK):

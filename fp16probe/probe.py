@@ -66,6 +66,9 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
+_PENDING_LIMIT = 256  # results held before folding: 256 x 64 KiB at most per kind
+
+
 class _KindStats:
     """Device-side counters for one kind of value (activation grads, weight grads, ...)."""
 
@@ -80,6 +83,10 @@ class _KindStats:
         self.total_key: torch.Tensor | None = None  # [M]
         self.trace_counts: list[torch.Tensor] = []  # per finished step: [NUM_BINS]
         self.trace_key: list[torch.Tensor] = []  # per finished step: [M]
+        # Results not yet folded into step_counts: folding them in batches costs a few
+        # ops per batch instead of four per tensor (a model has many small tensors).
+        self.pending_add: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.pending_set: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dirty = False
 
     def register(self, name: str, type_name: str) -> int:
@@ -123,19 +130,48 @@ class _KindStats:
         if raw.device != self.device:
             raw = raw.to(self.device, non_blocking=True)
             key = key.to(self.device, non_blocking=True)
-        row = self.step_counts[i]
         if replace:  # the last accumulated value of a parameter's grad wins within a step
-            row.copy_(raw)
-            self.step_key[i].copy_(key)
+            if self.pending_add and any(j == i for j, _, _ in self.pending_add):
+                self.pending_add = [e for e in self.pending_add if e[0] != i]
+            self.pending_set[i] = (raw, key)
         else:
-            row.add_(raw)
-            torch.maximum(self.step_key[i], key, out=self.step_key[i])
+            self.pending_add.append((i, raw, key))
+            if len(self.pending_add) >= _PENDING_LIMIT:  # bounds the memory held
+                self.flush()
         self.dirty = True
+
+    def flush(self) -> None:
+        """Fold pending results into the step counters: replaced rows first, then sums."""
+        if self.pending_set:
+            rows = torch.tensor(list(self.pending_set), dtype=torch.int64, device=self.device)
+            raws, keys = zip(*self.pending_set.values())
+            self.step_counts.index_copy_(0, rows, torch.stack(raws))
+            self.step_key.index_copy_(0, rows, torch.stack(keys))
+            self.pending_set = {}
+        if self.pending_add:
+            # Merge repeats of a row first (a module called twice, gradient accumulation)
+            # so the rows are unique: gather + add + copy is far cheaper on the CPU than
+            # index_add_ over [rows, NUM_RAW], which runs as a serial scatter.
+            groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for i, raw, key in self.pending_add:
+                groups.setdefault(i, []).append((raw, key))
+            raws, keys = [], []
+            for g in groups.values():
+                raw, key = g[0]
+                for r, k in g[1:]:
+                    raw, key = raw + r, torch.maximum(key, k)
+                raws.append(raw)
+                keys.append(key)
+            rows = torch.tensor(list(groups), dtype=torch.int64, device=self.device)
+            self.step_counts.index_copy_(0, rows, self.step_counts.index_select(0, rows).add_(torch.stack(raws)))
+            self.step_key.index_copy_(0, rows, torch.maximum(self.step_key.index_select(0, rows), torch.stack(keys)))
+            self.pending_add = []
 
     def close_step(self) -> None:
         """Fold this step into the totals and the trace; clear the step counters."""
         if self.device is None:
             return
+        self.flush()
         self.total_counts += self.step_counts
         torch.maximum(self.total_key, self.step_key, out=self.total_key)
         self.trace_counts.append(canonical_counts(self.step_counts.sum(0)))

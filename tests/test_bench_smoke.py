@@ -1,0 +1,67 @@
+"""Keep the benchmark from rotting: run its code path with tiny sizes (timings mean nothing here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import run as bench  # noqa: E402
+
+TINY = dataclasses.replace(
+    bench.QUICK, engine_rounds=1, step_rounds=1, memory_steps=(1, 2, 5)
+)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(bench, "QUICK", TINY)
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    loaded = json.loads(out.read_text())
+    assert "probe/1" in capsys.readouterr().out
+    assert loaded["engine"]["numel"] == TINY.engine_numel
+    assert {m["model"] for m in loaded["steps"]} == {"convnet", "transformer"}
+    for m in loaded["steps"]:
+        assert set(m["ratio_to_plain"]) == {"probe_every1", "probe_every10", "tensorboard_numpy", "wandb_histc_item"}
+        assert all(v > 0 for v in m["step_ms"].values())
+    table = bench.format_table(loaded)
+    assert "probe/1" in table and "memory held by the Probe" in table
+
+
+def test_probe_memory_grows_only_by_the_trace() -> None:
+    mem = bench.bench_memory(TINY)
+    by = mem["by_steps"]
+    assert mem["fixed_bytes_constant"]
+    # The trace grows by the same number of bytes every step: one histogram and one max
+    # per module and kind, nothing that depends on tensor sizes or on earlier steps.
+    t1, t2, t5 = (by[str(n)]["trace_bytes"] for n in (1, 2, 5))
+    assert t2 - t1 == mem["trace_bytes_per_step"]
+    assert t5 - t2 == 3 * (t2 - t1)
+    assert t1 == t2 - t1
+
+
+def test_usual_ways_run_on_the_same_hooks() -> None:
+    import torch
+
+    seen: list[tuple[int, ...]] = []
+    model = bench.ConvNet(2)
+    hooks = bench.TensorHooks(model, lambda t: seen.append(tuple(t.shape)))
+    try:
+        torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 8, 8)), torch.tensor([0, 1])).backward()
+    finally:
+        hooks.remove()
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    params = list(model.parameters())
+    # Every leaf's output gradient (Identity passes its input through) and every weight gradient.
+    assert len(seen) >= len(params) + len(leaves) - 1
+    bench.tensorboard_way(torch.randn(10))
+    bench.wandb_way(torch.randn(10))

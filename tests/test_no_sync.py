@@ -1,0 +1,184 @@
+"""No host synchronisation inside the Probe's hooks.
+
+On the CPU there is no device to wait for, so the CPU test catches the calls that would
+synchronise on an accelerator: while a probed forward and backward run, the Tensor methods
+that bring a value to the host are replaced by a wrapper that records (and raises) when
+it is called from fp16probe's own code. On a CUDA machine a second test runs probed steps
+under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fp16probe
+from fp16probe import Probe
+from fp16probe import histogram as histogram_module
+
+PACKAGE_DIR = str(Path(fp16probe.__file__).resolve().parent)
+
+# Tensor methods that copy a value to the host (or size an output from data, which does
+# the same on an accelerator).
+SYNCING_METHODS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__array__",
+    "__format__",
+    "__repr__",
+    "nonzero",
+    "masked_select",
+    "unique",
+)
+SYNCING_FUNCTIONS = ("nonzero", "masked_select", "unique")
+
+
+class SyncCalled(AssertionError):
+    pass
+
+
+def _called_from_package() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def forbid_host_sync() -> Iterator[list[str]]:
+    """Record every syncing call made from fp16probe's code while the block runs."""
+    calls: list[str] = []
+    saved = []
+
+    def guard(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+
+        def wrapper(*args, **kwargs):
+            if _called_from_package():
+                calls.append(name)
+                raise SyncCalled(f"fp16probe called {name} during a probed step")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    try:
+        for name in SYNCING_METHODS:
+            guard(torch.Tensor, name)
+        for name in SYNCING_FUNCTIONS:
+            guard(torch, name)
+        yield calls
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.conv(x)))  # [B, 4, 4, 4]
+        seq = h.flatten(2).transpose(1, 2).reshape(x.shape[0], 8, 8)
+        a, _ = self.attn(seq, seq, seq)
+        return self.head(self.norm(a + seq)).mean(1)
+
+
+def _probed_steps(model: nn.Module, x: torch.Tensor, probe: Probe, steps: int, *, guard: bool) -> list[str]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    calls: list[str] = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ctx = forbid_host_sync() if guard else contextlib.nullcontext([])
+        with ctx as seen:
+            model(x).square().mean().backward()
+        calls += seen
+        opt.step()
+        with forbid_host_sync() if guard else contextlib.nullcontext([]) as seen:
+            probe.step()
+        calls += seen
+    return calls
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_hooks_never_bring_values_to_the_host(activations: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 4, 4)
+    with Probe(model, activations=activations) as probe:
+        calls = _probed_steps(model, x, probe, 3, guard=True)
+    assert calls == []
+    report = probe.report()  # after the steps, syncing is allowed and expected
+    assert "hook_errors" not in report.metadata.extra
+    assert report.histogram("activation_grad").total > 0
+    assert report.histogram("weight_grad").total > 0
+
+
+def test_a_syncing_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard must see a sync in the engine, or the test above proves nothing."""
+    real = histogram_module.raw_histogram
+
+    def syncing(x: torch.Tensor):
+        x.abs().amax().item()
+        return real(x)
+
+    monkeypatch.setattr("fp16probe.probe.raw_histogram", syncing)
+    torch.manual_seed(0)
+    model = _Net()
+    with Probe(model) as probe, pytest.warns(RuntimeWarning, match="hook failed"):
+        calls = _probed_steps(model, torch.randn(2, 3, 4, 4), probe, 1, guard=True)
+    assert "item" in calls
+
+
+def test_guard_lets_user_code_sync() -> None:
+    with forbid_host_sync() as calls:
+        assert torch.ones(()).item() == 1.0
+        assert bool(torch.ones(()))
+    assert calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_probed_steps_under_sync_debug_error() -> None:
+    torch.manual_seed(0)
+    model = _Net().cuda()
+    x = torch.randn(2, 3, 4, 4, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda")
+    with Probe(model, scaler=scaler) as probe:
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                scaler.scale(loss).backward()
+                probe.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            scaler.step(opt)  # GradScaler's own inf check syncs, by design: outside the guard
+            scaler.update()
+    report = probe.report()
+    assert "hook_errors" not in report.metadata.extra
+    assert report.histogram("activation_grad").total > 0
