@@ -25,7 +25,7 @@ def _run(args, cwd):
 @pytest.mark.slow
 def test_torchrun_profile_merges_two_ranks(tmp_path):
     merged_path = tmp_path / "merged.json"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
           "-m", "fp16probe", "profile", "--steps", "2", "--out", str(merged_path)], tmp_path)
     singles = []
     for seed in (0, 1):  # what rank 0 and rank 1 ran: the demo data seeded with --seed + rank
