@@ -412,13 +412,22 @@ def machine() -> dict:
         "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.is_available(),
+        "cpu_engine": _cpu_engine(),
     }
+
+
+def _cpu_engine() -> str:
+    """The CPU engine the Probe uses here (set FP16PROBE_CPU_ENGINE=torch|numba to choose)."""
+    from fp16probe import histogram
+
+    return "numba" if histogram._use_numba() else "torch"
 
 
 def format_table(r: dict) -> str:
     e = r["engine"]
     lines = [
-        f"machine: {r['machine']['cpu']}, nproc={r['machine']['nproc']}, torch {r['machine']['torch']}",
+        f"machine: {r['machine']['cpu']}, nproc={r['machine']['nproc']}, torch {r['machine']['torch']},"
+        f" CPU engine: {r['machine']['cpu_engine']}",
         "",
         f"engine on {e['numel']:,} fp32: {e['engine_ms']:.1f} ms vs abs().amax() {e['amax_ms']:.1f} ms"
         f" -> {e['ratio']:.2f}x (rounds: {e['ratio_min']:.2f}-{e['ratio_max']:.2f}x)",

@@ -26,8 +26,10 @@ canonical bins once, when a report is made (:func:`canonical_counts`).
 
 from __future__ import annotations
 
+import os
 import threading
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -67,6 +69,10 @@ _RAW_MASK = NUM_RAW - 1
 _CPU_CHUNK = 1 << 18
 
 _workspaces = threading.local()
+
+# Which CPU engine counts: "numba" (one fused pass, needs numba), "torch" (eager ops),
+# or "auto" (numba when installed). Both give identical counts; tests run both.
+CPU_ENGINE = os.environ.get("FP16PROBE_CPU_ENGINE", "auto")
 
 
 def _bin_index_of(row: int, col: int) -> int:
@@ -154,6 +160,12 @@ def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ones = torch.ones((), dtype=torch.int64, device=device).expand(n)
         counts.index_add_(0, idx, ones)
         return counts, key
+    if _use_numba():
+        from fp16probe import _cpu_kernel
+
+        counts_np, largest = _cpu_kernel.count(bits.numpy())
+        key = np.array(largest + _ROW_OFFSET if largest >= 0 else -1, dtype=np.int32)
+        return torch.from_numpy(counts_np), torch.from_numpy(key)
     if n <= _CPU_CHUNK:
         # One chunk: fresh small buffers cost less than slicing the workspace (a model
         # has many small gradient tensors, and each dispatched op counts).
@@ -175,6 +187,16 @@ def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             counts += chunk_counts
             key = torch.maximum(key, chunk_key)
     return counts, key
+
+
+def _use_numba() -> bool:
+    if CPU_ENGINE == "torch":
+        return False
+    from fp16probe import _cpu_kernel
+
+    if CPU_ENGINE == "numba" and not _cpu_kernel.available():
+        raise ImportError("FP16PROBE_CPU_ENGINE=numba needs numba: pip install 'fp16probe[fast]'")
+    return _cpu_kernel.available()
 
 
 def canonical_counts(raw: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,17 @@ from fp16probe.probe import _histogram_from
 from fp16probe.report import Histogram
 
 KS = range(-40, 41)
+
+
+@pytest.fixture(autouse=True, params=["torch", "numba"])
+def engine(request, monkeypatch):
+    """Run every test on both CPU engines: eager torch ops and the fused numba kernel."""
+    from fp16probe import _cpu_kernel, histogram
+
+    if request.param == "numba" and not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(histogram, "CPU_ENGINE", request.param)
+    return request.param
 FP32_MIN_NORMAL = 2.0**-126
 
 
@@ -169,14 +180,15 @@ def test_every_fp32_subnormal_binade_and_power_of_two():
     assert h.count(128) == 1
 
 
-def test_large_tensor_crosses_cpu_chunks():
-    x = torch.randn(3 * (1 << 18) + 17) * 1e-4
+def test_large_tensor_crosses_cpu_chunks_and_threads():
+    x = torch.randn(3 * (1 << 18) + 17) * 1e-4  # past both engines' split points
     x[5] = float("inf")
     x[(1 << 18) + 3] = float("nan")
     x[-1] = 0.0
+    x[-2] = 2.0**-140  # an fp32 subnormal in the last part
     h = histogram_of(x)
     assert h.total == x.numel()
-    assert (h.inf, h.nan) == (1, 1)
+    assert (h.inf, h.nan) == (1, 1) and h.count(-140) == 1  # 2^-140 is the top of bin -140
     finite = x[torch.isfinite(x)]
     assert h.max_abs == finite.abs().max().item()
     assert h.zero == int((x == 0).sum())
@@ -192,6 +204,21 @@ def test_empty_and_noncontiguous_inputs():
     assert histogram_of(torch.empty(0)).total == 0
     m = torch.randn(64, 64)
     assert histogram_of(m.t()) == histogram_of(m.t().contiguous())
+
+
+def test_engines_agree_on_random_bit_patterns(monkeypatch):
+    from fp16probe import _cpu_kernel, histogram
+
+    if not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    bits = torch.randint(-(2**31), 2**31 - 1, (300_000,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)  # every kind of value: subnormals, inf, NaN payloads, -0.0
+    results = []
+    for name in ("torch", "numba"):
+        monkeypatch.setattr(histogram, "CPU_ENGINE", name)
+        raw, key = raw_histogram(x)
+        results.append((canonical_counts(raw).tolist(), int(key)))
+    assert results[0] == results[1]
 
 
 def test_histogram_stays_on_device_and_merges_by_addition():

@@ -49,6 +49,18 @@ class SyncCalled(AssertionError):
     pass
 
 
+@pytest.fixture(autouse=True)
+def _device_code_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Check the engine that runs on accelerators.
+
+    On the CPU the numba kernel reads the tensor's memory through ``.numpy()``; a CPU
+    tensor has no device to synchronise with, and accelerators never take that path.
+    """
+    from fp16probe import histogram
+
+    monkeypatch.setattr(histogram, "CPU_ENGINE", "torch")
+
+
 def _called_from_package() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
