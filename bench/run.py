@@ -284,11 +284,11 @@ def bench_engine(s: Sizes) -> dict:
 
 
 def bench_steps(w: Workload, s: Sizes) -> dict:
-    """Time a train step plain, with the Probe (every=1, every=10) and with the usual ways."""
+    """Time a train step plain, with the Probe (every=1, every=10, op-level) and with the usual ways."""
 
-    def with_probe(every: int) -> Callable[[], Callable[[], None]]:
+    def with_probe(every: int, granularity: str = "module") -> Callable[[], Callable[[], None]]:
         def attach() -> Callable[[], None]:
-            p = Probe(w.model, every=every).start()
+            p = Probe(w.model, every=every, granularity=granularity).start()
 
             def run() -> None:
                 w.step()
@@ -317,6 +317,7 @@ def bench_steps(w: Workload, s: Sizes) -> dict:
         "plain": plain,
         "probe_every1": with_probe(1),
         "probe_every10": with_probe(10),
+        "probe_op_level": with_probe(1, "op"),
         "tensorboard_numpy": with_hooks(tensorboard_way),
         "wandb_histc_item": with_hooks(wandb_way),
     }
@@ -433,14 +434,14 @@ def format_table(r: dict) -> str:
         f" -> {e['ratio']:.2f}x (rounds: {e['ratio_min']:.2f}-{e['ratio_max']:.2f}x)",
         f"engine on a {e['small_tensor_numel']}-element tensor: {e['small_tensor_us']:.0f} us per call",
         "",
-        f"{'model':<12} {'plain ms':>9} {'probe/1':>8} {'probe/10':>9} {'tb+numpy':>9} {'histc+item':>11}"
+        f"{'model':<12} {'plain ms':>9} {'probe/1':>8} {'probe/10':>9} {'op-level':>9} {'tb+numpy':>9} {'histc+item':>11}"
         f" {'numpy cost / probe cost':>24}",
     ]
     for m in r["steps"]:
         q = m["ratio_to_plain"]
         lines.append(
             f"{m['model']:<12} {m['step_ms']['plain']:>9.1f} {q['probe_every1']:>7.3f}x {q['probe_every10']:>8.3f}x"
-            f" {q['tensorboard_numpy']:>8.3f}x {q['wandb_histc_item']:>10.3f}x"
+            f" {q['probe_op_level']:>8.3f}x {q['tensorboard_numpy']:>8.3f}x {q['wandb_histc_item']:>10.3f}x"
             f" {m['numpy_cost_over_probe_cost']:>23.1f}x"
         )
     mem = r["memory"]

@@ -31,7 +31,8 @@ def test_benchmark_runs_and_writes_json(
     assert loaded["engine"]["numel"] == TINY.engine_numel
     assert {m["model"] for m in loaded["steps"]} == {"convnet", "transformer"}
     for m in loaded["steps"]:
-        assert set(m["ratio_to_plain"]) == {"probe_every1", "probe_every10", "tensorboard_numpy", "wandb_histc_item"}
+        assert set(m["ratio_to_plain"]) == {"probe_every1", "probe_every10", "probe_op_level", "tensorboard_numpy",
+                                             "wandb_histc_item"}
         assert all(v > 0 for v in m["step_ms"].values())
     table = bench.format_table(loaded)
     assert "probe/1" in table and "memory held by the Probe" in table
