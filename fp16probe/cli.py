@@ -267,6 +267,14 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     }
     if result.exhausted:
         extra["notes"] = notes + [f"the batches ran out after {result.steps_done} step(s)"]
+    if result.updates is not None:
+        from fp16probe.analysis import weight_update_loss
+
+        lost = weight_update_loss(result.weights_before, result.updates, format=fmt)
+        wul = lost.to_dict()
+        wul.pop("parameters")
+        wul["measured_on"] = "the last optimizer step that moved the weights"
+        extra["weight_update_loss"] = wul
     if is_dist:
         extra["batches_per_rank"] = "synthetic inputs seeded with --seed + rank" if batch_src.synthetic else (
             "each rank ran the batches it was given")

@@ -233,7 +233,7 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
         f"[bold]{escape(meta.model_class)}[/bold]: {meta.steps_seen} step(s) in {meta.precision} on {meta.device}"
         + (" [yellow](partial)[/yellow]" if meta.partial else "")
     )
-    _print_run_inputs(console, meta)
+    _print_run_context(console, meta)
     h = report.histogram(kind)
     k = _get(rec, "log2_scale")
     console.print(_distribution_table(h, fmt, k, f"{kind}: {h.total:,} values against {fmt}"))
@@ -252,8 +252,9 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
     print_recommendation(console, rec)
 
 
-def _print_run_inputs(console: Any, meta: Any) -> None:
-    """Say where the inputs and loss came from, and flag a loss that went inf/NaN."""
+def _print_run_context(console: Any, meta: Any) -> None:
+    """Say where the inputs and loss came from, flag a loss that went inf/NaN, and give the
+    weight-update check when the run trained."""
     from rich.markup import escape
 
     for key in ("inputs", "loss"):
@@ -262,6 +263,9 @@ def _print_run_inputs(console: Any, meta: Any) -> None:
     bad = meta.extra.get("nonfinite_loss_steps")
     if bad:
         console.print(f"[red]finding: the loss was inf/NaN at step(s) {bad}; see the report[/red]")
+    wul = meta.extra.get("weight_update_loss")
+    if wul:
+        console.print(f"weight updates ({escape(str(wul['measured_on']))}): {escape(str(wul['text']))}")
 
 
 def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, out: str) -> None:
@@ -276,7 +280,7 @@ def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, k
         f"profiled {state}{escape(meta.model_class)}: {meta.steps_seen} step(s), {len(meta.hooked_modules)} "
         f"module(s), {n:,} nonzero {kind} values, precision {meta.precision}"
     )
-    _print_run_inputs(console, meta)
+    _print_run_context(console, meta)
     console.print(_worst_table(report, kind, fmt, _get(rec, "log2_scale"), 5))
     print_recommendation(console, rec)
     console.print(f"report written to {escape(out)}")

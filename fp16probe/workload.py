@@ -84,6 +84,10 @@ class RunResult:
     exhausted: bool = False
     nonfinite_loss_steps: tuple[int, ...] = ()
     losses: tuple[float, ...] = field(default=(), repr=False)
+    # With an optimizer: the weights before the last step that updated them, and that
+    # step's update (new minus old), for the weight-update check of LIT-011.
+    weights_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    updates: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -281,6 +285,8 @@ def run_profile(
     optimizer = make_optimizer(model, settings.optimizer, settings.lr) if settings.optimizer else None
     nonfinite: list[int] = []
     losses: list[float] = []
+    before: dict[str, torch.Tensor] | None = None
+    updates: dict[str, torch.Tensor] | None = None
     done = 0
     exhausted = False
     model.train()
@@ -323,19 +329,25 @@ def run_profile(
                 )
             (scaler.scale(value) if scaler is not None else value).backward()
             if optimizer is not None:
+                snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
                 if scaler is not None:
                     scaler.step(optimizer)  # skips the step itself on inf/NaN gradients
                     scaler.update()
                 elif math.isfinite(loss_val):
                     optimizer.step()
+                moved = {n: p.detach() - snapshot[n] for n, p in model.named_parameters() if n in snapshot}
+                if any(bool(u.any()) for u in moved.values()):  # a skipped step moves nothing
+                    before, updates = snapshot, moved
             model.zero_grad(set_to_none=True)
             probe.step()
             done += 1
             if on_step is not None:
                 on_step(done)
     except KeyboardInterrupt:
-        return RunResult(done, interrupted=True, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses))
-    return RunResult(done, exhausted=exhausted, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses))
+        return RunResult(done, interrupted=True, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses),
+                         weights_before=before, updates=updates)
+    return RunResult(done, exhausted=exhausted, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses),
+                     weights_before=before, updates=updates)
 
 
 def _describe(batch: Any) -> str:

@@ -175,6 +175,22 @@ def test_optimizer_trains(tmp_path):
     assert Report.load("r.json").metadata.extra["optimizer"] == {"name": "sgd", "lr": 0.1}
 
 
+def test_training_reports_lost_weight_updates(tmp_path):
+    common = ["profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss",
+              "cli_models:mse_loss", "--steps", "2"]
+    fractions = {}
+    for lr in ("1e-7", "0.1"):
+        result = ok(*common, "--optimizer", "sgd", "--lr", lr, "--out", f"r{lr}.json")
+        wul = Report.load(f"r{lr}.json").metadata.extra["weight_update_loss"]
+        assert wul["format"] == "fp16" and 0 <= wul["lost"] <= wul["nonzero_updates"] <= wul["elements"]
+        assert "weight updates" in result.stderr
+        fractions[lr] = wul["lost_fraction"]
+    # Updates 10^6 times smaller vanish against fp16 weights far more often.
+    assert fractions["1e-7"] > 0.9 and fractions["0.1"] < fractions["1e-7"]
+    ok(*common, "--out", "none.json")
+    assert "weight_update_loss" not in Report.load("none.json").metadata.extra
+
+
 def test_ctrl_c_writes_partial_report(tmp_path):
     result = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:interrupting_batches",
                  "--loss", "cli_models:mse_loss", "--steps", "10", "--out", "r.json")
