@@ -180,6 +180,22 @@ class _KindStats:
         self.step_key.fill_(-1)
         self.dirty = False
 
+    def snapshot(self, open_step: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Totals and trace rows, with the open step included when ``open_step``, changing nothing.
+
+        The open step stays open: more values may still arrive in it (report() called
+        mid-step), and closing it here would count them twice.
+        """
+        if not open_step:
+            return self.total_counts, self.total_key, self.trace_counts, self.trace_key
+        self.flush()  # folds pending results into the step counters; idempotent
+        return (
+            self.total_counts + self.step_counts,
+            torch.maximum(self.total_key, self.step_key),
+            self.trace_counts + [canonical_counts(self.step_counts.sum(0))],
+            self.trace_key + [self.step_key.clone()],
+        )
+
     def pad_step(self) -> None:
         """Record an empty trace row, so every kind has one row per finished step."""
         if self.device is None:
@@ -489,24 +505,27 @@ class Probe:
     def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None) -> Report:
         """Bring the statistics to the host (one transfer per device) and return a Report.
 
-        A step still open (recorded but not yet closed by :meth:`step`) is included.
+        A step still open (recorded but not yet closed by :meth:`step`) is included
+        without closing it, so calling report() twice, or mid-step and then again after
+        :meth:`step`, never counts a value twice.
         This synchronises with the device; call it outside the training hot path.
         """
         with self._lock:
-            if self._step_dirty:
-                self._close_step()
+            open_step = self._step_dirty
+            trace_steps = self._trace_steps + ([self._step_index] if open_step else [])
+            trace_scale = self._trace_scale + ([self._step_scale] if open_step else [])
             modules: list[ModuleStats] = []
             trace_hists: dict[str, tuple[Histogram, ...]] = {}
             module_max: dict[str, dict[str, tuple[float, ...]]] = {}
-            n_steps = len(self._trace_steps)
+            n_steps = len(trace_steps)
             order = {n: i for i, n in enumerate(self.hooked_modules)}
             for kind, stats in self._stats.items():
                 if not self._capture[kind] or stats.device is None:
                     continue
-                total = canonical_counts(stats.total_counts)
-                keys = stats.total_key
-                trace = torch.stack(stats.trace_counts) if stats.trace_counts else None
-                trace_key = torch.stack(stats.trace_key) if stats.trace_key else None
+                total_counts, keys, trace_counts, trace_keys = stats.snapshot(open_step)
+                total = canonical_counts(total_counts)
+                trace = torch.stack(trace_counts) if trace_counts else None
+                trace_key = torch.stack(trace_keys) if trace_keys else None
                 host = [t.cpu() if t is not None else None for t in (total, keys, trace, trace_key)]
                 total_h, keys_h, trace_h, trace_key_h = [
                     t.tolist() if t is not None else None for t in host
@@ -531,7 +550,7 @@ class Probe:
                         name: tuple(max_abs_from_key(r[i]) for r in trace_key_h)
                         for i, name in enumerate(stats.names)
                     }
-            scales = [s for s in self._trace_scale]
+            scales = trace_scale
             scale_vals = (
                 torch.stack([s.float().reshape(()).cpu() for s in scales if s is not None]).tolist()
                 if any(s is not None for s in scales)
@@ -544,7 +563,7 @@ class Probe:
                 for i in range(n_steps)
             )
             trace = StepTrace(
-                steps=tuple(self._trace_steps),
+                steps=tuple(trace_steps),
                 histograms=trace_hists,
                 module_max=module_max,
                 scale=scale_host,

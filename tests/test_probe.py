@@ -316,3 +316,32 @@ def test_precision_is_detected_from_autocast():
             model(torch.randn(2, 4)).float().sum().backward()
         probe.step()
     assert probe.report().metadata.precision == "bf16-autocast"
+
+
+def test_report_mid_step_and_twice_counts_nothing_twice():
+    # report() between two micro-batches of one step, then step(), then report() twice:
+    # the step appears once and the weight gradient once (its last accumulated value).
+    model = nn.Linear(3, 2)
+    xs = [torch.randn(2, 3) for _ in range(4)]
+    with Probe(model) as probe:
+        model(xs[0]).sum().backward()
+        model(xs[1]).sum().backward()
+        probe.step()
+        model.zero_grad()
+        model(xs[2]).sum().backward()
+        mid = probe.report()
+        model(xs[3]).sum().backward()
+        probe.step()
+    first, second = probe.report(), probe.report()
+    assert mid.trace.steps == (0, 1) and mid.metadata.steps_seen == 2
+    assert mid.module("weight", WEIGHT_GRAD).histogram.total == 2 * 6
+    for report in (first, second):
+        assert report.trace.steps == (0, 1)
+        assert report.metadata.steps_seen == 2
+        assert report.module("weight", WEIGHT_GRAD).histogram.total == 2 * 6
+        assert report.module("(model)", ACTIVATION_GRAD).histogram.total == 4 * 4
+        assert [h.total for h in report.trace.histograms[ACTIVATION_GRAD]] == [8, 8]
+    from tests.test_histogram import histogram_of
+
+    both = torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()])
+    assert first.trace.histograms[WEIGHT_GRAD][1].counts == histogram_of(both).counts
