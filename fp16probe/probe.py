@@ -119,12 +119,16 @@ class _KindStats:
         self.total_key = torch.cat([self.total_key, k])
         self.trace_key = [torch.cat([t, k.new_full((extra,), -1)]) for t in self.trace_key]
 
-    def ensure(self, device: torch.device) -> None:
+    def ensure(self, device: torch.device, closed_steps: int = 0) -> None:
         if self.device is None:
             self.device = device
             rows = len(self.names)
             self.step_counts, self.step_key = self._alloc(rows, device)
             self.total_counts, self.total_key = self._alloc(rows, device)
+            # A kind first seen after some steps closed (e.g. a no_grad forward before any
+            # backward) still needs one trace row per closed step to stay aligned.
+            for _ in range(closed_steps):
+                self.pad_step()
 
     def add(self, i: int, raw: torch.Tensor, key: torch.Tensor, replace: bool) -> None:
         if raw.device != self.device:
@@ -444,7 +448,7 @@ class Probe:
             raw, key = raw_histogram(t)
             with self._lock:
                 stats = self._stats[kind]
-                stats.ensure(raw.device)
+                stats.ensure(raw.device, len(self._trace_steps))
                 stats.add(i, raw, key, replace)
                 self._step_dirty = True
                 if self._device_seen is None:

@@ -345,3 +345,25 @@ def test_report_mid_step_and_twice_counts_nothing_twice():
 
     both = torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()])
     assert first.trace.histograms[WEIGHT_GRAD][1].counts == histogram_of(both).counts
+
+
+def test_a_kind_first_seen_after_a_step_keeps_one_trace_row_per_step(tmp_path):
+    # Step 0 is a no_grad forward (activations only); gradients first arrive at step 1.
+    from fp16probe import Report
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with Probe(model, activations=True) as probe:
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        probe.step()
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+            model.zero_grad()
+            probe.step()
+    report = probe.report()
+    assert report.trace.steps == (0, 1, 2)
+    assert [h.total for h in report.trace.histograms[ACTIVATION]] == [2 * 4, 2 * 4, 2 * 4]
+    assert [h.total for h in report.trace.histograms[ACTIVATION_GRAD]] == [0, 2 * 4, 2 * 4]
+    assert [h.total for h in report.trace.histograms[WEIGHT_GRAD]] == [0, 16, 16]
+    assert report.trace.module_max[WEIGHT_GRAD]["0.weight"][0] == 0.0
+    assert Report.load(report.save(tmp_path / "r.json")).trace == report.trace
