@@ -189,7 +189,9 @@ class Histogram:
         """
         counts = [0] * NUM_EXP_BINS
         for e, c in counts_by_exp.items():
-            counts[int(e) - MIN_EXP] += int(c)
+            if not MIN_EXP <= int(e) <= MAX_EXP:  # a negative index would wrap to the top bins
+                raise ValueError(f"bin {e} outside [{MIN_EXP}, {MAX_EXP}]")
+            counts[int(e) - MIN_EXP] += _count(int(c))
         if max_abs is None:
             occupied = [e for e, c in counts_by_exp.items() if c]
             max_abs = math.ldexp(1.0, max(occupied)) if occupied else 0.0

@@ -126,3 +126,14 @@ def test_histogram_arithmetic_by_hand():
     assert h.subnormal("fp16", 0) == 3
     assert h.max_abs == 1.0 and not h.overflows("fp16", 15) and h.overflows("fp16", 16)
     assert Histogram.from_dict(h.to_dict()) == h
+
+
+def test_from_values_refuses_bins_outside_the_range_and_negative_counts():
+    # -150 used to wrap (a negative list index) into bin 128, the top of the range.
+    for e in (-150, 129):
+        with pytest.raises(ValueError, match=f"bin {e} outside"):
+            Histogram.from_values({e: 1})
+    with pytest.raises(ValueError, match="non-negative"):
+        Histogram.from_values({-3: -2})
+    edges = Histogram.from_values({-149: 1, 128: 1})
+    assert edges.lowest_exp == -149 and edges.highest_exp == 128
