@@ -390,9 +390,13 @@ class Probe:
             try:
                 if self._precision is None:
                     self._precision = _detect_precision(output)
+                seen: set[int] = set()
                 for t in iter_tensors(output):
-                    if not t.is_floating_point():
+                    # The same tensor twice in one output (HF's last_hidden_state is also
+                    # hidden_states[-1]) has one gradient: count it once.
+                    if not t.is_floating_point() or id(t) in seen:
                         continue
+                    seen.add(id(t))
                     if act_i is not None:
                         self._record(ACTIVATION, act_i, t, replace=False, unscale=False)
                     if grad_i is not None and t.requires_grad:

@@ -207,6 +207,37 @@ def test_structured_outputs_are_followed():
     assert probe.report().module("pair", ACTIVATION_GRAD).histogram.total == 18
 
 
+def test_a_tensor_appearing_twice_in_an_output_is_counted_once():
+    # As Hugging Face outputs do: last_hidden_state is also hidden_states[-1].
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"last": y, "all": (x, y), "other": y * 2}
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.twice = Twice()
+
+        def forward(self, x):
+            out = self.twice(x)
+            return out["last"].sum() + out["other"].sum()
+
+    model = Outer()
+    with Probe(model, modules=["twice"], activations=True) as probe:
+        model(torch.randn(2, 3)).backward()
+        probe.step()
+    report = probe.report()
+    # y and y * 2 carry gradients (x does not require grad): 2 tensors of 2x3, not 3.
+    assert report.module("twice", ACTIVATION_GRAD).histogram.total == 12
+    # Forward values: x, y, y * 2 once each.
+    assert report.module("twice", ACTIVATION).histogram.total == 18
+
+
 def test_gradscaler_histograms_are_unscaled():
     torch.manual_seed(1)
     base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
