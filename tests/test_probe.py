@@ -275,6 +275,41 @@ def test_gradscaler_histograms_are_unscaled():
     assert scaled.metadata.grad_scaler
 
 
+def test_gradscaler_backoff_and_growth_are_recorded_per_step():
+    # loss = 2^8 * sum(out): the output's gradient is 2^8 * S, so S = 2^120 overflows fp32
+    # (2^128) and 2^119 does not. growth_interval=2: back off, two clean steps, grow, repeat.
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 1))
+    xs = [torch.rand(1, 4) for _ in range(6)]
+
+    def run(scaler):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with Probe(model, scaler=scaler) as probe:
+            for x in xs:
+                loss = model(x).sum() * 2.0**8
+                (scaler.scale(loss) if scaler else loss).backward()
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+                probe.step()
+        return probe.report()
+
+    reference = run(None)
+    scaled = run(torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=2))
+    assert scaled.trace.scale == tuple(2.0**k for k in (120, 119, 119, 120, 119, 119))
+    assert scaled.trace.found_inf == (True, False, False, True, False, False)
+    assert reference.trace.found_inf == (False,) * 6
+    for i, overflowed in enumerate(scaled.trace.found_inf):
+        for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):
+            got, want = scaled.trace.histograms[kind][i], reference.trace.histograms[kind][i]
+            if overflowed:
+                assert got.inf > 0
+            else:  # unscaled with the scale in force at that backward, not the next one
+                assert got == want, (i, kind)
+
+
 def test_found_inf_is_recorded_per_step():
     model = nn.Linear(3, 1)
     with Probe(model) as probe:
@@ -331,13 +366,22 @@ def test_bad_arguments():
 
 
 def test_activations_capture_the_forward_pass():
+    from tests.test_histogram import histogram_of
+
     model = nn.Sequential(nn.Linear(3, 3))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(3))
+        model[0].bias.zero_()
+    x = torch.tensor([[1e5, -3.0, 2.0**-30], [0.5, 0.0, 7.0]])
     with Probe(model, activation_grads=False, weight_grads=False, activations=True) as probe:
         with torch.no_grad():
-            model(torch.full((2, 3), 1e5))
+            out = model(x)
         probe.step()
     h = probe.report().module("0", ACTIVATION).histogram
-    assert h.total == 6 and h.overflows("fp16", 0) == (h.max_abs >= 65520)
+    assert torch.equal(out, x) and h == histogram_of(x)
+    assert h.total == 6 and h.zero == 1 and h.max_abs == 1e5
+    # 1e5 overflows fp16 at S = 1; 2^-30 flushes to zero.
+    assert h.overflows("fp16", 0) and h.flushed("fp16", 0) == 1
 
 
 def test_precision_is_detected_from_autocast():
