@@ -544,6 +544,12 @@ def _nonfinite_note(evidence: Mapping[str, Any]) -> str:
 
 
 def _text_none_needed(fmt: Format, ev: Mapping[str, Any], headroom: int | None, tau: float) -> str:
+    if ev["nonzero_values"] == 0 and ev["nonfinite_values"]:
+        return (f"No loss scale can be judged for {fmt.name}: every captured gradient value was zero, inf or "
+                f"NaN ({ev['nonfinite_values']} inf/NaN values in {ev['nonfinite_steps']} of "
+                f"{ev['profiled_steps']} step(s)), so the profiled run overflowed before any cast to "
+                f"{fmt.name}. Loss scaling cannot fix that: find the divergence (learning rate, loss, "
+                "inputs) and profile again.")
     flushed = ev["flushed_fraction_at_1"]
     parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {_pct(flushed)} of the nonzero "
              f"gradient values flush to zero (threshold {_pct(tau)})"]

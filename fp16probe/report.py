@@ -444,7 +444,9 @@ class Report:
 
         ``how="ranks"`` treats them as ranks of one run over the same steps: per-step
         histograms add up and maxima take the max. ``how="runs"`` appends the traces
-        one after another. ``"auto"`` picks ranks when every report has the same steps.
+        one after another. ``"auto"`` picks ranks when every report has the same steps;
+        separate runs that happen to cover the same step numbers look the same, so pass
+        ``how="runs"`` for them.
         Module histograms add up either way.
         """
         return merge_reports((self, *others), how=how)

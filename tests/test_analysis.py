@@ -364,3 +364,19 @@ def test_weight_update_loss_from_a_model_and_lr():
         weight_update_loss(model)
     with pytest.raises(AnalysisError, match="shape"):
         weight_update_loss({"w": w}, {"w": torch.zeros(3)})
+
+
+def test_all_nonfinite_gradients_are_not_called_fine():
+    from fp16probe import Histogram, Metadata, ModuleStats, Report, analyze
+    from fp16probe.provenance import wording_problems
+
+    h = Histogram.from_values({}, inf=5, nan=2)
+    report = Report(
+        metadata=Metadata(fp16probe_version="t", torch_version="t", device="cpu", model_class="M",
+                          captured=("activation_grad",)),
+        modules=(ModuleStats("m", "activation_grad", "Linear", 0, h),),
+    )
+    rec = analyze(report)
+    assert rec.text.startswith("No loss scale can be judged for fp16")
+    assert "7 inf/NaN values" in rec.text and "No loss scaling needed" not in rec.text
+    assert not wording_problems(rec.text)
