@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelLoadError
 from fp16probe.formats import FORMATS
@@ -35,7 +36,38 @@ EXIT_INTERRUPTED = 130
 
 DEFAULT_OUT = Path("fp16probe-report.json")
 
+class _OneLineErrors(typer.core.TyperGroup):
+    """Report usage errors (unknown option, bad value, missing argument) as one ``error:`` line.
+
+    Typer would draw a multi-line box with a usage header; the README promises one line
+    on stderr and exit code 2 for every bad input, so scripts can read it.
+    """
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _CLICK_EXCEPTION as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()  # bare ``fp16probe``: its help is the answer, not an error line
+            else:
+                from fp16probe.render import make_console, print_error
+
+                where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "fp16probe"
+                message = " ".join(e.format_message().split()).rstrip(".")
+                print_error(make_console(), f"{message}; see '{where} --help'")
+            code = e.exit_code
+        if standalone_mode:
+            sys.exit(code or 0)
+        return code
+
+
+# typer vendors click from 0.2x on and uses the real one before: take the class it raises.
+_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     name="fp16probe",
     help="Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it.",
     add_completion=False,

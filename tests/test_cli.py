@@ -283,6 +283,29 @@ def test_unknown_format_is_usage_error():
     assert "fp17" in result.output
 
 
+@pytest.mark.parametrize("args,expect", [
+    (["profile", "--format", "fp17"], "'fp17' is not one of"),
+    (["profile", "--no-such-option"], "No such option: --no-such-option"),
+    (["profile", "--steps", "0"], "--steps"),
+    (["show", "."], "is a directory"),
+    (["compare", "only-one.json"], "Missing argument"),
+    (["no-such-command"], "No such command"),
+])
+def test_usage_errors_are_one_line(args, expect):
+    """Errors typer catches itself (bad option, value or argument) follow the same one-line rule."""
+    result = run(*args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    line = one_error_line(result)
+    assert expect in line and "--help" in line
+    assert "Usage:" not in result.output and result.stdout == ""
+
+
+def test_help_still_exits_0():
+    result = run("profile", "--help")
+    assert result.exit_code == EXIT_OK
+    assert "--loss-scale" in result.stdout
+
+
 # -- show, recommend, compare ----------------------------------------------------------
 
 
