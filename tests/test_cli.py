@@ -225,6 +225,36 @@ def test_never_overwrites_an_input(tmp_path):
     assert Path("w.pt").read_bytes() == before
 
 
+@pytest.mark.parametrize("args,option", [
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "folder"], "--out"),
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "a_file/r.json"], "--out"),
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "r.json", "--plot", "folder"], "--plot"),
+    (["compare", "base.json", "base.json", "--junit", "folder"], "--junit"),
+    (["compare", "base.json", "base.json", "--summary", "a_file/s.md"], "--summary"),
+])
+def test_unwritable_output_is_usage_error_before_the_run(args, option, monkeypatch):
+    """An output path that is a folder, or under a file, is refused up front (exit 2), not after the run."""
+    import fp16probe.workload as workload
+
+    Path("folder").mkdir()
+    Path("a_file").write_text("keep")
+    ok("profile", "cli_models:TinyMLP", *TINY, "--out", "base.json")
+    monkeypatch.setattr(workload, "run_profile", lambda *a, **k: pytest.fail("ran before checking the output"))
+    result = run(*args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith(f"error: {option} ")
+    assert Path("a_file").read_text() == "keep" and not any(Path("folder").iterdir())
+
+
+def test_github_step_summary_folder_is_usage_error(monkeypatch):
+    ok("profile", "cli_models:TinyMLP", *TINY, "--out", "base.json")
+    Path("folder").mkdir()
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", "folder")
+    result = run("compare", "base.json", "base.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "$GITHUB_STEP_SUMMARY" in one_error_line(result)
+
+
 def test_plot_without_plotting_module(tmp_path, monkeypatch):
     import sys
 
