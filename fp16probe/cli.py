@@ -420,11 +420,15 @@ def recommend(
     with _errors(console, debug):
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
+        caveat = render.precision_caveat(r, kind.value)
         if json_out:
             d = rec.to_dict()
             d["grad_scaler_code"] = render.grad_scaler_code(rec, device)
+            d["caveats"] = [caveat] if caveat else []
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
+            if caveat:
+                console.print(f"caveat: {caveat}", markup=False)
             render.print_recommendation(console, rec, device)
 
 

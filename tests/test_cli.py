@@ -169,6 +169,23 @@ def test_fp16_autocast_with_loss_scale_recovers(tmp_path):
     assert zero_1 > zero_20
 
 
+def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
+    """Under fp16 autocast the flushed gradients are already zeros: profile, show and recommend say so."""
+    args = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:small_loss",
+            "--steps", "2"]
+    result = ok("profile", *args, "--precision", "fp16", "--device", "cpu", "--out", "h.json")
+    zeros = Report.load("h.json").histogram("activation_grad").zero
+    assert zeros > 0
+    assert "caveat: this run computed in fp16-autocast at S = 1" in " ".join(result.stderr.split())
+    assert f"{zeros:,} of" in " ".join(result.stderr.split())
+    assert "caveat:" in ok("show", "h.json").stderr
+    assert "caveat:" in ok("recommend", "h.json").stderr
+    assert "--precision fp32" in json.loads(ok("recommend", "h.json", "--json").stdout)["caveats"][0]
+    ok("profile", *args, "--out", "f.json")
+    assert "caveat" not in ok("show", "f.json").stderr
+    assert json.loads(ok("recommend", "f.json", "--json").stdout)["caveats"] == []
+
+
 def test_optimizer_trains(tmp_path):
     ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
        "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--out", "r.json")
