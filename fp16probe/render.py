@@ -172,7 +172,8 @@ def _worst_table(report: Report, kind: str, fmt: str, log2_scale: int | None, to
     from rich.table import Table
 
     table = Table(title=f"worst modules ({kind})", title_justify="left")
-    table.add_column("module")
+    # Fold, never truncate: a name cut to "transformer.h.1…" no longer says which module.
+    table.add_column("module", overflow="fold")
     table.add_column("type")
     table.add_column("values", justify="right")
     table.add_column("flushed at S = 1", justify="right")
