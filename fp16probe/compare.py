@@ -225,7 +225,8 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
         "|---|---|---|",
     ]
     for c in result.checks:
-        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.message.replace('|', '/')} |")
+        # GitHub renders an escaped pipe inside a table cell as a pipe: "max |g|" stays readable.
+        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.message.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -93,6 +93,8 @@ def test_markdown_and_junit():
     result = compare(snapshot(BASE, REC, source="base.json"), snapshot(cur, REC, source="cur.json"))
     md = to_markdown(result)
     assert "FAILED" in md and "`base.json`" in md and "| flushed_fraction | **FAIL** |" in md
+    assert r"max \|g\| " in md and "/g/" not in md  # the pipe escaped, not turned into a slash
+    assert all(line.count("|") - line.count(r"\|") == 4 for line in md.splitlines() if line.startswith("| "))
     root = ET.fromstring(to_junit(result))
     assert root.get("tests") == "4"
     assert root.get("failures") == str(len(result.failures))
