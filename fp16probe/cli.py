@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelLoadError
 from fp16probe.formats import FORMATS
@@ -35,7 +36,38 @@ EXIT_INTERRUPTED = 130
 
 DEFAULT_OUT = Path("fp16probe-report.json")
 
+class _OneLineErrors(typer.core.TyperGroup):
+    """Report usage errors (unknown option, bad value, missing argument) as one ``error:`` line.
+
+    Typer would draw a multi-line box with a usage header; the README promises one line
+    on stderr and exit code 2 for every bad input, so scripts can read it.
+    """
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _CLICK_EXCEPTION as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()  # bare ``fp16probe``: its help is the answer, not an error line
+            else:
+                from fp16probe.render import make_console, print_error
+
+                where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "fp16probe"
+                message = " ".join(e.format_message().split()).rstrip(".")
+                print_error(make_console(), f"{message}; see '{where} --help'")
+            code = e.exit_code
+        if standalone_mode:
+            sys.exit(code or 0)
+        return code
+
+
+# typer vendors click from 0.2x on and uses the real one before: take the class it raises.
+_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     name="fp16probe",
     help="Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it.",
     add_completion=False,
@@ -134,6 +166,28 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _check_output(path: Path, option: str) -> None:
+    """Refuse, before any work, an output path that is a folder or lies under a file."""
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a folder; expected a file path, e.g. one inside that folder")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{option} {path}: {parent} is a file, not a folder; choose another output path")
+
+
+@contextlib.contextmanager
+def _writing(path: Path, option: str) -> Iterator[None]:
+    """Turn a failed write (read-only place, full disk) into one line that names the option."""
+    try:
+        yield
+    except OSError as e:
+        raise InputError(
+            f"{option} {path}: cannot write it ({e.strerror or type(e).__name__}); choose a writable path"
+        ) from e
+
+
 def _refuse_overwrite(out: Path, inputs: list[Path], option: str) -> None:
     for p in inputs:
         if p is not None and p.exists() and (_same_file(out, p) or (p.is_dir() and out.resolve().is_relative_to(p.resolve()))):
@@ -191,8 +245,10 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     inputs = [Path(o["model"])] if o["model"] and Path(o["model"]).exists() else []
     if o["weights"] is not None:
         inputs.append(o["weights"])
+    _check_output(out, "--out")
     _refuse_overwrite(out, inputs, "--out")
     if o["plot"] is not None:
+        _check_output(o["plot"], "--plot")
         _refuse_overwrite(o["plot"], inputs + [out], "--plot")
         _plotting()  # fail before the run, not after it
     precision = o["precision"].value
@@ -283,9 +339,11 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
         return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
     rec = _analyze(report, fmt, kind)
     report = report.with_recommendation(rec.to_dict())
-    report.save(out)
+    with _writing(out, "--out"):
+        report.save(out)
     if o["plot"] is not None:
-        _plotting().save_figures(report, o["plot"], recommendation=rec, format=fmt, kind=kind)
+        with _writing(o["plot"], "--plot"):
+            _plotting().save_figures(report, o["plot"], recommendation=rec, format=fmt, kind=kind)
     if o["json_out"]:
         sys.stdout.write(report.to_json() + "\n")
     else:
@@ -334,13 +392,15 @@ def plot(
 
     console = render.make_console()
     with _errors(console, debug):
+        _check_output(output, "--output")
         _refuse_overwrite(output, [report], "--output")
         plotting = _plotting()
         if output.suffix.lower() not in (".png", ".svg", ".pdf"):
             raise InputError(f"--output {output}: expected a .png, .svg or .pdf file name")
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
-        plotting.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+        with _writing(output, "--output"):
+            plotting.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
         console.print(f"figures written to {output}")
 
 
@@ -360,11 +420,15 @@ def recommend(
     with _errors(console, debug):
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
+        caveat = render.precision_caveat(r, kind.value)
         if json_out:
             d = rec.to_dict()
             d["grad_scaler_code"] = render.grad_scaler_code(rec, device)
+            d["caveats"] = [caveat] if caveat else []
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
+            if caveat:
+                console.print(f"caveat: {caveat}", markup=False)
             render.print_recommendation(console, rec, device)
 
 
@@ -389,9 +453,11 @@ def compare(
 
     console = render.make_console()
     with _errors(console, debug):
-        for p in (summary, junit):
-            if p is not None:
-                _refuse_overwrite(p, [baseline, current], "--summary/--junit")
+        outputs = {"--summary": summary, "--junit": junit, "$GITHUB_STEP_SUMMARY": os.environ.get("GITHUB_STEP_SUMMARY")}
+        for option, p in outputs.items():
+            if p:
+                _check_output(Path(p), option)
+                _refuse_overwrite(Path(p), [baseline, current], option)
         thresholds = gate.Thresholds(max_flushed_increase=max_flushed_increase, max_scale_shift_bits=max_scale_shift,
                                      worst_n=worst, fail_on_new_overflow=not allow_new_overflow)
         snaps = []
@@ -401,12 +467,13 @@ def compare(
             snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
         result = gate.compare(snaps[0], snaps[1], thresholds)
         markdown = gate.to_markdown(result)
-        targets = [Path(p) for p in (os.environ.get("GITHUB_STEP_SUMMARY"), summary) if p]
-        for target in dict.fromkeys(targets):
-            with open(target, "a", encoding="utf-8") as f:  # appending, as GitHub expects
+        targets = {Path(p): option for option, p in outputs.items() if p and option != "--junit"}
+        for target, option in targets.items():
+            with _writing(target, option), open(target, "a", encoding="utf-8") as f:  # appending, as GitHub expects
                 f.write(markdown)
         if junit is not None:
-            atomic_write_text(junit, gate.to_junit(result))
+            with _writing(junit, "--junit"):
+                atomic_write_text(junit, gate.to_junit(result))
         if json_out:
             sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
         else:

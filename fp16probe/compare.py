@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
 
 __all__ = ["Check", "GateResult", "Snapshot", "Thresholds", "compare", "snapshot", "to_junit", "to_markdown"]
 
@@ -38,7 +38,12 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The numbers of one report that the gate compares."""
+    """The numbers of one report that the gate compares.
+
+    ``histogram`` holds the analysed kind (underflow); ``overflow_histogram`` every gradient
+    the loss scale multiplies, activation and weight gradients alike, as the analyzer judges
+    overflow (None: the analysed kind alone).
+    """
 
     source: str
     format: str
@@ -48,6 +53,11 @@ class Snapshot:
     log2_scale: int | None
     verdict: str
     worst_modules: tuple[tuple[str, float], ...]
+    overflow_histogram: Histogram | None = None
+
+    @property
+    def overflow_values(self) -> Histogram:
+        return self.histogram if self.overflow_histogram is None else self.overflow_histogram
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +67,8 @@ class Snapshot:
             "flushed_fraction": self.flushed_fraction,
             "max_abs": self.histogram.max_abs,
             "nonfinite": self.histogram.nonfinite,
+            "overflow_max_abs": self.overflow_values.max_abs,
+            "overflow_nonfinite": self.overflow_values.nonfinite,
             "log2_scale": self.log2_scale,
             "verdict": self.verdict,
             "worst_modules": [list(w) for w in self.worst_modules],
@@ -136,6 +148,7 @@ def snapshot(report: Report, recommendation: Any, *, fmt: str = "fp16", kind: st
         log2_scale=rec.get("log2_scale"),
         verdict=str(rec.get("verdict", "unknown")),
         worst_modules=worst_modules(report, fmt, kind, worst_n),
+        overflow_histogram=Histogram.sum(report.histogram(k) for k in (ACTIVATION_GRAD, WEIGHT_GRAD)),
     )
 
 
@@ -154,10 +167,12 @@ def compare(baseline: Snapshot, current: Snapshot, thresholds: Thresholds = Thre
         f"({'+' if rise >= 0 else ''}{rise * 100:.3g} points; allowed +{thresholds.max_flushed_increase * 100:.3g})",
     ))
 
-    # Overflow at the scale the baseline recommended: that is the scale users deploy.
+    # Overflow at the scale the baseline recommended: that is the scale users deploy. The
+    # scale multiplies weight gradients too, so they count whatever kind is analysed.
     k = baseline.log2_scale if baseline.log2_scale is not None else 0
-    was = baseline.histogram.overflows(fmt, k)
-    now = current.histogram.overflows(fmt, k)
+    b_over, c_over = baseline.overflow_values, current.overflow_values
+    was = b_over.overflows(fmt, k)
+    now = c_over.overflows(fmt, k)
     new_overflow = now and not was
     checks.append(Check(
         "new_overflow",
@@ -166,8 +181,8 @@ def compare(baseline: Snapshot, current: Snapshot, thresholds: Thresholds = Thre
         now,
         "none" if thresholds.fail_on_new_overflow else "ignored",
         f"at the baseline's scale 2^{k}: overflow {'yes' if was else 'no'} before, "
-        f"{'yes' if now else 'no'} now (max |g| {baseline.histogram.max_abs:.3g} -> {current.histogram.max_abs:.3g}, "
-        f"non-finite {baseline.histogram.nonfinite} -> {current.histogram.nonfinite})",
+        f"{'yes' if now else 'no'} now (max |g| {b_over.max_abs:.3g} -> {c_over.max_abs:.3g}, "
+        f"non-finite {b_over.nonfinite} -> {c_over.nonfinite})",
     ))
 
     b, c = baseline.log2_scale, current.log2_scale
@@ -210,7 +225,8 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
         "|---|---|---|",
     ]
     for c in result.checks:
-        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.message.replace('|', '/')} |")
+        # GitHub renders an escaped pipe inside a table cell as a pipe: "max |g|" stays readable.
+        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.message.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -275,7 +275,7 @@ def report_rich(report: Report, format: str | Format = "fp16", *, kind: str = AC
     worst = worst_modules(report, fmt, kind)
     if worst:
         t = Table(title=f"modules losing the most {kind} values", title_justify="left")
-        t.add_column("module")
+        t.add_column("module", overflow="fold")
         t.add_column("type")
         t.add_column("flushed", justify="right")
         for n, typ, f in worst:

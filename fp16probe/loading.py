@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -312,6 +313,11 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
 
 
 def _load_export(path: Path) -> LoadedModel:
+    # torch.export.load logs the whole traceback of a failed read as a warning before it
+    # raises; the error below says it in one line.
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)
     try:
         ep = torch.export.load(str(path))
     except Exception as e:
@@ -319,6 +325,8 @@ def _load_export(path: Path) -> LoadedModel:
             f"MODEL {path}: cannot read it as a torch.export archive (corrupt, or saved by another torch?): "
             f"{type(e).__name__}: {_first_line(e)}"
         ) from e
+    finally:
+        export_log.setLevel(level)
     notes = ["torch.export program; runs as exported (train/eval mode fixed at export)"]
     try:
         # unflatten restores the submodule hierarchy, so per-module activation gradients exist.

@@ -24,6 +24,7 @@ __all__ = [
     "print_profile_summary",
     "print_recommendation",
     "print_show",
+    "precision_caveat",
     "progress",
 ]
 
@@ -171,7 +172,8 @@ def _worst_table(report: Report, kind: str, fmt: str, log2_scale: int | None, to
     from rich.table import Table
 
     table = Table(title=f"worst modules ({kind})", title_justify="left")
-    table.add_column("module")
+    # Fold, never truncate: a name cut to "transformer.h.1…" no longer says which module.
+    table.add_column("module", overflow="fold")
     table.add_column("type")
     table.add_column("values", justify="right")
     table.add_column("flushed at S = 1", justify="right")
@@ -234,6 +236,7 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
         + (" [yellow](partial)[/yellow]" if meta.partial else "")
     )
     _print_run_context(console, meta)
+    _print_precision_caveat(console, report, kind)
     h = report.histogram(kind)
     k = _get(rec, "log2_scale")
     console.print(_distribution_table(h, fmt, k, f"{kind}: {h.total:,} values against {fmt}"))
@@ -250,6 +253,35 @@ def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, t
             table.add_row(escape(str(name)), escape(f"{value:.4g}" if isinstance(value, float) else str(value)))
         console.print(table)
     print_recommendation(console, rec)
+
+
+def precision_caveat(report: Report, kind: str) -> str | None:
+    """Why a profile taken in reduced precision understates the underflow (None for fp32).
+
+    A gradient that flushed while the run computed in fp16 is already an exact zero in the
+    report, indistinguishable from a true zero; the analysis counts only the nonzero values
+    that survived, so its flushed fractions are lower bounds and ``none_needed`` can be wrong.
+    """
+    precision = str(report.metadata.precision)
+    if precision.startswith("fp32"):
+        return None
+    h = report.histogram(kind)
+    scale = report.metadata.extra.get("loss_scale")
+    at = f"S = {scale:g}" if isinstance(scale, (int, float)) else "S = 1"
+    return (
+        f"this run computed in {precision} at {at}: gradients that flushed during it are already exact zeros "
+        f"({h.zero:,} of {h.total:,} {kind} values are zero, true zeros included), so the flushed shares "
+        "below count only what survived and understate the loss; profile with --precision fp32 (the "
+        "default) for the recommendation"
+    )
+
+
+def _print_precision_caveat(console: Any, report: Report, kind: str) -> None:
+    from rich.markup import escape
+
+    caveat = precision_caveat(report, kind)
+    if caveat:
+        console.print(f"[yellow]caveat: {escape(caveat)}[/yellow]")
 
 
 def _print_run_context(console: Any, meta: Any) -> None:
@@ -281,6 +313,7 @@ def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, k
         f"module(s), {n:,} nonzero {kind} values, precision {meta.precision}"
     )
     _print_run_context(console, meta)
+    _print_precision_caveat(console, report, kind)
     console.print(_worst_table(report, kind, fmt, _get(rec, "log2_scale"), 5))
     print_recommendation(console, rec)
     console.print(f"report written to {escape(out)}")

@@ -169,6 +169,23 @@ def test_fp16_autocast_with_loss_scale_recovers(tmp_path):
     assert zero_1 > zero_20
 
 
+def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
+    """Under fp16 autocast the flushed gradients are already zeros: profile, show and recommend say so."""
+    args = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:small_loss",
+            "--steps", "2"]
+    result = ok("profile", *args, "--precision", "fp16", "--device", "cpu", "--out", "h.json")
+    zeros = Report.load("h.json").histogram("activation_grad").zero
+    assert zeros > 0
+    assert "caveat: this run computed in fp16-autocast at S = 1" in " ".join(result.stderr.split())
+    assert f"{zeros:,} of" in " ".join(result.stderr.split())
+    assert "caveat:" in ok("show", "h.json").stderr
+    assert "caveat:" in ok("recommend", "h.json").stderr
+    assert "--precision fp32" in json.loads(ok("recommend", "h.json", "--json").stdout)["caveats"][0]
+    ok("profile", *args, "--out", "f.json")
+    assert "caveat" not in ok("show", "f.json").stderr
+    assert json.loads(ok("recommend", "f.json", "--json").stdout)["caveats"] == []
+
+
 def test_optimizer_trains(tmp_path):
     ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
        "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--out", "r.json")
@@ -223,6 +240,36 @@ def test_never_overwrites_an_input(tmp_path):
     assert result.exit_code == EXIT_USAGE
     assert "would overwrite the input" in one_error_line(result)
     assert Path("w.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("args,option", [
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "folder"], "--out"),
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "a_file/r.json"], "--out"),
+    (["profile", "cli_models:TinyMLP", *TINY, "--out", "r.json", "--plot", "folder"], "--plot"),
+    (["compare", "base.json", "base.json", "--junit", "folder"], "--junit"),
+    (["compare", "base.json", "base.json", "--summary", "a_file/s.md"], "--summary"),
+])
+def test_unwritable_output_is_usage_error_before_the_run(args, option, monkeypatch):
+    """An output path that is a folder, or under a file, is refused up front (exit 2), not after the run."""
+    import fp16probe.workload as workload
+
+    Path("folder").mkdir()
+    Path("a_file").write_text("keep")
+    ok("profile", "cli_models:TinyMLP", *TINY, "--out", "base.json")
+    monkeypatch.setattr(workload, "run_profile", lambda *a, **k: pytest.fail("ran before checking the output"))
+    result = run(*args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith(f"error: {option} ")
+    assert Path("a_file").read_text() == "keep" and not any(Path("folder").iterdir())
+
+
+def test_github_step_summary_folder_is_usage_error(monkeypatch):
+    ok("profile", "cli_models:TinyMLP", *TINY, "--out", "base.json")
+    Path("folder").mkdir()
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", "folder")
+    result = run("compare", "base.json", "base.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "$GITHUB_STEP_SUMMARY" in one_error_line(result)
 
 
 def test_plot_without_plotting_module(tmp_path, monkeypatch):
@@ -281,6 +328,29 @@ def test_unknown_format_is_usage_error():
     result = run("profile", "cli_models:TinyMLP", *TINY, "--format", "fp17")
     assert result.exit_code == EXIT_USAGE
     assert "fp17" in result.output
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["profile", "--format", "fp17"], "'fp17' is not one of"),
+    (["profile", "--no-such-option"], "No such option: --no-such-option"),
+    (["profile", "--steps", "0"], "--steps"),
+    (["show", "."], "is a directory"),
+    (["compare", "only-one.json"], "Missing argument"),
+    (["no-such-command"], "No such command"),
+])
+def test_usage_errors_are_one_line(args, expect):
+    """Errors typer catches itself (bad option, value or argument) follow the same one-line rule."""
+    result = run(*args)
+    assert result.exit_code == EXIT_USAGE, result.output
+    line = one_error_line(result)
+    assert expect in line and "--help" in line
+    assert "Usage:" not in result.output and result.stdout == ""
+
+
+def test_help_still_exits_0():
+    result = run("profile", "--help")
+    assert result.exit_code == EXIT_OK
+    assert "--loss-scale" in result.stdout
 
 
 # -- show, recommend, compare ----------------------------------------------------------

@@ -61,6 +61,11 @@ def test_export_archive_and_pickle_refusal(tmp_path):
     torch.export.save(torch.export.export(TinyMLP(), (torch.randn(2, 8),)), str(tmp_path / "m.pt2"))
     run = fp16probe("profile", "m.pt2", "--steps", "1", "--out", "r.json", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
+    # A truncated archive: torch.export.load logs a whole traceback before it raises.
+    (tmp_path / "cut.pt2").write_bytes((tmp_path / "m.pt2").read_bytes()[:1000])
+    cut = fp16probe("profile", "cut.pt2", "--steps", "1", "--out", "c.json", cwd=tmp_path)
+    assert cut.returncode == 3
+    assert cut.stderr.count("\n") == 1 and cut.stderr.startswith("error: MODEL cut.pt2: cannot read it")
     torch.save(TinyMLP(), tmp_path / "whole.pt")
     refused = fp16probe("profile", "whole.pt", "--input-shape", "2,8", cwd=tmp_path)
     assert refused.returncode == 3

@@ -56,6 +56,17 @@ def test_new_overflow_at_the_baseline_scale():
     assert compare(snapshot(BASE, REC), snapshot(cur, REC), Thresholds(fail_on_new_overflow=False)).passed
 
 
+def test_weight_gradient_overflow_counts_whatever_kind_is_analysed():
+    """The loss scale multiplies weight gradients too: one that overflows at the baseline's S is new overflow."""
+    big_weight_grad = ModuleStats("c", "weight_grad", "Linear", 2, Histogram.from_values({6: 10}))
+    cur = make_report({"a": {-30: 10, -10: 990}, "b": {-10: 1000}, "c": {-5: 1000}})
+    cur = Report(metadata=cur.metadata, modules=cur.modules + (big_weight_grad,))
+    result = compare(snapshot(BASE, REC), snapshot(cur, REC))
+    assert [c.name for c in result.failures] == ["new_overflow"]
+    assert "max |g| 0.0312 -> 64" in result.failures[0].message
+    assert snapshot(cur, REC).to_dict()["overflow_max_abs"] == 64.0
+
+
 def test_nan_is_new_overflow():
     cur = make_report({"a": {-30: 10, -10: 990}, "b": {-10: 1000}, "c": {-5: 1000}}, nan=1)
     assert "new_overflow" in {c.name for c in compare(snapshot(BASE, REC), snapshot(cur, REC)).failures}
@@ -82,6 +93,8 @@ def test_markdown_and_junit():
     result = compare(snapshot(BASE, REC, source="base.json"), snapshot(cur, REC, source="cur.json"))
     md = to_markdown(result)
     assert "FAILED" in md and "`base.json`" in md and "| flushed_fraction | **FAIL** |" in md
+    assert r"max \|g\| " in md and "/g/" not in md  # the pipe escaped, not turned into a slash
+    assert all(line.count("|") - line.count(r"\|") == 4 for line in md.splitlines() if line.startswith("| "))
     root = ET.fromstring(to_junit(result))
     assert root.get("tests") == "4"
     assert root.get("failures") == str(len(result.failures))

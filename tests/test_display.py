@@ -162,3 +162,22 @@ def test_report_html_runs_the_analyzer_when_none_is_stored(hand):
     page = hand._repr_html_()
     assert f">{rec.verdict}</span>" in page
     assert f"2^{rec.log2_scale} = {2.0 ** rec.log2_scale:g}" in page
+
+
+def test_long_module_names_fold_instead_of_being_cut(hand):
+    """On a narrow or non-terminal console a truncated name ("encoder.layers.1…") no longer says which module."""
+    from rich.console import Console
+
+    from fp16probe import render
+
+    name = "encoder.layers.11.attention.output.dense_projection"
+    long = replace(hand.modules[2], name=name)
+    report = replace(hand, modules=(*hand.modules[:2], long, *hand.modules[3:]))
+    for renderable in (render._worst_table(report, ACTIVATION_GRAD, "fp16", 5, 10),
+                       display.report_rich(report, recommendation=REC)):
+        console = Console(record=True, width=60, color_system=None)
+        console.print(renderable)
+        text = console.export_text()
+        # The folded pieces of the name, read down the first column, give it back whole.
+        cells = [ln.split("│")[1].strip() for ln in text.splitlines() if ln.count("│") > 2]
+        assert name in "".join(cells)
