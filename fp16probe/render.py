@@ -147,10 +147,14 @@ def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
     if lo is None:
         return table
     width = max(1, math.ceil((hi - lo + 1) / rows))
+    # Bin e lies wholly beyond max from here on: its lower edge 2^(e-1) is past max.
+    first_overflow = math.ceil(math.log2(fmt.max)) + 1
+    # A group never straddles a bound, so every bin in it has the region it is labelled with.
+    cuts = (fmt.log2_flush_threshold, fmt.log2_min_normal, first_overflow - 1)
     groups = []
     e = hi
     while e >= lo:
-        bottom = max(lo, e - width + 1)
+        bottom = max([lo, e - width + 1] + [c + 1 for c in cuts if c < e])
         groups.append((bottom, e, h.between(bottom - 1, e)))
         e = bottom - 1
     peak = max(c for _, _, c in groups) or 1
@@ -159,7 +163,7 @@ def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
             region = "[red]flushed[/red]"
         elif top <= fmt.log2_min_normal:
             region = "[yellow]subnormal[/yellow]"
-        elif bottom > math.log2(fmt.max) + 1:
+        elif top >= first_overflow:
             region = "[red]overflow[/red]"
         else:
             region = "normal"

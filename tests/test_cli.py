@@ -453,3 +453,30 @@ def test_compare_bad_report_exits_2(demo_report):
 def test_no_args_prints_help():
     result = run()
     assert "profile" in result.output
+
+
+def test_show_bins_never_straddle_the_format_bounds():
+    from rich.console import Console
+
+    from fp16probe import Histogram
+    from fp16probe.render import _bins_table
+
+    # 60 occupied bins squeezed into 24 rows: groups of 3, which would straddle -25 and -14.
+    h = Histogram.from_values({e: 1 for e in range(-50, 10)})
+    console = Console(width=120, record=True, no_color=True)
+    console.print(_bins_table(h, "fp16"))
+    normal = flushed = subnormal = 0
+    for line in console.export_text().splitlines():
+        cells = [c.strip() for c in line.split("│")] if "│" in line else []
+        if len(cells) < 5 or not cells[1].startswith("2^"):
+            continue
+        lo_hi = [int(x) for x in cells[1].replace("2^", "").split("..")]
+        region, count = cells[4], int(cells[2].replace(",", ""))
+        bins = range(lo_hi[0], lo_hi[-1] + 1)
+        expect = {"flushed": all(b <= -25 for b in bins), "subnormal": all(-25 < b <= -14 for b in bins),
+                  "normal": all(-14 < b <= 16 for b in bins)}
+        assert expect[region], (cells[1], region)
+        normal += count * (region == "normal")
+        flushed += count * (region == "flushed")
+        subnormal += count * (region == "subnormal")
+    assert (flushed, subnormal, normal) == (h.flushed("fp16"), h.subnormal("fp16"), 60 - 26 - 11)
