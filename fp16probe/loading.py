@@ -291,6 +291,13 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
         cls = transformers.AutoModel
+    # transformers' own warnings and progress bar would bury the summary on stderr; a
+    # failure still reaches the user as one line below.
+    hf_logging = transformers.utils.logging
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         model = cls.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=trust_remote_code
@@ -299,6 +306,10 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
         raise ModelLoadError(
             f"MODEL {str(path)!r}: transformers could not load it ({type(e).__name__}: {_first_line(e)})"
         ) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     config = model.config
     vocab = getattr(config, "vocab_size", None)
     name = type(model).__name__
