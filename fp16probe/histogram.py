@@ -126,6 +126,17 @@ def _fill_raw_index(bits: torch.Tensor, idx: torch.Tensor, fbuf: torch.Tensor) -
     return key
 
 
+def _whole_tensor_counts(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accelerator path: whole-tensor kernels, and ``index_add_`` because
+    ``bincount`` synchronises with the host to size its output."""
+    idx = torch.empty_like(bits)
+    key = _fill_raw_index(bits, idx, torch.empty_like(bits, dtype=torch.float32))
+    counts = torch.zeros(NUM_RAW, dtype=torch.int64, device=bits.device)
+    ones = torch.ones((), dtype=torch.int64, device=bits.device).expand(bits.numel())
+    counts.index_add_(0, idx, ones)
+    return counts, key
+
+
 def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count ``x``'s values into raw log2 cells; return ``(raw_counts, max_key)``.
 
@@ -151,15 +162,7 @@ def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         )
     bits = flat.view(torch.int32)
     if device.type != "cpu":
-        # Accelerators: whole-tensor kernels, and index_add_ because bincount syncs
-        # with the host to size its output.
-        idx = torch.empty_like(bits)
-        fbuf = torch.empty_like(flat)
-        key = _fill_raw_index(bits, idx, fbuf)
-        counts = torch.zeros(NUM_RAW, dtype=torch.int64, device=device)
-        ones = torch.ones((), dtype=torch.int64, device=device).expand(n)
-        counts.index_add_(0, idx, ones)
-        return counts, key
+        return _whole_tensor_counts(bits)
     if _use_numba():
         from fp16probe import _cpu_kernel
 

@@ -221,6 +221,17 @@ def test_engines_agree_on_random_bit_patterns(monkeypatch):
     assert results[0] == results[1]
 
 
+def test_accelerator_path_agrees_on_the_cpu():
+    # The whole-tensor path that CUDA takes (index_add_, no bincount), run here on the CPU.
+    from fp16probe.histogram import _whole_tensor_counts
+
+    bits = torch.randint(-(2**31), 2**31 - 1, (50_000,), dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.tensor(edge_values(), dtype=torch.float32)])
+    raw, key = raw_histogram(x)
+    raw_w, key_w = _whole_tensor_counts(x.view(torch.int32))
+    assert torch.equal(canonical_counts(raw_w), canonical_counts(raw)) and int(key_w) == int(key)
+
+
 def test_histogram_stays_on_device_and_merges_by_addition():
     a, b = torch.randn(100), torch.randn(50) * 1e-6
     ra, ka = raw_histogram(a)
