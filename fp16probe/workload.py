@@ -331,23 +331,30 @@ def run_profile(
             if optimizer is not None:
                 snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
                 if scaler is not None:
+                    scale = scaler.get_scale()
                     scaler.step(optimizer)  # skips the step itself on inf/NaN gradients
                     scaler.update()
-                elif math.isfinite(loss_val):
-                    optimizer.step()
-                moved = {n: p.detach() - snapshot[n] for n, p in model.named_parameters() if n in snapshot}
-                if any(bool(u.any()) for u in moved.values()):  # a skipped step moves nothing
-                    before, updates = snapshot, moved
+                    taken = scaler.get_scale() >= scale  # a skipped step backs the scale off
+                else:
+                    taken = math.isfinite(loss_val)
+                    if taken:
+                        optimizer.step()
+                if taken:
+                    before = snapshot
             model.zero_grad(set_to_none=True)
             probe.step()
             done += 1
             if on_step is not None:
                 on_step(done)
     except KeyboardInterrupt:
-        return RunResult(done, interrupted=True, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses),
-                         weights_before=before, updates=updates)
-    return RunResult(done, exhausted=exhausted, nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses),
-                     weights_before=before, updates=updates)
+        interrupted = True
+    else:
+        interrupted = False
+    if before is not None:
+        # Later steps were skipped, so the weights still hold the last taken step's result.
+        updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
+    return RunResult(done, interrupted=interrupted, exhausted=exhausted, nonfinite_loss_steps=tuple(nonfinite),
+                     losses=tuple(losses), weights_before=before, updates=updates)
 
 
 def _describe(batch: Any) -> str:
