@@ -119,3 +119,32 @@ def test_prediction_from_fp32_meets_an_fp16_autocast_run(fp32_run, k):
     edge = get_format("fp16").log2_flush_threshold - k
     near_edge = h32.between(edge - 1, edge + 1) / h32.nonzero_finite
     assert abs(real - predicted) <= near_edge
+
+
+def test_on_the_demo_model_the_recommended_scale_holds_up_to_direct_remeasurement():
+    # The built-in demo that `fp16probe profile` runs: the recommended S never overflows a
+    # profiled step, and the flushed fraction reported at S is what a cast of S x g shows.
+    from fp16probe.demo import DemoNet, demo_batches, demo_loss
+
+    model = DemoNet()
+    batches = demo_batches()
+    with Probe(model) as probe, GradCapture(model) as cap:
+        for _ in range(3):
+            cap.new_step()
+            model.zero_grad()
+            batch = next(batches)
+            demo_loss(model(batch[0]), batch).backward()
+            cap.take_weight_grads()
+            probe.step()
+    rec = analyze(probe.report(), "fp16", horizon=2000)
+    assert rec.verdict == "constant"
+    k = rec.log2_scale
+    act = [g for step in cap.activation for g in step]
+    nonzero, flushed, _ = remeasure(act, "fp16", k)
+    assert rec.flushed_fraction_at_scale == flushed / nonzero
+    nonzero_1, flushed_1, _ = remeasure(act, "fp16", 0)
+    assert rec.flushed_fraction_at_1 == flushed_1 / nonzero_1 > 0.2  # a sizeable share flushes at S = 1
+    assert flushed < flushed_1 / 100  # and the recommended S recovers almost all of it
+    assert rec.overflow_steps_at_scale == 0
+    for step_act, step_w in zip(cap.activation, cap.weight):
+        assert not remeasure(step_act + step_w, "fp16", k)[2]
