@@ -98,7 +98,7 @@ _maps: dict[torch.device, torch.Tensor] = {}
 def _raw_map(device: torch.device) -> torch.Tensor:
     m = _maps.get(device)
     if m is None:
-        m = _RAW_TO_CANONICAL.to(device)
+        m = _RAW_TO_CANONICAL.to(device, non_blocking=True)  # no host sync on first use
         _maps[device] = m
     return m
 

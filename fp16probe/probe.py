@@ -69,6 +69,16 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
 _PENDING_LIMIT = 256  # results held before folding: 256 x 64 KiB at most per kind
 
 
+def _row_index(rows: Any, device: torch.device) -> torch.Tensor:
+    """Row numbers as an index tensor on ``device``.
+
+    Built on the host and sent with ``non_blocking=True``: ``torch.tensor(..., device=cuda)``
+    would wait for the copy (a host-device synchronisation) inside a hook.
+    """
+    index = torch.tensor(list(rows), dtype=torch.int64)
+    return index if device.type == "cpu" else index.to(device, non_blocking=True)
+
+
 class _KindStats:
     """Device-side counters for one kind of value (activation grads, weight grads, ...)."""
 
@@ -147,7 +157,7 @@ class _KindStats:
     def flush(self) -> None:
         """Fold pending results into the step counters: replaced rows first, then sums."""
         if self.pending_set:
-            rows = torch.tensor(list(self.pending_set), dtype=torch.int64, device=self.device)
+            rows = _row_index(self.pending_set, self.device)
             raws, keys = zip(*self.pending_set.values())
             self.step_counts.index_copy_(0, rows, torch.stack(raws))
             self.step_key.index_copy_(0, rows, torch.stack(keys))
@@ -166,7 +176,7 @@ class _KindStats:
                     raw, key = raw + r, torch.maximum(key, k)
                 raws.append(raw)
                 keys.append(key)
-            rows = torch.tensor(list(groups), dtype=torch.int64, device=self.device)
+            rows = _row_index(groups, self.device)
             self.step_counts.index_copy_(0, rows, self.step_counts.index_select(0, rows).add_(torch.stack(raws)))
             self.step_key.index_copy_(0, rows, torch.maximum(self.step_key.index_select(0, rows), torch.stack(keys)))
             self.pending_add = []
