@@ -250,7 +250,7 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     if o["plot"] is not None:
         _check_output(o["plot"], "--plot")
         _refuse_overwrite(o["plot"], inputs + [out], "--plot")
-        _plotting()  # fail before the run, not after it
+        _plotting().check_figure_path(o["plot"])  # fail before the run, not after it
     precision = o["precision"].value
     if o["loss_scale"] is not None:
         if precision == "fp32":
@@ -395,8 +395,7 @@ def plot(
         _check_output(output, "--output")
         _refuse_overwrite(output, [report], "--output")
         plotting = _plotting()
-        if output.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise InputError(f"--output {output}: expected a .png, .svg or .pdf file name")
+        plotting.check_figure_path(output)
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
         with _writing(output, "--output"):

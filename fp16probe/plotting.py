@@ -460,6 +460,17 @@ def figure(
     return fig
 
 
+def check_figure_path(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` as a Path if its extension is one save_figures can write, else raise."""
+    path = Path(path)
+    if path.suffix.lower() not in _SAVE_EXTENSIONS:
+        raise Fp16ProbeError(
+            f"cannot write figures to {str(path)!r}: expected a file name ending in "
+            f"{', '.join(_SAVE_EXTENSIONS)}; pick one of those extensions"
+        )
+    return path
+
+
 def save_figures(
     report: Report,
     path: str | os.PathLike[str],
@@ -470,12 +481,7 @@ def save_figures(
     dpi: int = 120,
 ) -> Path:
     """Write every view of the report into one file; PNG, SVG or PDF by the extension."""
-    path = Path(path)
-    if path.suffix.lower() not in _SAVE_EXTENSIONS:
-        raise Fp16ProbeError(
-            f"cannot write figures to {str(path)!r}: expected a file name ending in "
-            f"{', '.join(_SAVE_EXTENSIONS)}; pick one of those extensions"
-        )
+    path = check_figure_path(path)
     fig = figure(report, which="all", recommendation=recommendation, format=format, kind=kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)

@@ -395,10 +395,17 @@ def test_plot_command_writes_each_format(demo_report):
     assert demo_report.read_bytes() == before
 
 
+def test_profile_plot_with_a_bad_extension_fails_before_the_run():
+    result = run("profile", "cli_models:TinyMLP", *TINY, "--plot", "fig.txt", "--out", "r.json")
+    assert result.exit_code == EXIT_USAGE
+    assert ".png, .svg, .pdf" in one_error_line(result)
+    assert not Path("r.json").exists()  # refused before profiling, not after
+
+
 def test_plot_command_bad_output(demo_report):
     result = run("plot", demo_report, "-o", "fig.txt")
     assert result.exit_code == EXIT_USAGE
-    assert ".png, .svg or .pdf" in one_error_line(result)
+    assert ".png, .svg, .pdf" in one_error_line(result)
     before = demo_report.read_bytes()
     result = run("plot", demo_report, "-o", demo_report)
     assert result.exit_code == EXIT_USAGE
