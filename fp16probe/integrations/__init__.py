@@ -13,7 +13,7 @@ from typing import Any
 
 from fp16probe.errors import Fp16ProbeError
 
-__all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "require", "write_outputs"]
+__all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "finish", "require", "write_outputs"]
 
 REPORT_NAME = "fp16probe_report.json"
 RECOMMENDATION_NAME = "fp16probe_recommendation.txt"
@@ -45,3 +45,19 @@ def write_outputs(report: Any, folder: str | Path, *, format: str = "fp16") -> A
     report.save(folder / REPORT_NAME)
     atomic_write_text(folder / RECOMMENDATION_NAME, recommendation.text.rstrip("\n") + "\n")
     return report
+
+
+def finish(probe: Any, *, trainer: str, global_step: int, is_main: bool, folder: str | Path,
+           format: str = "fp16") -> Any:
+    """Stop ``probe``, merge every rank's statistics and write them on the main process.
+
+    Every rank must call it (the merge is a collective). Returns the report as written on
+    the main process, None elsewhere.
+    """
+    from fp16probe import distributed
+
+    probe.stop()
+    report = distributed.gather_report(probe, extra={"trainer": trainer, "global_step": int(global_step)})
+    if report is None or not is_main:
+        return None
+    return write_outputs(report, folder, format=format)

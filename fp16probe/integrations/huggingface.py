@@ -19,11 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp16probe.integrations import require, write_outputs
+from fp16probe.integrations import finish, require
 
 transformers = require("transformers", "hf", "fp16probe.integrations.huggingface")
 
-from fp16probe import distributed  # noqa: E402
 from fp16probe.errors import Fp16ProbeError  # noqa: E402
 from fp16probe.probe import Probe  # noqa: E402
 
@@ -100,11 +99,6 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         probe, self.probe = self.probe, None
         if probe is None:
             return
-        probe.stop()
-        # Every rank takes part in the gather; only the main process gets the report and writes.
-        report = distributed.gather_report(
-            probe, extra={"trainer": "transformers", "global_step": int(state.global_step)}
-        )
-        if report is None or not state.is_world_process_zero:
-            return
-        self.report = write_outputs(report, self.output_dir or args.output_dir, format=self.format)
+        self.report = finish(probe, trainer="transformers", global_step=state.global_step,
+                             is_main=state.is_world_process_zero, folder=self.output_dir or args.output_dir,
+                             format=self.format)

@@ -17,11 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp16probe.integrations import require, write_outputs
+from fp16probe.integrations import finish, require
 
 pl = require("pytorch_lightning", "lightning", "fp16probe.integrations.lightning")
 
-from fp16probe import distributed  # noqa: E402
 from fp16probe.probe import Probe  # noqa: E402
 
 __all__ = ["Fp16ProbeCallback", "lightning_scaler"]
@@ -69,13 +68,9 @@ class Fp16ProbeCallback(pl.Callback):
         probe, self.probe = self.probe, None
         if probe is None:
             return
-        probe.stop()
-        report = distributed.gather_report(
-            probe, extra={"trainer": "lightning", "global_step": int(trainer.global_step)}
-        )
-        if report is None or not trainer.is_global_zero:
-            return
-        self.report = write_outputs(report, self.dirpath or trainer.default_root_dir, format=self.format)
+        self.report = finish(probe, trainer="lightning", global_step=trainer.global_step,
+                             is_main=trainer.is_global_zero, folder=self.dirpath or trainer.default_root_dir,
+                             format=self.format)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.probe is not None:
