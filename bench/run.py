@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` from anywhere uses this c
     sys.path.insert(0, str(ROOT))
 
 from fp16probe import Probe  # noqa: E402
-from fp16probe.histogram import raw_histogram  # noqa: E402
+from fp16probe.capture.engine import raw_histogram  # noqa: E402
 
 
 # -- sizes -----------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def machine() -> dict:
 
 def _cpu_engine() -> str:
     """The CPU engine the Probe uses here (set FP16PROBE_CPU_ENGINE=torch|numba to choose)."""
-    from fp16probe import histogram
+    from fp16probe.capture import engine as histogram
 
     return "numba" if histogram._use_numba() else "torch"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from fp16probe.analysis import analyze
-from fp16probe.plotting import plot_distribution
+from fp16probe.analysis.recommend import analyze
+from fp16probe.presentation.figures import plot_distribution
 from fp16probe.report import Report
 
 

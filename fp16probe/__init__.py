@@ -1,11 +1,11 @@
 """fp16probe: measure whether FP16 training loses gradients to underflow, and what fixes it."""
 
 from fp16probe._version import __version__
-from fp16probe.analysis import Recommendation, WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
+from fp16probe.analysis.recommend import Recommendation, WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ProbeError, ReportError, UnknownFormatError
 from fp16probe.formats import FORMATS, Format, get_format
-from fp16probe.probe import Probe
-from fp16probe.replay import ReplayResult, replay_scaler, simulate
+from fp16probe.capture.probe import Probe
+from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 
 __all__ = [

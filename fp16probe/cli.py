@@ -1,6 +1,6 @@
 """The ``fp16probe`` command line: profile, show, recommend, compare.
 
-Human output goes to stderr through rich (see :mod:`fp16probe.render`); ``--json`` puts
+Human output goes to stderr through rich (see :mod:`fp16probe.presentation.terminal`); ``--json`` puts
 machine output alone on stdout. Exit codes are stable and documented in the README:
 0 fine, 1 a gate failed, 2 bad usage or input, 3 the model could not be loaded or its
 loading was refused, 4 an internal error, 130 interrupted (a partial report is written).
@@ -51,7 +51,7 @@ class _OneLineErrors(typer.core.TyperGroup):
             if type(e).__name__ == "NoArgsIsHelpError":
                 e.show()  # bare ``fp16probe``: its help is the answer, not an error line
             else:
-                from fp16probe.render import make_console, print_error
+                from fp16probe.presentation.terminal import make_console, print_error
 
                 where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "fp16probe"
                 message = " ".join(e.format_message().split()).rstrip(".")
@@ -125,7 +125,7 @@ ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe p
 @contextlib.contextmanager
 def _errors(console: Any, debug: bool) -> Iterator[None]:
     """Turn errors into one line on stderr and a stable exit code."""
-    from fp16probe.render import print_error
+    from fp16probe.presentation.terminal import print_error
 
     try:
         yield
@@ -154,7 +154,7 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
 
 
 def _analyze(report: Report, fmt: str, kind: str) -> Any:
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
 
     return analyze(report, fmt, kind=kind)
 
@@ -224,7 +224,7 @@ def profile(
     debug: DebugOpt = False,
 ) -> None:
     """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
-    from fp16probe import render
+    from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):
@@ -235,9 +235,9 @@ def profile(
 def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     import torch
 
-    from fp16probe.loading import load_model
-    from fp16probe.probe import Probe
-    from fp16probe.workload import RunSettings, make_batches, make_loss, pick_device, run_profile
+    from fp16probe.running.loading import load_model
+    from fp16probe.capture.probe import Probe
+    from fp16probe.running.workload import RunSettings, make_batches, make_loss, pick_device, run_profile
 
     fmt = o["format"].value
     kind = o["kind"].value
@@ -257,7 +257,7 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
             raise InputError("--loss-scale applies to --precision fp16 or bf16 (fp32 runs are the unscaled reference)")
         if not o["loss_scale"] > 0:
             raise InputError(f"--loss-scale {o['loss_scale']}: expected a positive number such as 1024")
-    from fp16probe import distributed
+    from fp16probe.capture import distributed
 
     is_dist = distributed.init_from_env()
     rank = distributed.rank()
@@ -324,7 +324,7 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     if result.exhausted:
         extra["notes"] = notes + [f"the batches ran out after {result.steps_done} step(s)"]
     if result.updates is not None:
-        from fp16probe.analysis import weight_update_loss
+        from fp16probe.analysis.recommend import weight_update_loss
 
         lost = weight_update_loss(result.weights_before, result.updates, format=fmt)
         wul = lost.to_dict()
@@ -353,11 +353,11 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
 
 def _plotting() -> Any:
     try:
-        import fp16probe.plotting as plotting
+        import fp16probe.presentation.figures as plotting
     except ImportError as e:
-        raise InputError(f"--plot needs fp16probe.plotting, which this install lacks ({e}); drop --plot") from e
+        raise InputError(f"--plot needs fp16probe.presentation.figures, which this install lacks ({e}); drop --plot") from e
     if not hasattr(plotting, "save_figures"):
-        raise InputError("--plot: fp16probe.plotting has no save_figures in this install; drop --plot")
+        raise InputError("--plot: fp16probe.presentation.figures has no save_figures in this install; drop --plot")
     return plotting
 
 
@@ -370,7 +370,7 @@ def show(
     debug: DebugOpt = False,
 ) -> None:
     """Show a report: the distribution against the format's bounds, worst modules, verdict and evidence."""
-    from fp16probe import render
+    from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):
@@ -388,7 +388,7 @@ def plot(
     debug: DebugOpt = False,
 ) -> None:
     """Draw the report: the Figure 3 view, per-module heatmap, what-if curve and scale timeline."""
-    from fp16probe import render
+    from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):
@@ -413,7 +413,7 @@ def recommend(
     debug: DebugOpt = False,
 ) -> None:
     """Print the recommendation alone, with GradScaler arguments ready to paste."""
-    from fp16probe import render
+    from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):
@@ -447,8 +447,8 @@ def compare(
     debug: DebugOpt = False,
 ) -> None:
     """The CI gate: exit 1 when CURRENT regressed against BASELINE."""
-    from fp16probe import compare as gate
-    from fp16probe import render
+    from fp16probe.analysis import gate
+    from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):

@@ -1,48 +1,31 @@
-"""The statistics engine: exact log2-magnitude histograms of a tensor, on its own device.
+"""Histograms of log2 magnitudes: the bin layout every stage shares, and the Histogram data.
 
-A pure function over tensors: no modules, hooks, I/O or host synchronisation.
-
-Bins
-----
 Bin ``e`` holds the magnitudes in ``(2^(e-1), 2^e]``, for ``e`` from -149 (the fp32
-minimum subnormal, 2^-149) to 128 (the largest finite fp32 values). Exact zeros,
-infinities and NaNs are counted apart. With this choice every format's flush-to-zero
-threshold ``min_subnormal / 2`` is a bin's upper edge for every power-of-two scale, so
-"how many values flush at S = 2^k" is a sum of whole bins: exact, ties included.
+minimum subnormal) to 128 (the largest finite fp32 values). Exact zeros, infinities and
+NaNs are counted apart. Every format's flush-to-zero threshold ``min_subnormal / 2`` is a
+bin's upper edge for every power-of-two scale, so "how many values flush at S = 2^k" is a
+sum of whole bins: exact, ties included.
 
-How the bin is found (all integer arithmetic on the fp32 bit pattern)
---------------------------------------------------------------------
-For ``bits = exponent field f, mantissa M``:
-
-* the *row* is ``f + 1`` for finite values, from ``(|bits| + 2^23) >> 23``; for inf and
-  NaN that addition wraps negative, which sends them to row 0;
-* the *column* says whether ``M`` is zero (an exact power of two) and, for fp32
-  subnormals, ``ceil(log2 M)``; it comes from the exponent of ``float(M)``, which is
-  exact because ``M < 2^24``.
-
-A 256 x 32 table of raw counts is filled with one ``bincount`` and mapped onto the
-canonical bins once, when a report is made (:func:`canonical_counts`).
+Plain host-side data: nothing here touches a model or a device.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
-import numpy as np
-import torch
+from fp16probe.formats import Format, get_format
 
 __all__ = [
     "MAX_EXP",
     "MIN_EXP",
     "NUM_BINS",
-    "NUM_RAW",
+    "NUM_EXP_BINS",
     "SLOT_INF",
     "SLOT_NAN",
     "SLOT_ZERO",
-    "canonical_counts",
-    "max_abs_from_key",
-    "raw_histogram",
+    "Histogram",
 ]
 
 MIN_EXP = -149
@@ -53,169 +36,170 @@ SLOT_INF = NUM_EXP_BINS + 1  # 279
 SLOT_NAN = NUM_EXP_BINS + 2  # 280
 NUM_BINS = NUM_EXP_BINS + 3  # 281: the length of a canonical count vector
 
-_ROWS = 256
-_COLS = 32
-NUM_RAW = _ROWS * _COLS  # 8192: the length of a raw count vector
 
-_ABS_MASK = 0x7FFFFFFF
-_MANTISSA_MASK = 0x007FFFFF
-_ROW_OFFSET = 1 << 23  # makes finite values' rows f + 1 and wraps inf/NaN negative
-# Added to the bits of float(M) before >> 23: turns floor(log2) into 1 + ceil(log2 M),
-# and the -126 in the exponent bias brings M = 0 below zero (clamped to column 0).
-_COL_OFFSET = _MANTISSA_MASK - (126 << 23)
-_RAW_MASK = NUM_RAW - 1
+@dataclass(frozen=True)
+class Histogram:
+    """Counts of values per power-of-two magnitude bin, as measured.
 
-# CPU work goes in chunks so that the intermediate buffers stay in cache.
-_CPU_CHUNK = 1 << 18
-
-_workspaces = threading.local()
-
-# Which CPU engine counts: "numba" (one fused pass, needs numba), "torch" (eager ops),
-# or "auto" (numba when installed). Both give identical counts; tests run both.
-CPU_ENGINE = os.environ.get("FP16PROBE_CPU_ENGINE", "auto")
-
-
-def _bin_index_of(row: int, col: int) -> int:
-    """Map a raw (row, column) cell onto the canonical slot it counts towards."""
-    if row == 0:
-        return SLOT_INF if col == 0 else SLOT_NAN
-    exponent_field = row - 1
-    if exponent_field == 0:  # zero or fp32 subnormal: value = M * 2^-149
-        if col == 0:
-            return SLOT_ZERO
-        return (col - 1 - 149) - MIN_EXP  # ceil(log2 M) = col - 1
-    # normal: value = 2^(f-127) * (1 + M / 2^23)
-    e = exponent_field - 127 if col == 0 else exponent_field - 126
-    return e - MIN_EXP
-
-
-_RAW_TO_CANONICAL = torch.tensor(
-    [_bin_index_of(r, c) for r in range(_ROWS) for c in range(_COLS)], dtype=torch.int64
-)
-_maps: dict[torch.device, torch.Tensor] = {}
-
-
-def _raw_map(device: torch.device) -> torch.Tensor:
-    m = _maps.get(device)
-    if m is None:
-        m = _RAW_TO_CANONICAL.to(device, non_blocking=True)  # no host sync on first use
-        _maps[device] = m
-    return m
-
-
-def _cpu_workspace(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = getattr(_workspaces, "bufs", None)
-    if ws is None or ws[0].numel() < n:
-        ws = (torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.float32))
-        _workspaces.bufs = ws
-    return ws
-
-
-def _fill_raw_index(bits: torch.Tensor, idx: torch.Tensor, fbuf: torch.Tensor) -> torch.Tensor:
-    """Write each element's raw cell into ``idx``; return the max key (device scalar)."""
-    col = fbuf.view(torch.int32)
-    torch.bitwise_and(bits, _MANTISSA_MASK, out=idx)
-    fbuf.copy_(idx)  # float(M): exact, M < 2^24
-    col.add_(_COL_OFFSET).bitwise_right_shift_(23).clamp_min_(0)
-    torch.bitwise_and(bits, _ABS_MASK, out=idx)
-    idx.add_(_ROW_OFFSET)  # finite: |bits| + 2^23 > 0; inf/NaN: wraps negative
-    key = idx.amax()
-    idx.bitwise_right_shift_(23)
-    torch.add(col, idx, alpha=_COLS, out=idx)
-    idx.bitwise_and_(_RAW_MASK)  # inf/NaN rows (-256) land in row 0
-    return key
-
-
-def _whole_tensor_counts(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The accelerator path: whole-tensor kernels, and ``index_add_`` because
-    ``bincount`` synchronises with the host to size its output."""
-    idx = torch.empty_like(bits)
-    key = _fill_raw_index(bits, idx, torch.empty_like(bits, dtype=torch.float32))
-    counts = torch.zeros(NUM_RAW, dtype=torch.int64, device=bits.device)
-    ones = torch.ones((), dtype=torch.int64, device=bits.device).expand(bits.numel())
-    counts.index_add_(0, idx, ones)
-    return counts, key
-
-
-def raw_histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Count ``x``'s values into raw log2 cells; return ``(raw_counts, max_key)``.
-
-    ``raw_counts`` is an int64 vector of length :data:`NUM_RAW`, ``max_key`` an int32
-    scalar that orders finite magnitudes (see :func:`max_abs_from_key`). Both stay on
-    ``x``'s device and merge across calls by addition and ``torch.maximum``. No host
-    synchronisation happens here. Non-fp32 inputs are converted to fp32 first (exact for
-    fp16, bf16 and fp8; float64 rounds to fp32).
+    ``counts[i]`` counts magnitudes in ``(2^(e-1), 2^e]`` for ``e = MIN_EXP + i``
+    (-149 to 128, the whole fp32 range). Zeros, infinities and NaNs are counted apart.
+    ``max_abs`` is the largest finite magnitude (0.0 when there is none).
     """
-    if x.requires_grad:  # gradients seen in hooks usually do not: skip the dispatch
-        x = x.detach()
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    device = flat.device
-    n = flat.numel()
-    if n == 0:
-        return (
-            torch.zeros(NUM_RAW, dtype=torch.int64, device=device),
-            torch.full((), -1, dtype=torch.int32, device=device),
+
+    counts: tuple[int, ...] = (0,) * NUM_EXP_BINS
+    zero: int = 0
+    inf: int = 0
+    nan: int = 0
+    max_abs: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != NUM_EXP_BINS:
+            raise ValueError(f"expected {NUM_EXP_BINS} bin counts, got {len(self.counts)}")
+
+    # -- totals --------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        return sum(self.counts) + self.zero + self.inf + self.nan
+
+    @property
+    def nonzero_finite(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def nonfinite(self) -> int:
+        return self.inf + self.nan
+
+    def count(self, e: int) -> int:
+        """Values with magnitude in ``(2^(e-1), 2^e]``."""
+        if e < MIN_EXP or e > MAX_EXP:
+            return 0
+        return self.counts[e - MIN_EXP]
+
+    def at_most(self, log2_bound: int) -> int:
+        """Nonzero finite values with magnitude ``<= 2^log2_bound`` (exact)."""
+        hi = min(log2_bound, MAX_EXP) - MIN_EXP
+        if hi < 0:
+            return 0
+        return sum(self.counts[: hi + 1])
+
+    def between(self, log2_lo: int, log2_hi: int) -> int:
+        """Nonzero finite values with magnitude in ``(2^log2_lo, 2^log2_hi]`` (exact)."""
+        if log2_hi <= log2_lo:
+            return 0
+        return self.at_most(log2_hi) - self.at_most(log2_lo)
+
+    @property
+    def lowest_exp(self) -> int | None:
+        """The lowest occupied bin, or None when there are no nonzero finite values."""
+        for i, c in enumerate(self.counts):
+            if c:
+                return MIN_EXP + i
+        return None
+
+    @property
+    def highest_exp(self) -> int | None:
+        for i in range(NUM_EXP_BINS - 1, -1, -1):
+            if self.counts[i]:
+                return MIN_EXP + i
+        return None
+
+    # -- what-if at S = 2^k --------------------------------------------------------
+    def flushed(self, fmt: str | Format, log2_scale: int = 0) -> int:
+        """Nonzero finite values that become 0 when ``x * 2^log2_scale`` is cast to ``fmt``.
+
+        Exact: the cast rounds to nearest even, so ``|x S| <= min_subnormal / 2`` flushes,
+        and that bound is a bin edge for every power-of-two S.
+        """
+        fmt = get_format(fmt)
+        return self.at_most(fmt.log2_flush_threshold - log2_scale)
+
+    def subnormal(self, fmt: str | Format, log2_scale: int = 0) -> int:
+        """Values that survive the cast but sit at or below the format's min normal.
+
+        Counts ``|x S|`` in ``(min_subnormal / 2, min_normal]``: the boundary bin holds
+        exactly ``min_normal`` too, which is normal, and values just below min normal
+        may round up to it; so this is an upper bound, tight in practice.
+        """
+        fmt = get_format(fmt)
+        return self.between(fmt.log2_flush_threshold - log2_scale, fmt.log2_min_normal - log2_scale)
+
+    def overflows(self, fmt: str | Format, log2_scale: int = 0) -> bool:
+        """Whether any value would land beyond the format's max at S = 2^log2_scale.
+
+        Exact for finite values (from ``max_abs``); an inf or NaN already present
+        overflows at any scale.
+        """
+        fmt = get_format(fmt)
+        if self.inf or self.nan:
+            return True
+        if self.max_abs == 0.0:
+            return False
+        return fmt.overflows(math.ldexp(self.max_abs, log2_scale))
+
+    # -- combining -----------------------------------------------------------------
+    def __add__(self, other: "Histogram") -> "Histogram":
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return Histogram(
+            counts=tuple(a + b for a, b in zip(self.counts, other.counts)),
+            zero=self.zero + other.zero,
+            inf=self.inf + other.inf,
+            nan=self.nan + other.nan,
+            max_abs=max(self.max_abs, other.max_abs),
         )
-    bits = flat.view(torch.int32)
-    if device.type != "cpu":
-        return _whole_tensor_counts(bits)
-    if _use_numba():
-        from fp16probe import _cpu_kernel
 
-        counts_np, largest = _cpu_kernel.count(bits.numpy())
-        key = np.array(largest + _ROW_OFFSET if largest >= 0 else -1, dtype=np.int32)
-        return torch.from_numpy(counts_np), torch.from_numpy(key)
-    if n <= _CPU_CHUNK:
-        # One chunk: fresh small buffers cost less than slicing the workspace (a model
-        # has many small gradient tensors, and each dispatched op counts).
-        idx = torch.empty_like(bits)
-        key = _fill_raw_index(bits, idx, torch.empty_like(flat))
-        return torch.bincount(idx, minlength=NUM_RAW), key
-    ibuf, fbuf = _cpu_workspace(_CPU_CHUNK)
-    counts = None
-    key = None
-    for start in range(0, n, _CPU_CHUNK):
-        chunk = bits[start : start + _CPU_CHUNK]
-        m = chunk.numel()
-        idx = ibuf[:m]
-        chunk_key = _fill_raw_index(chunk, idx, fbuf[:m])
-        chunk_counts = torch.bincount(idx, minlength=NUM_RAW)
-        if counts is None:
-            counts, key = chunk_counts, chunk_key
-        else:
-            counts += chunk_counts
-            key = torch.maximum(key, chunk_key)
-    return counts, key
+    @staticmethod
+    def sum(histograms: Iterable["Histogram"]) -> "Histogram":
+        out = Histogram()
+        for h in histograms:
+            out = out + h
+        return out
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bins": {str(MIN_EXP + i): c for i, c in enumerate(self.counts) if c},
+            "zero": self.zero,
+            "inf": self.inf,
+            "nan": self.nan,
+            "max_abs": self.max_abs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Histogram":
+        counts = [0] * NUM_EXP_BINS
+        for key, c in d["bins"].items():
+            e = int(key)
+            if not MIN_EXP <= e <= MAX_EXP:
+                raise ValueError(f"bin {e} outside [{MIN_EXP}, {MAX_EXP}]")
+            counts[e - MIN_EXP] = _count(c)
+        return cls(
+            counts=tuple(counts),
+            zero=_count(d["zero"]),
+            inf=_count(d["inf"]),
+            nan=_count(d["nan"]),
+            max_abs=float(d["max_abs"]),
+        )
+
+    @classmethod
+    def from_values(cls, counts_by_exp: Mapping[int, int], *, zero: int = 0, inf: int = 0,
+                    nan: int = 0, max_abs: float | None = None) -> "Histogram":
+        """Build a histogram by hand: ``{e: count}`` for bins ``(2^(e-1), 2^e]``.
+
+        ``max_abs`` defaults to the top occupied bin's upper edge, ``2^e``.
+        """
+        counts = [0] * NUM_EXP_BINS
+        for e, c in counts_by_exp.items():
+            if not MIN_EXP <= int(e) <= MAX_EXP:  # a negative index would wrap to the top bins
+                raise ValueError(f"bin {e} outside [{MIN_EXP}, {MAX_EXP}]")
+            counts[int(e) - MIN_EXP] += _count(int(c))
+        if max_abs is None:
+            occupied = [e for e, c in counts_by_exp.items() if c]
+            max_abs = math.ldexp(1.0, max(occupied)) if occupied else 0.0
+        return cls(tuple(counts), zero, inf, nan, float(max_abs))
 
 
-def _use_numba() -> bool:
-    if CPU_ENGINE == "torch":
-        return False
-    from fp16probe import _cpu_kernel
-
-    if CPU_ENGINE == "numba" and not _cpu_kernel.available():
-        raise ImportError("FP16PROBE_CPU_ENGINE=numba needs numba: pip install 'fp16probe[fast]'")
-    return _cpu_kernel.available()
-
-
-def canonical_counts(raw: torch.Tensor) -> torch.Tensor:
-    """Fold raw cells (``[..., NUM_RAW]``) onto canonical bins (``[..., NUM_BINS]``).
-
-    Canonical slot ``i < 278`` is bin ``e = i - 149``; then zero, inf and NaN.
-    Stays on the device.
-    """
-    out_shape = raw.shape[:-1] + (NUM_BINS,)
-    out = torch.zeros(out_shape, dtype=torch.int64, device=raw.device)
-    return out.index_add_(-1, _raw_map(raw.device), raw.to(torch.int64))
-
-
-def max_abs_from_key(key: int) -> float:
-    """Turn a max key from :func:`raw_histogram` into the largest finite |x| (0.0 if none)."""
-    if key < _ROW_OFFSET:
-        return 0.0
-    bits = int(key) - _ROW_OFFSET
-    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"a count must be a non-negative integer, got {v!r}")
+    return v

@@ -38,7 +38,7 @@ def main(out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fp16probe import Probe
-    from fp16probe.distributed import gather_report, init_from_env, is_distributed, rank
+    from fp16probe.capture.distributed import gather_report, init_from_env, is_distributed, rank
 
     assert init_from_env() and is_distributed(), "launch with torchrun --nproc-per-node 2"
     model = make_model()

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fp16probe.analysis import (
+from fp16probe.analysis.recommend import (
     VERDICTS,
     Recommendation,
     WhatIfTable,
@@ -19,7 +19,7 @@ from fp16probe.analysis import (
 )
 from fp16probe.errors import AnalysisError, Fp16ProbeError
 from fp16probe.formats import get_format
-from fp16probe.provenance import NVIDIA_GUIDE_URL, wording_problems
+from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 
 FAST = dict(horizon=2000)  # a shorter replay keeps these tests quick; the rule is the same
@@ -368,7 +368,7 @@ def test_weight_update_loss_from_a_model_and_lr():
 
 def test_all_nonfinite_gradients_are_not_called_fine():
     from fp16probe import Histogram, Metadata, ModuleStats, Report, analyze
-    from fp16probe.provenance import wording_problems
+    from fp16probe.analysis.provenance import wording_problems
 
     h = Histogram.from_values({}, inf=5, nan=2)
     report = Report(

@@ -251,7 +251,7 @@ def test_never_overwrites_an_input(tmp_path):
 ])
 def test_unwritable_output_is_usage_error_before_the_run(args, option, monkeypatch):
     """An output path that is a folder, or under a file, is refused up front (exit 2), not after the run."""
-    import fp16probe.workload as workload
+    import fp16probe.running.workload as workload
 
     Path("folder").mkdir()
     Path("a_file").write_text("keep")
@@ -275,7 +275,7 @@ def test_github_step_summary_folder_is_usage_error(monkeypatch):
 def test_plot_without_plotting_module(tmp_path, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "fp16probe.plotting", None)  # as if the module were absent
+    monkeypatch.setitem(sys.modules, "fp16probe.presentation.figures", None)  # as if the module were absent
     result = run("profile", "cli_models:TinyMLP", *TINY, "--plot", "fig.png", "--out", "r.json")
     assert result.exit_code == EXIT_USAGE
     assert "--plot" in one_error_line(result)
@@ -466,7 +466,7 @@ def test_show_bins_never_straddle_the_format_bounds():
     from rich.console import Console
 
     from fp16probe import Histogram
-    from fp16probe.render import _bins_table
+    from fp16probe.presentation.terminal import _bins_table
 
     # 60 occupied bins squeezed into 24 rows: groups of 3, which would straddle -25 and -14.
     h = Histogram.from_values({e: 1 for e in range(-50, 10)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from fp16probe.compare import Thresholds, compare, flushed_fraction, snapshot, to_junit, to_markdown, worst_modules
+from fp16probe.analysis.gate import Thresholds, compare, flushed_fraction, snapshot, to_junit, to_markdown, worst_modules
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report
 
 

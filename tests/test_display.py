@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fp16probe import display
+from fp16probe.presentation import notebook as display
 from fp16probe.report import ACTIVATION_GRAD, ModuleStats
 from tests.fixtures.reports import hand_report
 
@@ -125,7 +125,7 @@ def test_report_dunder_rich_is_the_renderer(hand):
 
 @pytest.mark.slow
 def test_importing_fp16probe_loads_neither_matplotlib_nor_rich():
-    code = ("import sys, fp16probe, fp16probe.display; "
+    code = ("import sys, fp16probe, fp16probe.presentation.notebook; "
             "print('matplotlib' in sys.modules, 'rich' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -144,7 +144,7 @@ def test_worst_modules_skips_modules_that_lose_nothing(hand):
 
 
 def test_recommendation_displays_itself(hand):
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
 
     rec = analyze(hand, "fp16")
     page = rec._repr_html_()
@@ -156,7 +156,7 @@ def test_recommendation_displays_itself(hand):
 
 
 def test_report_html_runs_the_analyzer_when_none_is_stored(hand):
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
 
     rec = analyze(hand, "fp16")
     page = hand._repr_html_()
@@ -168,7 +168,7 @@ def test_long_module_names_fold_instead_of_being_cut(hand):
     """On a narrow or non-terminal console a truncated name ("encoder.layers.1…") no longer says which module."""
     from rich.console import Console
 
-    from fp16probe import render
+    from fp16probe.presentation import terminal as render
 
     name = "encoder.layers.11.attention.output.dense_projection"
     long = replace(hand.modules[2], name=name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp16probe import Fp16ProbeError, Histogram, Probe, Report
-from fp16probe.distributed import gather_report, is_distributed, merge_rank_reports, rank, world_size
+from fp16probe.capture.distributed import gather_report, is_distributed, merge_rank_reports, rank, world_size
 from fp16probe.report import Metadata, ModuleStats, StepTrace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fp16probe.formats import FORMATS
-from fp16probe.histogram import (
+from fp16probe.capture.engine import (
     MIN_EXP,
     NUM_BINS,
     SLOT_INF,
@@ -25,7 +25,7 @@ from fp16probe.histogram import (
     max_abs_from_key,
     raw_histogram,
 )
-from fp16probe.probe import _histogram_from
+from fp16probe.capture.probe import _histogram_from
 from fp16probe.report import Histogram
 
 KS = range(-40, 41)
@@ -34,7 +34,8 @@ KS = range(-40, 41)
 @pytest.fixture(autouse=True, params=["torch", "numba"])
 def engine(request, monkeypatch):
     """Run every test on both CPU engines: eager torch ops and the fused numba kernel."""
-    from fp16probe import _cpu_kernel, histogram
+    from fp16probe.capture import _cpu_kernel
+    from fp16probe.capture import engine as histogram
 
     if request.param == "numba" and not _cpu_kernel.available():
         pytest.skip("numba is not installed")
@@ -207,7 +208,8 @@ def test_empty_and_noncontiguous_inputs():
 
 
 def test_engines_agree_on_random_bit_patterns(monkeypatch):
-    from fp16probe import _cpu_kernel, histogram
+    from fp16probe.capture import _cpu_kernel
+    from fp16probe.capture import engine as histogram
 
     if not _cpu_kernel.available():
         pytest.skip("numba is not installed")
@@ -223,7 +225,7 @@ def test_engines_agree_on_random_bit_patterns(monkeypatch):
 
 def test_accelerator_path_agrees_on_the_cpu():
     # The whole-tensor path that CUDA takes (index_add_, no bincount), run here on the CPU.
-    from fp16probe.histogram import _whole_tensor_counts
+    from fp16probe.capture.engine import _whole_tensor_counts
 
     bits = torch.randint(-(2**31), 2**31 - 1, (50_000,), dtype=torch.int64).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.tensor(edge_values(), dtype=torch.float32)])

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-pytest.importorskip("fp16probe.analysis", reason="the analyzer writes the recommendation")
+pytest.importorskip("fp16probe.analysis.recommend", reason="the analyzer writes the recommendation")
 
 from fp16probe import Fp16ProbeError, Report  # noqa: E402
 from fp16probe.integrations import RECOMMENDATION_NAME, REPORT_NAME  # noqa: E402

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 pl = pytest.importorskip("pytorch_lightning")
-pytest.importorskip("fp16probe.analysis", reason="the analyzer writes the recommendation")
+pytest.importorskip("fp16probe.analysis.recommend", reason="the analyzer writes the recommendation")
 
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
@@ -84,8 +84,8 @@ def test_16_mixed_with_a_real_grad_scaler_records_unscaled_gradients(tmp_path):
     assert len(seen) == 4
     # on_after_backward saw scaled gradients; the Probe recorded them divided by the scale
     last = report.module("net.4.weight", "weight_grad").histogram
-    from fp16probe.histogram import canonical_counts, raw_histogram
-    from fp16probe.probe import _histogram_from
+    from fp16probe.capture.engine import canonical_counts, raw_histogram
+    from fp16probe.capture.probe import _histogram_from
 
     unscaled = [g * 2.0**-10 for g in seen]
     want = [_histogram_from(canonical_counts(raw_histogram(g)[0]).tolist(), int(raw_histogram(g)[1])) for g in unscaled]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fp16probe.errors import InputError, ModelLoadError
-from fp16probe.loading import is_import_string, load_model, load_state_dict_file
+from fp16probe.running.loading import is_import_string, load_model, load_state_dict_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import fp16probe
 from fp16probe import Probe
-from fp16probe import histogram as histogram_module
+from fp16probe.capture import engine as histogram_module
 
 PACKAGE_DIR = str(Path(fp16probe.__file__).resolve().parent)
 
@@ -56,7 +56,7 @@ def _device_code_path(monkeypatch: pytest.MonkeyPatch) -> None:
     On the CPU the numba kernel reads the tensor's memory through ``.numpy()``; a CPU
     tensor has no device to synchronise with, and accelerators never take that path.
     """
-    from fp16probe import histogram
+    from fp16probe.capture import engine as histogram
 
     monkeypatch.setattr(histogram, "CPU_ENGINE", "torch")
 
@@ -154,7 +154,7 @@ def test_a_syncing_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         x.abs().amax().item()
         return real(x)
 
-    monkeypatch.setattr("fp16probe.probe.raw_histogram", syncing)
+    monkeypatch.setattr("fp16probe.capture.probe.raw_histogram", syncing)
     torch.manual_seed(0)
     model = _Net()
     with Probe(model) as probe, pytest.warns(RuntimeWarning, match="hook failed"):

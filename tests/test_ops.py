@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp16probe import Probe, ProbeError
-from fp16probe.histogram import canonical_counts, raw_histogram
-from fp16probe.ops import LAYOUT_OPS, op_name
-from fp16probe.probe import _histogram_from
+from fp16probe.capture.engine import canonical_counts, raw_histogram
+from fp16probe.capture.ops import LAYOUT_OPS, op_name
+from fp16probe.capture.probe import _histogram_from
 
 
 @pytest.fixture(autouse=True)

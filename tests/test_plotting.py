@@ -15,7 +15,7 @@ from fp16probe import Fp16ProbeError, get_format
 from fp16probe.report import ACTIVATION_GRAD, Histogram
 from tests.fixtures.reports import HAND_MODULES, hand_report, probe_report
 
-from fp16probe import plotting
+from fp16probe.presentation import figures as plotting
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -269,14 +269,14 @@ def test_report_plot_returns_a_figure_of_one_view(hand, tmp_path):
 # -- against the analyzer ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hand_rec(hand):
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
 
     return analyze(hand, "fp16")
 
 
 @pytest.fixture(scope="module")
 def probed_rec(probed):
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
 
     return analyze(probed, "fp16")
 
@@ -314,7 +314,7 @@ def test_stored_recommendation_dict_is_drawn(hand, hand_rec):
 
 
 def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
-    from fp16probe.analysis import what_if
+    from fp16probe.analysis.recommend import what_if
 
     table = what_if(hand, "fp16")
     ax = plotting.plot_what_if(hand, "fp16", recommendation=hand_rec)
@@ -333,7 +333,7 @@ def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
 
 
 def test_what_if_accepts_a_table(hand):
-    from fp16probe.analysis import what_if
+    from fp16probe.analysis.recommend import what_if
 
     table = what_if(hand, "bf16", log2_scales=range(0, 5))
     ax = plotting.plot_what_if(table, "bf16")
@@ -342,7 +342,7 @@ def test_what_if_accepts_a_table(hand):
 
 
 def test_timeline_is_the_replayed_scale_with_skipped_steps(hand, hand_rec, tmp_path):
-    from fp16probe.replay import GRADSCALER_DEFAULTS, simulate
+    from fp16probe.analysis.replay import GRADSCALER_DEFAULTS, simulate
 
     ax = plotting.plot_scale_timeline(hand, "fp16", recommendation=hand_rec, horizon=300, seed=1)
     for label, kwargs in [("recommended", hand_rec.grad_scaler_kwargs),

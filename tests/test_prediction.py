@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp16probe import Probe
-from fp16probe.analysis import analyze, what_if
+from fp16probe.analysis.recommend import analyze, what_if
 from fp16probe.formats import get_format
 from tests.fixtures.analysis_models import GradCapture, SmallGradMLP, make_batches
 
@@ -124,7 +124,7 @@ def test_prediction_from_fp32_meets_an_fp16_autocast_run(fp32_run, k):
 def test_on_the_demo_model_the_recommended_scale_holds_up_to_direct_remeasurement():
     # The built-in demo that `fp16probe profile` runs: the recommended S never overflows a
     # profiled step, and the flushed fraction reported at S is what a cast of S x g shows.
-    from fp16probe.demo import DemoNet, demo_batches, demo_loss
+    from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
 
     model = DemoNet()
     batches = demo_batches()

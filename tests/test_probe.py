@@ -327,7 +327,7 @@ def test_found_inf_is_recorded_per_step():
 
 
 def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch):
-    import fp16probe.probe as probe_mod
+    import fp16probe.capture.probe as probe_mod
 
     def broken(x):
         raise RuntimeError("engine exploded")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp16probe.errors import AnalysisError, Fp16ProbeError
-from fp16probe.replay import (
+from fp16probe.analysis.replay import (
     GRADSCALER_DEFAULTS,
     GrowthIntervalTable,
     ReplayResult,

@@ -36,7 +36,7 @@ def write_outputs(report: Any, folder: str | Path, *, format: str = "fp16") -> A
 
     Returns the report as written, recommendation included.
     """
-    from fp16probe.analysis import analyze
+    from fp16probe.analysis.recommend import analyze
     from fp16probe.report import atomic_write_text
 
     recommendation = analyze(report, format)
@@ -54,7 +54,7 @@ def finish(probe: Any, *, trainer: str, global_step: int, is_main: bool, folder:
     Every rank must call it (the merge is a collective). Returns the report as written on
     the main process, None elsewhere.
     """
-    from fp16probe import distributed
+    from fp16probe.capture import distributed
 
     probe.stop()
     report = distributed.gather_report(probe, extra={"trainer": trainer, "global_step": int(global_step)})

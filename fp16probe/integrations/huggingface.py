@@ -24,7 +24,7 @@ from fp16probe.integrations import finish, require
 transformers = require("transformers", "hf", "fp16probe.integrations.huggingface")
 
 from fp16probe.errors import Fp16ProbeError  # noqa: E402
-from fp16probe.probe import Probe  # noqa: E402
+from fp16probe.capture.probe import Probe  # noqa: E402
 
 __all__ = ["Fp16ProbeCallback", "trainer_scaler"]
 

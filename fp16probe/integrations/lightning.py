@@ -21,7 +21,7 @@ from fp16probe.integrations import finish, require
 
 pl = require("pytorch_lightning", "lightning", "fp16probe.integrations.lightning")
 
-from fp16probe.probe import Probe  # noqa: E402
+from fp16probe.capture.probe import Probe  # noqa: E402
 
 __all__ = ["Fp16ProbeCallback", "lightning_scaler"]
 

@@ -12,7 +12,7 @@ them. Torch functions called by other functions (``F.layer_norm`` inside a Pytho
 function) are seen once, at the outermost torch call, because the mode is off while a
 call it intercepted runs.
 
-This is capture plumbing for :class:`fp16probe.probe.Probe` (``granularity="op"``) and
+This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``) and
 uses its recording hooks; it holds no statistics of its own.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.probe import ROOT_NAME, _detect_precision, iter_tensors
+from fp16probe.capture.probe import ROOT_NAME, _detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
 __all__ = ["LAYOUT_OPS", "attach", "op_name"]

@@ -30,7 +30,7 @@ import numpy as np
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MAX_EXP, MIN_EXP
-from fp16probe.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
+from fp16probe.analysis.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, StepTrace
 
 __all__ = [

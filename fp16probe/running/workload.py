@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from fp16probe.errors import InputError
-from fp16probe.loading import DEMO, LoadedModel, resolve_import
-from fp16probe.probe import iter_tensors
+from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
+from fp16probe.capture.probe import iter_tensors
 
 __all__ = [
     "Batches",
@@ -133,9 +133,9 @@ def make_batches(
             raise InputError(f"--batches {batches!r}: calling it raised {type(e).__name__}: {e}") from e
         return Batches(_to_device(iterator, device), f"--batches {batches}", synthetic=False)
     if loaded.kind == DEMO and input_shape is None:
-        from fp16probe.demo import demo_batches
+        from fp16probe.running.demo import demo_batches
 
-        return Batches(_to_device(demo_batches(seed=seed), device), "demo data (fp16probe.demo)", synthetic=False)
+        return Batches(_to_device(demo_batches(seed=seed), device), "demo data (fp16probe.running.demo)", synthetic=False)
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab_size or loaded.vocab_size
     if input_shape is None and loaded.example_inputs is not None:
@@ -244,7 +244,7 @@ def make_loss(loaded: LoadedModel, loss: str | None) -> Loss:
             raise InputError(f"--loss {loss!r} is a {type(fn).__name__}, expected a function (output, batch) -> loss")
         return Loss(fn, f"--loss {loss}", synthetic=False)
     if loaded.kind == DEMO:
-        from fp16probe.demo import demo_loss
+        from fp16probe.running.demo import demo_loss
 
         return Loss(demo_loss, "demo: mean squared error against the demo's targets", synthetic=False)
     if loaded.has_loss:

@@ -31,9 +31,9 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
-from fp16probe.display import field as _get
-from fp16probe.display import flushed_fraction
-from fp16probe.display import resolve_recommendation as _resolve_recommendation
+from fp16probe.presentation.notebook import field as _get
+from fp16probe.presentation.notebook import flushed_fraction
+from fp16probe.presentation.notebook import resolve_recommendation as _resolve_recommendation
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP
@@ -323,7 +323,7 @@ def plot_what_if(
     """
     fmt = get_format(format)
     if isinstance(report, Report):
-        from fp16probe.analysis import what_if
+        from fp16probe.analysis.recommend import what_if
 
         table = what_if(report, fmt.name, kind=kind)
         recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
@@ -374,12 +374,12 @@ def plot_scale_timeline(
 ) -> Axes:
     """Draw the replayed loss scale per step, recommended schedule beside GradScaler's default.
 
-    Both schedules are replayed by ``fp16probe.replay.simulate``, which draws the
+    Both schedules are replayed by ``fp16probe.analysis.replay.simulate``, which draws the
     report's profiled steps at random for ``horizon`` steps (its default when None);
     skipped steps (an overflow threw the step away) are marked with crosses.
     A scale the run itself recorded (it had a GradScaler) is drawn too.
     """
-    from fp16probe.replay import GRADSCALER_DEFAULTS, simulate
+    from fp16probe.analysis.replay import GRADSCALER_DEFAULTS, simulate
 
     fmt = get_format(format)
     recommendation = _resolve_recommendation(report, recommendation, fmt, kind)

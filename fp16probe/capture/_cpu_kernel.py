@@ -1,6 +1,6 @@
 """A fused single-pass CPU histogram kernel, compiled with numba when it is installed.
 
-The eager-PyTorch engine in :mod:`fp16probe.histogram` needs about ten passes and a
+The eager-PyTorch engine in :mod:`fp16probe.capture.engine` needs about ten passes and a
 ``bincount`` per tensor; this kernel reads each value once and counts it straight into
 the same raw cells (row = exponent field + 1, column as documented there), so the two
 engines give identical results. Only for CPU tensors; accelerators keep the torch path.

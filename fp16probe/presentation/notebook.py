@@ -1,7 +1,7 @@
 """Rich and Jupyter renderings of a Report and a Recommendation.
 
 Presentation only: numbers come from the report's histograms and the analyzer. rich is
-imported inside the functions that need it, matplotlib (through ``fp16probe.plotting``)
+imported inside the functions that need it, matplotlib (through ``fp16probe.presentation.figures``)
 only when an inline figure is asked for, so importing this module costs nothing.
 """
 
@@ -66,7 +66,7 @@ def resolve_recommendation(report: Report | None, recommendation: Any = None,
     if not report.modules_of(kind):
         return None
     try:
-        from fp16probe.analysis import analyze
+        from fp16probe.analysis.recommend import analyze
     except ImportError:
         return None
     return analyze(report, fmt.name, kind=kind)
@@ -176,7 +176,7 @@ def recommendation_html(rec: Any, *, standalone: bool = True) -> str:
 
 
 def _figure_png(report: Report, rec: Any, fmt: Format, kind: str) -> str:
-    from fp16probe.plotting import plot_distribution
+    from fp16probe.presentation.figures import plot_distribution
 
     ax = plot_distribution(report, fmt, recommendation=rec, kind=kind)
     buf = io.BytesIO()

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe import distributed as _distributed
+from fp16probe.capture import distributed as _distributed
 from fp16probe._version import __version__
 from fp16probe.errors import ProbeError
-from fp16probe.histogram import (
+from fp16probe.capture.engine import (
     NUM_BINS,
     NUM_RAW,
     SLOT_INF,
@@ -238,12 +238,12 @@ class Probe:
         granularity: ``"module"`` records the gradient of each hooked module's output;
             ``"op"`` records the gradient of every differentiable op's output inside
             the selected modules (functional calls too: ``F.gelu``, residual adds,
-            softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.ops`). With
+            softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.capture.ops`). With
             ``"op"`` the default selection is every module, not only leaves.
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
-    they are the gradients the optimizer steps with (see :mod:`fp16probe.distributed`).
+    they are the gradients the optimizer steps with (see :mod:`fp16probe.capture.distributed`).
 
     Use as a context manager (hooks are removed on exit, also by exception) or with
     :meth:`start`/:meth:`stop`; call :meth:`step` at each optimizer step and
@@ -345,7 +345,7 @@ class Probe:
         self._defer_weight_grads = _distributed.is_distributed()
         try:
             if self.granularity == "op" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
-                from fp16probe import ops
+                from fp16probe.capture import ops
 
                 self._handles.extend(ops.attach(self, self._hooked))
             for name in (self._hooked if self.granularity == "module" else ()):

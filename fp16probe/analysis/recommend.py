@@ -18,7 +18,7 @@ import torch
 
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.provenance import (
+from fp16probe.analysis.provenance import (
     BF16_NO_SCALER,
     CITATION_GRADSCALER,
     CITATION_LIT011,
@@ -29,7 +29,7 @@ from fp16probe.provenance import (
     UNDERFLOW_MECHANISM,
     WEIGHT_UPDATE_RULE,
 )
-from fp16probe.replay import (
+from fp16probe.analysis.replay import (
     DEFAULT_GROWTH_INTERVALS,
     GRAD_KINDS,
     GRADSCALER_DEFAULTS,
@@ -241,12 +241,12 @@ class Recommendation:
 
     # -- presentation (rich and matplotlib load only when these are called) ---------
     def _repr_html_(self) -> str:
-        from fp16probe.display import recommendation_html
+        from fp16probe.presentation.notebook import recommendation_html
 
         return recommendation_html(self)
 
     def __rich__(self) -> Any:
-        from fp16probe.display import recommendation_rich
+        from fp16probe.presentation.notebook import recommendation_rich
 
         return recommendation_rich(self)
 

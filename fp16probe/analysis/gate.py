@@ -230,7 +230,7 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_junit(result: GateResult, suite: str = "fp16probe.compare") -> str:
+def to_junit(result: GateResult, suite: str = "fp16probe.analysis.gate") -> str:
     """JUnit XML: one test case per check, a failure element for each failed one."""
     cases = []
     for c in result.checks:

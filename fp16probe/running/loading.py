@@ -83,9 +83,9 @@ def load_model(
     if spec is None or spec == "":
         if weights is not None:
             raise InputError("--weights needs a MODEL import string (package.module:factory) to build the model")
-        from fp16probe.demo import DemoNet
+        from fp16probe.running.demo import DemoNet
 
-        return LoadedModel(DemoNet(), DEMO, "fp16probe.demo:DemoNet", notes=("the built-in demo model",))
+        return LoadedModel(DemoNet(), DEMO, "fp16probe.running.demo:DemoNet", notes=("the built-in demo model",))
     if is_import_string(spec):
         return _load_import(spec, weights, trust_checkpoint)
     path = Path(spec)

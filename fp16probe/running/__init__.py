@@ -1,0 +1,1 @@
+"""Running: load a model, make its inputs and loss, and run the probed steps."""
