@@ -2,7 +2,15 @@
 
 from fp16probe._version import __version__
 from fp16probe.analysis.recommend import Recommendation, WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
-from fp16probe.errors import AnalysisError, Fp16ProbeError, ProbeError, ReportError, UnknownFormatError
+from fp16probe.errors import (
+    AnalysisError,
+    Fp16ProbeError,
+    InputError,
+    ModelLoadError,
+    ProbeError,
+    ReportError,
+    UnknownFormatError,
+)
 from fp16probe.formats import FORMATS, Format, get_format
 from fp16probe.capture.probe import Probe
 from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
@@ -14,7 +22,9 @@ __all__ = [
     "Format",
     "Fp16ProbeError",
     "Histogram",
+    "InputError",
     "Metadata",
+    "ModelLoadError",
     "ModuleStats",
     "Probe",
     "ProbeError",

@@ -6,15 +6,13 @@ Nothing here touches a model or a device; everything is host-side Python numbers
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from fp16probe.errors import ReportError
-from fp16probe.formats import Format, get_format
 from fp16probe.histogram import Histogram
 
 __all__ = [

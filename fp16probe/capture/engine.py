@@ -32,7 +32,7 @@ import threading
 import numpy as np
 import torch
 
-from fp16probe.histogram import MAX_EXP, MIN_EXP, NUM_BINS, NUM_EXP_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO
+from fp16probe.histogram import MAX_EXP, MIN_EXP, NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO
 
 __all__ = [
     "MAX_EXP",
