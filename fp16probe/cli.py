@@ -12,6 +12,7 @@ import contextlib
 import enum
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -122,6 +123,24 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of a
 ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe profile.", dir_okay=False)]
 
 
+# The library's errors name its parameters (``input_shape=...``); the command line
+# speaks of its flags. Each parameter of fp16probe.profile and its helpers -> its flag.
+PARAMETER_FLAGS = {
+    "batches": "--batches", "device": "--device", "format": "--format", "granularity": "--granularity",
+    "input_dtype": "--input-dtype", "input_shape": "--input-shape", "kind": "--kind", "loss": "--loss",
+    "loss_fn": "--loss", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
+    "optimizer": "--optimizer", "precision": "--precision", "scaler": "--loss-scale", "seed": "--seed",
+    "steps": "--steps", "trust_checkpoint": "--trust-checkpoint", "trust_remote_code": "--trust-remote-code",
+    "verify": "--verify", "vocab_size": "--vocab-size", "weights": "--weights",
+}
+_PARAMETER_RE = re.compile(r"(?<![\w.-])(" + "|".join(PARAMETER_FLAGS) + r")= ?")
+
+
+def as_flags(message: str) -> str:
+    """Rewrite a library message's ``parameter=value`` as the command line's ``--flag value``."""
+    return _PARAMETER_RE.sub(lambda m: PARAMETER_FLAGS[m.group(1)] + " ", message)
+
+
 @contextlib.contextmanager
 def _errors(console: Any, debug: bool) -> Iterator[None]:
     """Turn errors into one line on stderr and a stable exit code."""
@@ -135,9 +154,9 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
         print_error(console, "interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except ModelLoadError as e:
-        _fail(console, str(e), EXIT_LOAD, debug, print_error)
+        _fail(console, as_flags(str(e)), EXIT_LOAD, debug, print_error)
     except Fp16ProbeError as e:  # ReportError, InputError, UnknownFormatError, ProbeError
-        _fail(console, str(e), EXIT_USAGE, debug, print_error)
+        _fail(console, as_flags(str(e)), EXIT_USAGE, debug, print_error)
     except Exception as e:
         _fail(
             console,
@@ -237,7 +256,9 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
 
     from fp16probe.running.loading import load_model
     from fp16probe.capture.probe import Probe
-    from fp16probe.running.workload import RunSettings, make_batches, make_loss, pick_device, run_profile
+    from fp16probe.running.inputs import make_batches, pick_device
+    from fp16probe.running.losses import make_loss
+    from fp16probe.running.profile import RunSettings, run_profile
 
     fmt = o["format"].value
     kind = o["kind"].value

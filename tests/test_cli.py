@@ -251,12 +251,12 @@ def test_never_overwrites_an_input(tmp_path):
 ])
 def test_unwritable_output_is_usage_error_before_the_run(args, option, monkeypatch):
     """An output path that is a folder, or under a file, is refused up front (exit 2), not after the run."""
-    import fp16probe.running.workload as workload
+    import fp16probe.running.profile as running_profile
 
     Path("folder").mkdir()
     Path("a_file").write_text("keep")
     ok("profile", "cli_models:TinyMLP", *TINY, "--out", "base.json")
-    monkeypatch.setattr(workload, "run_profile", lambda *a, **k: pytest.fail("ran before checking the output"))
+    monkeypatch.setattr(running_profile, "run_profile", lambda *a, **k: pytest.fail("ran before checking the output"))
     result = run(*args)
     assert result.exit_code == EXIT_USAGE, result.output
     assert one_error_line(result).startswith(f"error: {option} ")
