@@ -29,3 +29,14 @@ class ModelLoadError(Fp16ProbeError):
 
 class InputError(Fp16ProbeError, ValueError):
     """Input the command line cannot use: a missing file, a bad shape, a model that rejects it."""
+
+
+class ReportFieldError(ReportError, ValueError):
+    """One field of a report that has the wrong type, is out of range or contradicts another.
+
+    ``field`` names it as a path into the JSON, e.g. ``modules[3].histogram.max_abs``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

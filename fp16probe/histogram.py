@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from fp16probe.formats import Format, get_format
+from fp16probe.validation import check_histogram
 
 __all__ = [
     "MAX_EXP",
@@ -166,20 +167,13 @@ class Histogram:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Histogram":
+    def from_dict(cls, d: Mapping[str, Any], *, path: str = "histogram") -> "Histogram":
+        """Build a histogram from its JSON; a bad field raises ReportFieldError naming ``path``."""
+        check_histogram(d, path, MIN_EXP, MAX_EXP)
         counts = [0] * NUM_EXP_BINS
         for key, c in d["bins"].items():
-            e = int(key)
-            if not MIN_EXP <= e <= MAX_EXP:
-                raise ValueError(f"bin {e} outside [{MIN_EXP}, {MAX_EXP}]")
-            counts[e - MIN_EXP] = _count(c)
-        return cls(
-            counts=tuple(counts),
-            zero=_count(d["zero"]),
-            inf=_count(d["inf"]),
-            nan=_count(d["nan"]),
-            max_abs=float(d["max_abs"]),
-        )
+            counts[int(key) - MIN_EXP] = c
+        return cls(counts=tuple(counts), zero=d["zero"], inf=d["inf"], nan=d["nan"], max_abs=float(d["max_abs"]))
 
     @classmethod
     def from_values(cls, counts_by_exp: Mapping[int, int], *, zero: int = 0, inf: int = 0,

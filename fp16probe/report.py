@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fp16probe.errors import ReportError
+from fp16probe import validation
+from fp16probe.errors import ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
 
 __all__ = [
@@ -54,15 +55,15 @@ class ModuleStats:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModuleStats":
-        if d["kind"] not in KINDS:
-            raise ValueError(f"unknown kind {d['kind']!r}")
+    def from_dict(cls, d: Mapping[str, Any], *, path: str = "module") -> "ModuleStats":
+        """Build a module record from its JSON; a bad field raises ReportFieldError naming it."""
+        validation.check_module(d, path)
         return cls(
-            name=str(d["name"]),
-            kind=str(d["kind"]),
-            module_type=str(d["module_type"]),
-            order=int(d["order"]),
-            histogram=Histogram.from_dict(d["histogram"]),
+            name=d["name"],
+            kind=d["kind"],
+            module_type=d["module_type"],
+            order=d["order"],
+            histogram=Histogram.from_dict(d["histogram"], path=f"{path}.histogram"),
         )
 
 
@@ -99,21 +100,20 @@ class StepTrace:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepTrace":
-        steps = tuple(int(s) for s in d["steps"])
-        n = len(steps)
-        histograms = {k: tuple(Histogram.from_dict(h) for h in hs) for k, hs in d["histograms"].items()}
+    def from_dict(cls, d: Mapping[str, Any], *, path: str = "trace") -> "StepTrace":
+        """Build the trace from its JSON; a bad field or a list of the wrong length raises ReportFieldError."""
+        validation.check_trace(d, path)
+        steps = tuple(d["steps"])
+        histograms = {
+            k: tuple(Histogram.from_dict(h, path=f"{path}.histograms[{k!r}][{i}]") for i, h in enumerate(hs))
+            for k, hs in d["histograms"].items()
+        }
         module_max = {
             k: {name: tuple(float(v) for v in vals) for name, vals in m.items()}
             for k, m in d["module_max"].items()
         }
         scale = tuple(None if s is None else float(s) for s in d["scale"])
-        found_inf = tuple(bool(f) for f in d["found_inf"])
-        for what, seq in [("scale", scale), ("found_inf", found_inf)] + [
-            (f"histograms[{k}]", v) for k, v in histograms.items()
-        ]:
-            if len(seq) != n:
-                raise ValueError(f"trace.{what} has {len(seq)} entries for {n} steps")
+        found_inf = tuple(d["found_inf"])
         return cls(steps, histograms, module_max, scale, found_inf)
 
 
@@ -146,7 +146,9 @@ class Metadata:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Metadata":
+    def from_dict(cls, d: Mapping[str, Any], *, path: str = "metadata") -> "Metadata":
+        """Build metadata from its JSON; a field of the wrong type raises ReportFieldError naming it."""
+        validation.check_metadata(d, path)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         known["captured"] = tuple(known.get("captured", ()))
         known["hooked_modules"] = tuple(known.get("hooked_modules", ()))
@@ -221,19 +223,24 @@ class Report:
         version = d.get("schema_version")
         if version is None:
             raise ReportError(f"{source}: no schema_version; this is not an fp16probe report")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:
             raise ReportError(
                 f"{source}: schema_version {version!r} is not supported (this fp16probe reads "
                 f"version {SCHEMA_VERSION}); re-create the report with this version of fp16probe"
             )
         try:
+            _check_report_fields(d)
             return cls(
                 metadata=Metadata.from_dict(d["metadata"]),
-                modules=tuple(ModuleStats.from_dict(m) for m in d["modules"]),
+                modules=tuple(ModuleStats.from_dict(m, path=f"modules[{i}]") for i, m in enumerate(d["modules"])),
                 trace=StepTrace.from_dict(d["trace"]),
                 recommendation=d.get("recommendation"),
                 schema_version=version,
             )
+        except ReportError as e:
+            raise ReportError(f"{source}: {e}; the file is corrupt or was edited: re-create it with fp16probe profile") from e
+        except RecursionError as e:
+            raise ReportError(f"{source}: nested too deeply to be an fp16probe report") from e
         except KeyError as e:
             raise ReportError(f"{source}: malformed report, missing field {e.args[0]!r}") from e
         except (TypeError, ValueError, AttributeError) as e:
@@ -266,6 +273,10 @@ class Report:
             raise ReportError(
                 f"{path}: not valid JSON (truncated or corrupt?) at line {e.lineno} column {e.colno}: {e.msg}"
             ) from e
+        except RecursionError as e:  # json's parser recurses once per level of nesting
+            raise ReportError(f"{path}: JSON nested too deeply to be an fp16probe report (at most 32 levels)") from e
+        except ValueError as e:  # an integer literal longer than Python's int-conversion limit
+            raise ReportError(f"{path}: not a readable report: {' '.join(str(e).split())}") from e
         return cls.from_dict(data, source=str(path))
 
     # -- merging -------------------------------------------------------------------
@@ -356,6 +367,19 @@ def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
         module_max[k] = {name: tuple(v) for name, v in merged.items()}
     found_inf = tuple(any(t.found_inf[i] for t in traces) for i in range(n))
     return StepTrace(first.steps, histograms, module_max, first.scale, found_inf)
+
+
+def _check_report_fields(d: Mapping[str, Any]) -> None:
+    """Check the top level of a report's JSON: the parts' types, unique modules, free-form nesting."""
+    for key in ("metadata", "modules", "trace"):
+        if key not in d:
+            raise KeyError(key)
+    validation.check_modules(d["modules"])
+    if d.get("recommendation") is not None:
+        if not isinstance(d["recommendation"], dict):
+            raise ReportFieldError("recommendation", "recommendation: expected an object or null, got "
+                                   f"{type(d['recommendation']).__name__}")
+        validation.check_depth(d["recommendation"], "recommendation")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -61,3 +61,21 @@ def test_schema_rejects_broken_citations(cff, breakage):
     else:
         bad["citation"] = "x"
     assert not _validator().is_valid(bad)
+
+
+def test_citation_carries_a_year_and_the_repository(cff):
+    """Exported BibTeX needs a year (date-released) and a URL (repository-code); the URL is the package's."""
+    import datetime
+    import tomllib
+
+    released = cff["date-released"]
+    released = released if isinstance(released, datetime.date) else datetime.date.fromisoformat(released)
+    assert datetime.date(2026, 1, 1) <= released <= datetime.date.today()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert cff["repository-code"] == project["urls"]["Repository"]
+    assert cff["repository-code"].startswith("https://")
+
+
+@pytest.mark.parametrize("field, value", [("date-released", "30 November 2026"), ("repository-code", "not a url")])
+def test_schema_rejects_a_bad_date_or_url(cff, field, value):
+    assert not _validator().is_valid({**cff, field: value})

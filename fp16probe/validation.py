@@ -1,0 +1,249 @@
+"""Check a report's JSON, field by field, before anything is built from it.
+
+A report file is input: it may be truncated, edited by hand, produced by a buggy tool or
+built to fool ``compare``. Each function here checks one part of it (types, ranges,
+lengths, duplicates, nesting) and raises :class:`~fp16probe.errors.ReportFieldError`
+naming the field, what was expected and what was found, in one line. The ``from_dict``
+constructors of the report's data classes call them; nothing here builds objects.
+
+Plain host-side data: nothing here touches a model or a device.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Mapping
+
+from fp16probe.errors import ReportFieldError
+
+__all__ = [
+    "MAX_COUNT",
+    "MAX_DEPTH",
+    "check_depth",
+    "check_histogram",
+    "check_metadata",
+    "check_module",
+    "check_modules",
+    "check_trace",
+]
+
+MAX_COUNT = 2**63 - 1
+"""The largest count or integer a report may hold: an int64, what the probe counts in."""
+
+MAX_DEPTH = 32
+"""The deepest nesting of free-form JSON (``metadata.extra``, ``recommendation``); fp16probe writes 6."""
+
+FP32_MAX = 2.0**128 * (1 - 2.0**-24)
+
+_KINDS = ("activation_grad", "weight_grad", "activation")
+_METADATA_STRINGS = ("fp16probe_version", "torch_version", "device", "model_class")
+_METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created")
+_METADATA_COUNTS = {"steps_seen": 0, "steps_total": 0, "every": 1, "world_size": 1}
+_METADATA_BOOLS = ("grad_scaler", "partial")
+
+
+def _fail(path: str, expected: str, got: Any) -> ReportFieldError:
+    shown = _type_name(got) if isinstance(got, (dict, list)) else repr(got)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return ReportFieldError(path, f"{path}: expected {expected}, got {shown}")
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _object(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise _fail(path, "an object", v)
+    return v
+
+
+def _list(v: Any, path: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise _fail(path, "a list", v)
+    return v
+
+
+class _Shown:
+    """A value shown by its type alone (a whole object or list would be too long to quote)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _int(v: Any, path: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    what = "a non-negative integer below 2^63" if (lo, hi) == (0, MAX_COUNT) else f"an integer in [{lo}, {hi}]"
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, what, v)
+    if not lo <= v <= hi:
+        raise _fail(path, what, v if abs(v) < 10**30 else _Shown(f"an integer of {len(str(abs(v)))} digits"))
+    return v
+
+
+def _number(v: Any, path: str, hi: float = FP32_MAX) -> float:
+    """A finite non-negative number no larger than ``hi``."""
+    what = f"a finite number in [0, {hi:.4g}]"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(path, what, v)
+    if isinstance(v, int) and v > hi:  # float() of 10**400 would raise OverflowError
+        raise _fail(path, what, v if v < 10**30 else _Shown(f"an integer of {len(str(v))} digits"))
+    f = float(v)
+    if not (math.isfinite(f) and 0.0 <= f <= hi):
+        raise _fail(path, what, v)
+    return f
+
+
+def _bool(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):  # "false" is a non-empty string, and bool("false") is True
+        raise _fail(path, "true or false", v)
+    return v
+
+
+def _str(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, "a string", v)
+    return v
+
+
+def check_depth(v: Any, path: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse free-form JSON nested deeper than ``limit`` (iteratively: no recursion to overflow)."""
+    stack = [(v, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth >= limit:
+            raise ReportFieldError(path, f"{path}: nested deeper than {limit} levels; fp16probe writes at most 6")
+        stack.extend((c, depth + 1) for c in children)
+
+
+def check_histogram(d: Any, path: str, min_exp: int, max_exp: int) -> None:
+    """Check one histogram's JSON: counts, bins in [min_exp, max_exp], ``max_abs`` in the top occupied bin."""
+    d = _object(d, path)
+    for key in ("bins", "zero", "inf", "nan", "max_abs"):
+        if key not in d:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+    bins = _object(d["bins"], f"{path}.bins")
+    top = None
+    for key, c in bins.items():
+        where = f"{path}.bins[{key!r}]"
+        try:
+            e = int(key)
+        except ValueError:
+            e = None
+        if e is None or str(e) != key or not min_exp <= e <= max_exp:
+            raise _fail(f"{path}.bins", f"bin names that are integers in [{min_exp}, {max_exp}]", key)
+        if _int(c, where) and (top is None or e > top):
+            top = e
+    for key in ("zero", "inf", "nan"):
+        _int(d[key], f"{path}.{key}")
+    max_abs = _number(d["max_abs"], f"{path}.max_abs")
+    # max_abs is the largest finite |x| counted, so it lies in the highest occupied bin
+    # (2^(top-1), 2^top]; a value anywhere else was not measured.
+    if top is None and max_abs != 0.0:
+        raise _fail(f"{path}.max_abs", "0 for a histogram with no nonzero finite values", d["max_abs"])
+    if top is not None and not math.ldexp(1.0, top - 1) < max_abs <= math.ldexp(1.0, top):
+        raise _fail(f"{path}.max_abs", f"a value in (2^{top - 1}, 2^{top}], the highest occupied bin", d["max_abs"])
+
+
+def check_module(d: Any, path: str = "module") -> None:
+    """Check one module record's JSON, but for its histogram (``Histogram.from_dict`` checks that)."""
+    d = _object(d, path)
+    for key in ("name", "kind", "module_type", "order", "histogram"):
+        if key not in d:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+    _str(d["name"], f"{path}.name")
+    if d["kind"] not in _KINDS:
+        raise _fail(f"{path}.kind", f"one of {', '.join(_KINDS)}", d["kind"])
+    _str(d["module_type"], f"{path}.module_type")
+    _int(d["order"], f"{path}.order", -MAX_COUNT, MAX_COUNT)
+
+
+def check_modules(modules: Any, path: str = "modules") -> None:
+    """Check the list of module records: each record, and no module recorded twice for one kind."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, m in enumerate(_list(modules, path)):
+        check_module(m, f"{path}[{i}]")
+        key = (m["name"], m["kind"])
+        if key in seen:
+            raise ReportFieldError(
+                f"{path}[{i}]",
+                f"{path}[{i}]: module {m['name']!r} ({m['kind']}) is recorded twice (also {path}[{seen[key]}]); "
+                "a report holds one record per module and kind",
+            )
+        seen[key] = i
+
+
+def check_trace(d: Any, path: str = "trace") -> None:
+    """Check the per-step trace: step numbers, one entry per step in every list, values in range.
+
+    The per-step histograms themselves are left to ``Histogram.from_dict``.
+    """
+    d = _object(d, path)
+    for key in ("steps", "histograms", "module_max", "scale", "found_inf"):
+        if key not in d:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+    steps = _list(d["steps"], f"{path}.steps")
+    for i, s in enumerate(steps):
+        _int(s, f"{path}.steps[{i}]")
+    n = len(steps)
+
+    def per_step(v: Any, where: str) -> list[Any]:
+        seq = _list(v, where)
+        if len(seq) != n:
+            raise ReportFieldError(where, f"{where} has {len(seq)} entries for {n} steps")
+        return seq
+
+    for kind, hs in _object(d["histograms"], f"{path}.histograms").items():
+        if kind not in _KINDS:
+            raise _fail(f"{path}.histograms", f"kinds among {', '.join(_KINDS)}", kind)
+        per_step(hs, f"{path}.histograms[{kind!r}]")
+    for kind, per_module in _object(d["module_max"], f"{path}.module_max").items():
+        if kind not in _KINDS:
+            raise _fail(f"{path}.module_max", f"kinds among {', '.join(_KINDS)}", kind)
+        for name, vals in _object(per_module, f"{path}.module_max[{kind!r}]").items():
+            where = f"{path}.module_max[{kind!r}][{name!r}]"
+            for i, v in enumerate(per_step(vals, where)):
+                _number(v, f"{where}[{i}]")
+    for i, s in enumerate(per_step(d["scale"], f"{path}.scale")):
+        if s is not None:
+            _number(s, f"{path}.scale[{i}]", hi=sys.float_info.max)
+    for i, f in enumerate(per_step(d["found_inf"], f"{path}.found_inf")):
+        _bool(f, f"{path}.found_inf[{i}]")
+
+
+def check_metadata(d: Any, path: str = "metadata") -> None:
+    """Check the metadata's fields: strings, counts, booleans, lists of names, a free-form ``extra``."""
+    d = _object(d, path)
+    for key in _METADATA_STRINGS:
+        if key not in d:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+        _str(d[key], f"{path}.{key}")
+    for key in _METADATA_OPTIONAL_STRINGS:
+        if key in d:
+            _str(d[key], f"{path}.{key}")
+    for key, lo in _METADATA_COUNTS.items():
+        if key in d:
+            _int(d[key], f"{path}.{key}", lo)
+    for key in _METADATA_BOOLS:
+        if key in d:
+            _bool(d[key], f"{path}.{key}")
+    if "captured" in d:
+        for i, k in enumerate(_list(d["captured"], f"{path}.captured")):
+            if k not in _KINDS:
+                raise _fail(f"{path}.captured[{i}]", f"one of {', '.join(_KINDS)}", k)
+    if "hooked_modules" in d:
+        for i, name in enumerate(_list(d["hooked_modules"], f"{path}.hooked_modules")):
+            _str(name, f"{path}.hooked_modules[{i}]")
+    if "extra" in d:
+        check_depth(_object(d["extra"], f"{path}.extra"), f"{path}.extra")
