@@ -9,6 +9,7 @@ from fp16probe.errors import (
     ModelLoadError,
     ProbeError,
     ReportError,
+    ReportFieldError,
     UnknownFormatError,
 )
 from fp16probe.formats import FORMATS, Format, get_format
@@ -32,6 +33,7 @@ __all__ = [
     "ReplayResult",
     "Report",
     "ReportError",
+    "ReportFieldError",
     "StepTrace",
     "UnknownFormatError",
     "WhatIfRow",
