@@ -1,7 +1,7 @@
 """fp16probe: measure whether FP16 training loses gradients to underflow, and what fixes it."""
 
 from fp16probe._version import __version__
-from fp16probe.analysis.recommend import Recommendation, WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
+from fp16probe.analysis.recommend import WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
 from fp16probe.errors import (
     AnalysisError,
     Fp16ProbeError,
@@ -12,6 +12,7 @@ from fp16probe.errors import (
     ReportFieldError,
     UnknownFormatError,
 )
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.formats import FORMATS, Format, get_format
 from fp16probe.capture.probe import Probe
 from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
@@ -36,6 +37,7 @@ __all__ = [
     "ReportFieldError",
     "StepTrace",
     "UnknownFormatError",
+    "Verdict",
     "WhatIfRow",
     "WhatIfTable",
     "__version__",

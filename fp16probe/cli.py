@@ -359,7 +359,7 @@ def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     if report is None:  # a rank other than 0: rank 0 writes and prints
         return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
     rec = _analyze(report, fmt, kind)
-    report = report.with_recommendation(rec.to_dict())
+    report = report.with_recommendation(rec)
     with _writing(out, "--out"):
         report.save(out)
     if o["plot"] is not None:

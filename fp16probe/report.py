@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from fp16probe import validation
 from fp16probe.errors import ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
+from fp16probe.recommendation import Recommendation
 
 __all__ = [
     "KINDS",
@@ -163,7 +164,7 @@ class Report:
     metadata: Metadata
     modules: tuple[ModuleStats, ...] = ()
     trace: StepTrace = field(default_factory=StepTrace)
-    recommendation: Mapping[str, Any] | None = None
+    recommendation: Recommendation | None = None
     schema_version: int = SCHEMA_VERSION
 
     # -- accessors -----------------------------------------------------------------
@@ -186,7 +187,8 @@ class Report:
         """All values of one kind, over every module and step."""
         return Histogram.sum(m.histogram for m in self.modules if m.kind == kind)
 
-    def with_recommendation(self, recommendation: Mapping[str, Any] | None) -> "Report":
+    def with_recommendation(self, recommendation: Recommendation | None) -> "Report":
+        """Return a copy of this report carrying ``recommendation``."""
         return replace(self, recommendation=recommendation)
 
     # -- presentation (matplotlib and rich load only when these are called) ---------
@@ -213,7 +215,7 @@ class Report:
             "metadata": self.metadata.to_dict(),
             "modules": [m.to_dict() for m in self.modules],
             "trace": self.trace.to_dict(),
-            "recommendation": None if self.recommendation is None else dict(self.recommendation),
+            "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
         }
 
     @classmethod
@@ -234,7 +236,8 @@ class Report:
                 metadata=Metadata.from_dict(d["metadata"]),
                 modules=tuple(ModuleStats.from_dict(m, path=f"modules[{i}]") for i, m in enumerate(d["modules"])),
                 trace=StepTrace.from_dict(d["trace"]),
-                recommendation=d.get("recommendation"),
+                recommendation=(None if d.get("recommendation") is None
+                                else Recommendation.from_dict(d["recommendation"])),
                 schema_version=version,
             )
         except ReportError as e:

@@ -17,7 +17,7 @@ from fp16probe.analysis.recommend import (
     weight_update_loss,
     what_if,
 )
-from fp16probe.errors import AnalysisError, Fp16ProbeError
+from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
 from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
@@ -240,7 +240,7 @@ def test_every_verdict_is_reached_and_round_trips_through_json():
         data = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
         assert Recommendation.from_dict(data) == rec
         assert rec.thresholds["margin_bits"] == 1 and rec.thresholds["max_flushed_fraction"] == 1e-3
-        saved = report.with_recommendation(rec.to_dict())
+        saved = report.with_recommendation(rec)
         assert json.loads(saved.to_json())["recommendation"]["verdict"] == verdict
     assert set(reports) == set(VERDICTS)
 
@@ -316,7 +316,7 @@ def test_analysis_errors_say_what_to_do():
         analyze(report, max_flushed_fraction=1.5)
     with pytest.raises(Fp16ProbeError):
         analyze(report, "fp12")
-    with pytest.raises(AnalysisError, match="not a recommendation"):
+    with pytest.raises(ReportError, match="not a recommendation"):
         Recommendation.from_dict({"verdict": "maybe"})
 
 

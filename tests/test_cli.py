@@ -55,7 +55,7 @@ def test_demo_profile_shows_underflow_recovered(tmp_path):
     assert report.metadata.model_class == "DemoNet"
     h = report.histogram("activation_grad")
     at_1 = h.flushed("fp16", 0) / h.nonzero_finite
-    k = report.recommendation["log2_scale"]
+    k = report.recommendation.log2_scale
     at_s = h.flushed("fp16", k) / h.nonzero_finite
     assert at_1 > 0.2
     assert at_s < 0.1 * at_1

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from fp16probe.presentation import notebook as display
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, ModuleStats
 from tests.fixtures.reports import hand_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
-REC = {
+REC = Recommendation.from_dict({
     "verdict": "constant",
     "format": "fp16",
     "log2_scale": 5,
@@ -32,7 +33,7 @@ REC = {
     "worst_modules": [["deep", 0.5]],
     "text": "a <constant> scale",
     "citations": ["arXiv:1710.03740"],
-}
+})
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,8 @@ def test_recommendation_html_alone():
 
 
 def test_none_needed_has_no_scaler_call():
-    rec = dict(REC, verdict="none_needed", log2_scale=None, grad_scaler_kwargs={},
-               flushed_fraction_at_scale=None)
+    rec = replace(REC, verdict=Verdict.NONE_NEEDED, log2_scale=None, grad_scaler_kwargs={},
+                  flushed_fraction_at_scale=None)
     page = display.recommendation_html(rec)
     assert "GradScaler(" not in page
     assert "no loss scaling needed" in page

@@ -257,8 +257,10 @@ def test_unknown_figure_name_is_an_error(hand):
         plotting.figure(hand, which="pie")
 
 
-def test_report_plot_returns_a_figure_of_one_view(hand, tmp_path):
-    fig = hand.plot("distribution", recommendation={"log2_scale": 4, "format": "fp16"})
+def test_report_plot_returns_a_figure_of_one_view(hand, hand_rec, tmp_path):
+    from dataclasses import replace
+
+    fig = hand.plot("distribution", recommendation=replace(hand_rec, log2_scale=4))
     assert isinstance(fig, Figure)
     (ax,) = fig.axes
     (text,) = _by_gid(ax.texts, "annotation:flushed_at_scale")
@@ -308,7 +310,7 @@ def test_distribution_uses_the_analyzers_scale_by_default(hand, hand_rec):
 
 
 def test_stored_recommendation_dict_is_drawn(hand, hand_rec):
-    report = hand.with_recommendation(hand_rec.to_dict())
+    report = hand.with_recommendation(hand_rec)
     ax = plotting.plot_distribution(report, "fp16")
     assert f"2^{hand_rec.log2_scale}" in _by_gid(ax.texts, "annotation:flushed_at_scale")[0].get_text()
 

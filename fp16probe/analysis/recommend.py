@@ -36,6 +36,7 @@ from fp16probe.analysis.replay import (
     GrowthIntervalTable,
     score_growth_intervals,
 )
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, KINDS, Histogram, Report
 
 __all__ = [
@@ -52,11 +53,11 @@ __all__ = [
     "what_if",
 ]
 
-NONE_NEEDED = "none_needed"
-CONSTANT = "constant"
-DYNAMIC = "dynamic"
-NO_SINGLE_SCALE = "no_single_scale"
-VERDICTS = (NONE_NEEDED, CONSTANT, DYNAMIC, NO_SINGLE_SCALE)
+NONE_NEEDED = Verdict.NONE_NEEDED
+CONSTANT = Verdict.CONSTANT
+DYNAMIC = Verdict.DYNAMIC
+NO_SINGLE_SCALE = Verdict.NO_SINGLE_SCALE
+VERDICTS = tuple(v.value for v in (NONE_NEEDED, CONSTANT, DYNAMIC, NO_SINGLE_SCALE))  # what analyze returns
 ALL_GRADS = "all"  # activation and weight gradients together: every value the loss scale multiplies
 
 
@@ -202,74 +203,6 @@ def what_if(
 
 
 # -- the recommendation ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Recommendation:
-    """A verdict on loss scaling for one format, with its evidence, thresholds and sources.
-
-    ``log2_scale`` is the constant S's exponent (constant), the schedule's init_scale
-    exponent (dynamic), the best compromise (no_single_scale), or 0 (none_needed).
-    ``grad_scaler_kwargs`` go straight to ``torch.amp.GradScaler``; empty for none_needed.
-    """
-
-    verdict: str
-    format: str
-    log2_scale: int | None
-    scale: float | None
-    grad_scaler_kwargs: Mapping[str, Any]
-    flushed_fraction_at_1: float
-    flushed_fraction_at_scale: float | None
-    overflow_steps_at_scale: int | None
-    headroom_bits: int | None
-    worst_modules: tuple[tuple[str, float], ...]
-    evidence: Mapping[str, Any]
-    thresholds: Mapping[str, Any]
-    citations: tuple[str, ...]
-    text: str
-    kind: str = ACTIVATION_GRAD
-    growth_interval_table: Mapping[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["grad_scaler_kwargs"] = dict(self.grad_scaler_kwargs)
-        d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
-        d["evidence"] = _jsonable(self.evidence)
-        d["thresholds"] = _jsonable(self.thresholds)
-        d["citations"] = list(self.citations)
-        d["growth_interval_table"] = _jsonable(self.growth_interval_table)
-        return d
-
-    # -- presentation (rich and matplotlib load only when these are called) ---------
-    def _repr_html_(self) -> str:
-        from fp16probe.presentation.notebook import recommendation_html
-
-        return recommendation_html(self)
-
-    def __rich__(self) -> Any:
-        from fp16probe.presentation.notebook import recommendation_rich
-
-        return recommendation_rich(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Recommendation":
-        if d.get("verdict") not in VERDICTS:
-            raise AnalysisError(f"not a recommendation: verdict {d.get('verdict')!r} is not one of {VERDICTS}")
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        kw["worst_modules"] = tuple((str(n), float(f)) for n, f in d.get("worst_modules", ()))
-        kw["citations"] = tuple(d.get("citations", ()))
-        kw["grad_scaler_kwargs"] = dict(d.get("grad_scaler_kwargs", {}))
-        return cls(**kw)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
 
 def largest_safe_log2_scale(fmt: str | Format, max_abs: float) -> int | None:
     """The largest k with ``max_abs * 2^k`` still below the format's overflow threshold."""

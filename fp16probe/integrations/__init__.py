@@ -40,7 +40,7 @@ def write_outputs(report: Any, folder: str | Path, *, format: str = "fp16") -> A
     from fp16probe.report import atomic_write_text
 
     recommendation = analyze(report, format)
-    report = report.with_recommendation(recommendation.to_dict())
+    report = report.with_recommendation(recommendation)
     folder = Path(folder)
     report.save(folder / REPORT_NAME)
     atomic_write_text(folder / RECOMMENDATION_NAME, recommendation.text.rstrip("\n") + "\n")

@@ -345,7 +345,7 @@ def plot_what_if(
               label="steps that overflow")
     twin.set_ylabel("steps with an overflow", color=_SCALED_COLOR)
     twin.set_ylim(0, max(max(overflow, default=0), 1) * 1.15)
-    threshold = _get(_get(recommendation, "thresholds", {}), "max_flushed_fraction")
+    threshold = None if recommendation is None else recommendation.thresholds.get("max_flushed_fraction")
     if threshold is not None:
         ax.axhline(float(threshold), color="#777777", lw=0.8, ls=":", gid="threshold",
                    label=f"tolerated flushed share ({_pct(float(threshold))})")

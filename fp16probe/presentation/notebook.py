@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp16probe.formats import Format, get_format
+from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
 
 __all__ = [
@@ -40,12 +41,10 @@ _VERDICT_COLORS = {"none_needed": "#2e7d32", "constant": "#1565c0", "dynamic": "
 
 
 # -- shared look-ups ---------------------------------------------------------------------
-def field(obj: Any, name: str, default: Any = None) -> Any:
-    """Read a field of a Recommendation, or of its ``to_dict()`` form."""
+def field(obj: Recommendation | None, name: str, default: Any = None) -> Any:
+    """Read a field of a Recommendation, or ``default`` when there is none."""
     if obj is None:
         return default
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
     return getattr(obj, name, default)
 
 

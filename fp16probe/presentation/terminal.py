@@ -2,18 +2,18 @@
 
 rich is imported inside the functions, so importing fp16probe never loads it. Consoles
 are made per command (:func:`make_console`), so NO_COLOR and captured output in tests work.
-Recommendations are read by attribute or key, so an analysis.Recommendation and its
-``to_dict()`` render the same.
+Recommendations are the typed ``fp16probe.recommendation.Recommendation``, read by attribute.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fp16probe.formats import get_format
+from fp16probe.recommendation import Recommendation
 from fp16probe.report import Histogram, Report
 
 __all__ = [
@@ -36,11 +36,9 @@ def make_console(stderr: bool = True) -> Any:
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
 
 
-def _get(rec: Any, name: str, default: Any = None) -> Any:
+def _get(rec: Recommendation | None, name: str, default: Any = None) -> Any:
     if rec is None:
         return default
-    if isinstance(rec, Mapping):
-        return rec.get(name, default)
     return getattr(rec, name, default)
 
 

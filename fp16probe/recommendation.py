@@ -1,0 +1,219 @@
+"""The Recommendation: typed data for a loss-scale verdict, its evidence and its sources.
+
+Shared data, beside the Report: the analysis stage builds it, the report stores it, and
+every presentation reads it by attribute. Its JSON keys are those of the first version
+(new keys are optional), so report files written before this module existed still load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Mapping, TypedDict, cast
+
+from fp16probe.errors import ReportError
+
+__all__ = [
+    "Evidence",
+    "GradScalerKwargs",
+    "Recommendation",
+    "Thresholds",
+    "Verdict",
+]
+
+
+class Verdict(str, Enum):
+    """What the analyzer concluded; compares equal to its JSON string."""
+
+    NONE_NEEDED = "none_needed"
+    CONSTANT = "constant"
+    DYNAMIC = "dynamic"
+    PER_TENSOR_SCALING = "per_tensor_scaling"
+    NO_SINGLE_SCALE = "no_single_scale"
+    INSUFFICIENT_EVIDENCE = "insufficient_evidence"
+
+    # A str mixin formats as "Verdict.X" on some Pythons; the value is what users read.
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @property
+    def severity(self) -> int:
+        """Return how bad the verdict is for a gate: higher is worse (none_needed is 0)."""
+        return _SEVERITY[self]
+
+
+_SEVERITY = {
+    Verdict.NONE_NEEDED: 0,
+    Verdict.CONSTANT: 1,
+    Verdict.DYNAMIC: 2,
+    Verdict.PER_TENSOR_SCALING: 3,
+    Verdict.NO_SINGLE_SCALE: 4,
+    Verdict.INSUFFICIENT_EVIDENCE: 5,
+}
+
+
+class GradScalerKwargs(TypedDict):
+    """Keyword arguments for ``torch.amp.GradScaler``, in its own vocabulary."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+class Thresholds(TypedDict, total=False):
+    """The analyzer's parameters as the recommendation was made with them."""
+
+    format: str
+    kind: str
+    margin_bits: int
+    max_flushed_fraction: float
+    growth_factor: float
+    backoff_factor: float
+    growth_intervals: list[int]
+    horizon: int
+    seed: int
+    hysteresis: int
+    min_scale: float
+    worst: int
+
+
+class Evidence(TypedDict, total=False):
+    """The numbers behind a verdict, all computed from the report.
+
+    Fractions are of the nonzero finite values of the judged kinds; ``*_at_1`` is at S = 1,
+    ``*_at_scale`` at the recommended S = 2^log2_scale. Keys appear only where they apply.
+    """
+
+    # what was measured
+    nonzero_values: int  # nonzero finite values of the judged kinds
+    zero_values: int  # exact zeros
+    nonfinite_values: int  # inf/NaN values
+    profiled_steps: int
+    nonfinite_steps: int  # steps whose gradients held inf/NaN at the scale in force
+    max_abs: float  # the overflow ceiling: the largest |g| the loss scale multiplies
+    log2_max_abs: float | None
+    ceiling_source: str  # where max_abs comes from (the trace's ceiling or the histograms)
+    largest_safe_log2_scale: int | None  # largest k with max_abs * 2^k below the overflow threshold
+    lowest_log2: int | None
+    highest_log2: int | None
+    per_step_max_range_bits: float  # log2(largest / smallest per-step maximum)
+    # at S = 1 and at the recommended S
+    flushed_fraction_at_1: float
+    subnormal_fraction_at_1: float
+    overflow_steps_at_1: int
+    log2_scale: int
+    flushed_fraction_at_scale: float
+    subnormal_fraction_at_scale: float
+    overflow_steps_at_scale: int
+    # how much range the data needs and the format holds
+    per_step_scale_flushed_fraction: float | None  # flushed if each step had its own S
+    needed_span_bits: float | None
+    format_span_bits: float
+    limiting_modules: list[list[Any]]  # [name, log2 max, largest safe k] of modules setting the ceiling
+    flushing_modules_at_scale: list[list[Any]]  # [name, flushed fraction] at the recommended S
+    # the growth-interval replay (absent without a per-step trace)
+    simulated_growth_interval: int
+    simulated_skipped_steps: int
+    simulated_skipped_fraction: float
+    simulated_mean_flushed_fraction: float | None
+    simulated_final_scale: float
+    simulated_meets_threshold: bool
+    # the breakdown by kind and the judgement of weak evidence (issue 11)
+    by_kind: dict[str, dict[str, Any]]  # per gradient kind: nonzero values, flushed fractions, max |g|
+    scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1
+    insufficient_reason: str
+    # fp8 e4m3: per-tensor scaling from the measured maxima
+    per_tensor_scale_log2: int
+    saturated_fraction_at_scale: float
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """A verdict on loss scaling for one format, with its evidence, thresholds and sources.
+
+    ``log2_scale`` is the constant S's exponent (constant), the schedule's init_scale
+    exponent (dynamic), the best compromise (no_single_scale), the per-tensor scale
+    (per_tensor_scaling), 0 (none_needed) or None (insufficient_evidence).
+    ``grad_scaler_kwargs`` go straight to ``torch.amp.GradScaler``; empty where no
+    GradScaler is advised. ``caveats`` are the limits of this evidence, worded for the
+    reader; every presentation shows them.
+    """
+
+    verdict: Verdict
+    format: str
+    log2_scale: int | None
+    scale: float | None
+    grad_scaler_kwargs: Mapping[str, Any]
+    flushed_fraction_at_1: float | None
+    flushed_fraction_at_scale: float | None
+    overflow_steps_at_scale: int | None
+    headroom_bits: int | None
+    worst_modules: tuple[tuple[str, float], ...]
+    evidence: Evidence
+    thresholds: Thresholds
+    citations: tuple[str, ...]
+    text: str
+    kind: str = "activation_grad"
+    growth_interval_table: Mapping[str, Any] | None = None
+    caveats: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (the first version's keys, plus ``caveats``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["verdict"] = self.verdict.value
+        d["grad_scaler_kwargs"] = dict(self.grad_scaler_kwargs)
+        d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
+        d["evidence"] = _jsonable(self.evidence)
+        d["thresholds"] = _jsonable(self.thresholds)
+        d["citations"] = list(self.citations)
+        d["growth_interval_table"] = _jsonable(self.growth_interval_table)
+        d["caveats"] = list(self.caveats)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Recommendation":
+        """Build a Recommendation from its JSON form; an unknown verdict raises ReportError."""
+        try:
+            verdict = Verdict(d.get("verdict"))
+        except ValueError as e:
+            raise ReportError(
+                f"not a recommendation: verdict {d.get('verdict')!r} is not one of "
+                f"{[v.value for v in Verdict]}"
+            ) from e
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["verdict"] = verdict
+        kw["worst_modules"] = tuple((str(n), float(f)) for n, f in d.get("worst_modules", ()))
+        kw["citations"] = tuple(str(c) for c in d.get("citations", ()))
+        kw["grad_scaler_kwargs"] = dict(d.get("grad_scaler_kwargs", {}))
+        kw["evidence"] = cast(Evidence, dict(d.get("evidence", {})))
+        kw["thresholds"] = cast(Thresholds, dict(d.get("thresholds", {})))
+        kw["caveats"] = tuple(str(c) for c in d.get("caveats", ()))
+        return cls(**kw)
+
+    # -- presentation (rich loads only when these are called) -------------------------
+    def _repr_html_(self) -> str:
+        from fp16probe.presentation.notebook import recommendation_html
+
+        return recommendation_html(self)
+
+    def __rich__(self) -> Any:
+        from fp16probe.presentation.notebook import recommendation_rich
+
+        return recommendation_rich(self)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
