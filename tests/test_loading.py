@@ -193,3 +193,32 @@ def test_load_state_dict_file_rejects_non_mapping(tmp_path):
     torch.save([torch.zeros(1)], path)
     with pytest.raises(ModelLoadError, match="expected a state_dict"):
         load_state_dict_file(path)
+
+
+MALFORMED_CONFIGS = {
+    "a list": ("[]", "expected an object"),
+    "a string": ('"gpt2"', "expected an object"),
+    "truncated JSON": ('{"model_type": "gpt2", ', "not readable JSON"),
+    "nested past the recursion limit": ("[" * 100_000 + "]" * 100_000, "not readable JSON"),
+    "architectures a string": ('{"architectures": "GPT2LMHeadModel"}', "architectures is"),
+    "architectures of numbers": ('{"architectures": [1]}', "architectures is"),
+    "architectures naming no model class": ('{"architectures": ["pipeline"], "model_type": "gpt2"}', "not a model class"),
+    "vocab_size a string": ('{"model_type": "gpt2", "vocab_size": "big"}', "vocab_size is"),
+    "vocab_size negative": ('{"model_type": "gpt2", "vocab_size": -5}', "vocab_size is"),
+    "image_size a float": ('{"model_type": "vit", "image_size": 3.5}', "image_size is"),
+    "auto_map a list": ('{"auto_map": ["x"], "model_type": "x"}', "auto_map is"),
+    "no model_type": ("{}", "transformers could not load it"),
+    "unknown model_type": ('{"model_type": "no-such-model"}', "transformers could not load it"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_CONFIGS))
+def test_malformed_hf_config_is_one_line_load_error(tmp_path, case):
+    """Each malformed config.json is a ModelLoadError (exit 3) naming the file, never another exception."""
+    text, match = MALFORMED_CONFIGS[case]
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(folder))
+    assert "\n" not in str(info.value)

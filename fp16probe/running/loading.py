@@ -102,7 +102,7 @@ def load_model(
     if path.is_dir():
         return _load_hf(path, trust_remote_code)
     if path.suffix == ".pt2":
-        return _load_export(path)
+        return _load_export(path, trust_checkpoint)
     return _load_pickled(path, trust_checkpoint)
 
 
@@ -265,6 +265,39 @@ def _apply_state_dict(model: nn.Module, state: dict[str, torch.Tensor], path: Pa
 # -- Hugging Face ----------------------------------------------------------------------
 
 
+def read_hf_config(config_file: Path) -> dict[str, Any]:
+    """Read a Hugging Face ``config.json`` as data; a malformed one raises ModelLoadError in one line."""
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelLoadError(f"{config_file}: not readable JSON: {_first_line(e)}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file}: holds a JSON {type(raw).__name__}, expected an object of settings")
+    checks = {
+        "architectures": lambda v: isinstance(v, list) and all(isinstance(a, str) and a for a in v),
+        "auto_map": lambda v: isinstance(v, dict),
+        "model_type": lambda v: isinstance(v, str),
+    }
+    for key, ok in checks.items():
+        if key in raw and raw[key] is not None and not ok(raw[key]):
+            expected = {"architectures": "a list of class names", "auto_map": "an object",
+                        "model_type": "a string"}[key]
+            raise ModelLoadError(f"{config_file}: {key} is {json.dumps(raw[key])[:60]}, expected {expected}")
+    for key in ("vocab_size", "num_labels", "num_channels", "max_position_embeddings", "n_positions",
+                "pad_token_id", "decoder_start_token_id", "image_size"):
+        value = raw.get(key)
+        least = 0 if key.endswith("token_id") else 1
+        sizes = value if key == "image_size" and isinstance(value, list) and len(value) == 2 else [value]
+        if value is not None and not all(_is_int(v) and least <= v < 2**31 for v in sizes):
+            expected = "an integer >= 0" if least == 0 else "a positive integer"
+            raise ModelLoadError(f"{config_file}: {key} is {json.dumps(value)[:60]}, expected {expected}")
+    return raw
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -272,10 +305,7 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
             f"MODEL {str(path)!r} is a folder without config.json; expected a Hugging Face "
             "save_pretrained folder (or pass a checkpoint file or an import string)"
         )
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{config_file}: not readable JSON: {_first_line(e)}") from e
+    raw = read_hf_config(config_file)
     if raw.get("auto_map") and not trust_remote_code:
         raise ModelLoadError(
             f"MODEL {str(path)!r}: the model's code lives in the folder (config.json has auto_map) and running "
@@ -288,9 +318,14 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
             f"MODEL {str(path)!r} is a Hugging Face folder, which needs transformers; pip install 'fp16probe[hf]'"
         ) from e
     archs = raw.get("architectures") or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        cls = transformers.AutoModel
+    cls = transformers.AutoModel
+    if archs and not raw.get("auto_map"):
+        cls = getattr(transformers, archs[0], None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            raise ModelLoadError(
+                f"{config_file}: architectures names {archs[0]!r}, which is not a model class of transformers "
+                f"{transformers.__version__}; fix config.json or upgrade transformers"
+            )
     # transformers' own warnings and progress bar would bury the summary on stderr; a
     # failure still reaches the user as one line below.
     hf_logging = transformers.utils.logging
@@ -323,14 +358,43 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
 # -- torch.export and pickles ------------------------------------------------------------
 
 
-def _load_export(path: Path) -> LoadedModel:
+def _load_export(path: Path, trust: bool) -> LoadedModel:
+    from fp16probe.running.archive import ArchiveNeedsTrust, read_archive
+
+    notes = ["torch.export program; runs as exported (train/eval mode fixed at export)"]
+    try:
+        ep, archive_notes = read_archive(path)
+        notes.extend(archive_notes)
+    except ArchiveNeedsTrust as e:
+        if not trust:
+            raise ModelLoadError(
+                f"{e}: refused, loading it would run code from the file; if you trust where it came from, pass "
+                "--trust-checkpoint, otherwise export it again with torch.export.save (tensors only) or save "
+                "model.state_dict() and pass MODEL=package.module:factory --weights FILE"
+            ) from e
+        ep = _load_export_trusted(path)
+        notes.append(f"loaded with --trust-checkpoint through torch.export.load ({_first_line(e).removeprefix(f'MODEL {path}: ')})")
+    try:
+        # unflatten restores the submodule hierarchy, so per-module activation gradients exist.
+        model: nn.Module = torch.export.unflatten(ep)
+    except Exception as e:
+        # check_guards=False: the guards are Python code from the file (exec-ed otherwise).
+        model = ep.module(check_guards=trust)
+        notes.append(f"module hierarchy not restored ({type(e).__name__}); only whole-model hooks")
+    example = getattr(ep, "example_inputs", None)
+    return LoadedModel(model, EXPORT, str(path), notes=tuple(notes),
+                       example_inputs=(tuple(example[0]), dict(example[1])) if example else None)
+
+
+def _load_export_trusted(path: Path) -> Any:
+    """torch.export.load, which may unpickle: only with --trust-checkpoint."""
     # torch.export.load logs the whole traceback of a failed read as a warning before it
     # raises; the error below says it in one line.
     export_log = logging.getLogger("torch.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)
     try:
-        ep = torch.export.load(str(path))
+        return torch.export.load(str(path))
     except Exception as e:
         raise ModelLoadError(
             f"MODEL {path}: cannot read it as a torch.export archive (corrupt, or saved by another torch?): "
@@ -338,16 +402,6 @@ def _load_export(path: Path) -> LoadedModel:
         ) from e
     finally:
         export_log.setLevel(level)
-    notes = ["torch.export program; runs as exported (train/eval mode fixed at export)"]
-    try:
-        # unflatten restores the submodule hierarchy, so per-module activation gradients exist.
-        model: nn.Module = torch.export.unflatten(ep)
-    except Exception as e:
-        model = ep.module()
-        notes.append(f"module hierarchy not restored ({type(e).__name__}); only whole-model hooks")
-    example = getattr(ep, "example_inputs", None)
-    return LoadedModel(model, EXPORT, str(path), notes=tuple(notes),
-                       example_inputs=(tuple(example[0]), dict(example[1])) if example else None)
 
 
 def _load_pickled(path: Path, trust: bool) -> LoadedModel:
