@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` from anywhere uses this c
     sys.path.insert(0, str(ROOT))
 
 from fp16probe import Probe  # noqa: E402
-from fp16probe.capture.engine import raw_histogram  # noqa: E402
+from fp16probe.capture.engine import histogram as raw_histogram  # noqa: E402
 
 
 # -- sizes -----------------------------------------------------------------------------
@@ -352,15 +352,8 @@ def bench_steps(w: Workload, s: Sizes) -> dict:
 
 
 def probe_bytes(p: Probe) -> dict:
-    """Bytes of tensor storage the Probe holds: fixed counters and the per-step trace."""
-    fixed = trace = 0
-    for st in p._stats.values():
-        for t in (st.step_counts, st.step_key, st.total_counts, st.total_key):
-            if t is not None:
-                fixed += t.numel() * t.element_size()
-        for t in (*st.trace_counts, *st.trace_key):
-            trace += t.numel() * t.element_size()
-    return {"fixed_bytes": fixed, "trace_bytes": trace, "total_bytes": fixed + trace}
+    """Bytes of tensor storage the Probe holds: fixed tables and the per-step trace."""
+    return p.recorder.memory()
 
 
 def bench_memory(s: Sizes) -> dict:
@@ -387,7 +380,7 @@ def bench_memory(s: Sizes) -> dict:
     per_step = (out[str(b)]["trace_bytes"] - out[str(a)]["trace_bytes"]) / (b - a)
     return {
         "model": "mlp(32-64-64-10)",
-        "hooked_tensors": sum(len(st.names) for st in p._stats.values()),
+        "hooked_tensors": sum(len(r.names) for r in p.recorder.rows.values()),
         "by_steps": out,
         "fixed_bytes_constant": len({v["fixed_bytes"] for v in out.values()}) == 1,
         "trace_bytes_per_step": per_step,
@@ -419,9 +412,9 @@ def machine() -> dict:
 
 def _cpu_engine() -> str:
     """The CPU engine the Probe uses here (set FP16PROBE_CPU_ENGINE=torch|numba to choose)."""
-    from fp16probe.capture import engine as histogram
+    from fp16probe.capture import engine
 
-    return "numba" if histogram._use_numba() else "torch"
+    return engine.cpu_engine()
 
 
 def format_table(r: dict) -> str:

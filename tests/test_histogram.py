@@ -21,19 +21,21 @@ from fp16probe.capture.engine import (
     SLOT_INF,
     SLOT_NAN,
     SLOT_ZERO,
-    canonical_counts,
+    count_into,
+    histogram,
     max_abs_from_key,
-    raw_histogram,
+    new_table,
 )
-from fp16probe.capture.probe import _histogram_from
+from fp16probe.capture.recorder import histogram_from
 from fp16probe.report import Histogram
 
 KS = range(-40, 41)
 
 
-@pytest.fixture(autouse=True, params=["torch", "numba"])
+@pytest.fixture(autouse=True, params=["torch", "numba", "device"])
 def engine(request, monkeypatch):
-    """Run every test on both CPU engines: eager torch ops and the fused numba kernel."""
+    """Run every test on every engine: eager torch ops, the fused numba kernel, and the
+    accelerator path (``index_add_`` into the row) run on the CPU as its reference."""
     from fp16probe.capture import _cpu_kernel
     from fp16probe.capture import engine as histogram
 
@@ -45,8 +47,8 @@ FP32_MIN_NORMAL = 2.0**-126
 
 
 def histogram_of(x: torch.Tensor) -> Histogram:
-    raw, key = raw_histogram(x)
-    return _histogram_from(canonical_counts(raw).tolist(), int(key))
+    counts, key = histogram(x)
+    return histogram_from(counts.tolist(), int(key))
 
 
 def reference_bin(v: float) -> int:
@@ -147,7 +149,7 @@ def test_fp16_values_scaled(values, k):
 @given(st.lists(floats32, min_size=1, max_size=30))
 def test_every_value_lands_in_its_bin(values):
     x = torch.tensor(values, dtype=torch.float32)
-    counts = canonical_counts(raw_histogram(x)[0]).tolist()
+    counts = histogram(x)[0].tolist()
     expected = [0] * NUM_BINS
     for v in x.tolist():
         if math.isnan(v):
@@ -166,7 +168,7 @@ def test_every_value_lands_in_its_bin(values):
 def test_max_abs_is_the_largest_finite_magnitude(values):
     x = torch.tensor(values, dtype=torch.float32)
     finite = [abs(v) for v in x.tolist() if math.isfinite(v)]
-    _, key = raw_histogram(x)
+    _, key = histogram(x)
     assert max_abs_from_key(int(key)) == (max(finite) if finite else 0.0)
 
 
@@ -209,35 +211,43 @@ def test_empty_and_noncontiguous_inputs():
 
 def test_engines_agree_on_random_bit_patterns(monkeypatch):
     from fp16probe.capture import _cpu_kernel
-    from fp16probe.capture import engine as histogram
+    from fp16probe.capture import engine as histogram_module
 
     if not _cpu_kernel.available():
         pytest.skip("numba is not installed")
     bits = torch.randint(-(2**31), 2**31 - 1, (300_000,), dtype=torch.int64).to(torch.int32)
-    x = bits.view(torch.float32)  # every kind of value: subnormals, inf, NaN payloads, -0.0
-    results = []
-    for name in ("torch", "numba"):
-        monkeypatch.setattr(histogram, "CPU_ENGINE", name)
-        raw, key = raw_histogram(x)
-        results.append((canonical_counts(raw).tolist(), int(key)))
-    assert results[0] == results[1]
-
-
-def test_accelerator_path_agrees_on_the_cpu():
-    # The whole-tensor path that CUDA takes (index_add_, no bincount), run here on the CPU.
-    from fp16probe.capture.engine import _whole_tensor_counts
-
-    bits = torch.randint(-(2**31), 2**31 - 1, (50_000,), dtype=torch.int64).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.tensor(edge_values(), dtype=torch.float32)])
-    raw, key = raw_histogram(x)
-    raw_w, key_w = _whole_tensor_counts(x.view(torch.int32))
-    assert torch.equal(canonical_counts(raw_w), canonical_counts(raw)) and int(key_w) == int(key)
+    # every kind of value: subnormals, inf, NaN payloads, -0.0, and the edges
+    results = []
+    for name in ("torch", "numba", "device"):
+        monkeypatch.setattr(histogram_module, "CPU_ENGINE", name)
+        counts, key = histogram(x)
+        results.append((counts.tolist(), int(key)))
+    assert results[0] == results[1] == results[2]
+
+
+def test_counts_go_into_a_row_and_replace_overwrites_it():
+    counts, keys = new_table(3)
+    a, b = torch.randn(100), torch.randn(50) * 1e-6
+    count_into(a, counts, keys, 1)
+    count_into(b, counts, keys, 1)
+    assert counts[0].sum() == 0 and counts[2].sum() == 0 and keys[0] == -1 and keys[2] == -1
+    assert histogram_from(counts[1].tolist(), int(keys[1])) == histogram_of(torch.cat([a, b]))
+    count_into(b, counts, keys, 1, replace=True)  # the last value of a parameter's gradient wins
+    assert histogram_from(counts[1].tolist(), int(keys[1])) == histogram_of(b)
+
+
+def test_relu_masked_data_counts_the_zeros_between_values():
+    x = torch.relu(torch.randn(10_001))  # runs of exact zeros: the data that made a branchy kernel slow
+    h = histogram_of(x)
+    assert h.zero == int((x == 0).sum()) and h.total == x.numel()
+    assert h.max_abs == x.max().item()
 
 
 def test_histogram_stays_on_device_and_merges_by_addition():
     a, b = torch.randn(100), torch.randn(50) * 1e-6
-    ra, ka = raw_histogram(a)
-    rb, kb = raw_histogram(b)
+    ra, ka = histogram(a)
+    rb, kb = histogram(b)
     assert ra.device == a.device and ra.dtype == torch.int64
-    merged = _histogram_from(canonical_counts(ra + rb).tolist(), int(torch.maximum(ka, kb)))
+    merged = histogram_from((ra + rb).tolist(), int(torch.maximum(ka, kb)))
     assert merged == histogram_of(torch.cat([a, b])) == histogram_of(a) + histogram_of(b)

@@ -84,11 +84,11 @@ def test_16_mixed_with_a_real_grad_scaler_records_unscaled_gradients(tmp_path):
     assert len(seen) == 4
     # on_after_backward saw scaled gradients; the Probe recorded them divided by the scale
     last = report.module("net.4.weight", "weight_grad").histogram
-    from fp16probe.capture.engine import canonical_counts, raw_histogram
-    from fp16probe.capture.probe import _histogram_from
+    from fp16probe.capture.engine import histogram
+    from fp16probe.capture.recorder import histogram_from
 
     unscaled = [g * 2.0**-10 for g in seen]
-    want = [_histogram_from(canonical_counts(raw_histogram(g)[0]).tolist(), int(raw_histogram(g)[1])) for g in unscaled]
+    want = [histogram_from(histogram(g)[0].tolist(), int(histogram(g)[1])) for g in unscaled]
     assert last == sum(want[1:], want[0])
     scaled_max = max(float(g.abs().max()) for g in seen)
     assert last.max_abs == pytest.approx(scaled_max * 2.0**-10)

@@ -166,7 +166,6 @@ def layer_violations(module: str, imports: Iterable[tuple[str, bool]]) -> list[s
 # (so that paying it forces its removal from here).
 PENDING_VIOLATIONS: set[str] = set()
 PENDING_CYCLES = [
-    ["fp16probe.capture.ops", "fp16probe.capture.probe"],
     ["fp16probe.presentation.figures", "fp16probe.presentation.notebook"],
 ]
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp16probe import Probe, ProbeError
-from fp16probe.capture.engine import canonical_counts, raw_histogram
+from fp16probe.capture.engine import histogram
 from fp16probe.capture.ops import LAYOUT_OPS, op_name
-from fp16probe.capture.probe import _histogram_from
+from fp16probe.capture.recorder import histogram_from
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +87,8 @@ def test_op_gradients_are_exact():
     finally:
         block.forward = orig
     for op in ("gelu", "softmax"):
-        raw, key = raw_histogram(grads[op])
-        want = _histogram_from(canonical_counts(raw).tolist(), int(key))
+        counts, key = histogram(grads[op])
+        want = histogram_from(counts.tolist(), int(key))
         assert report.module(f"block/{op}").histogram == want
 
 

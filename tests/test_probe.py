@@ -327,12 +327,12 @@ def test_found_inf_is_recorded_per_step():
 
 
 def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch):
-    import fp16probe.capture.probe as probe_mod
+    import fp16probe.capture.engine as engine_mod
 
-    def broken(x):
+    def broken(x, *args, **kwargs):
         raise RuntimeError("engine exploded")
 
-    monkeypatch.setattr(probe_mod, "raw_histogram", broken)
+    monkeypatch.setattr(engine_mod, "count_into", broken)
     model = nn.Linear(3, 2)
     with pytest.warns(RuntimeWarning, match="engine exploded"):
         with Probe(model) as probe:

@@ -12,8 +12,9 @@ them. Torch functions called by other functions (``F.layer_norm`` inside a Pytho
 function) are seen once, at the outermost torch call, because the mode is off while a
 call it intercepted runs.
 
-This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``) and
-uses its recording hooks; it holds no statistics of its own.
+This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``):
+it names the ops and hands their outputs to the recorder through its public interface
+(:meth:`~fp16probe.capture.recorder.Recorder.capture_output`); it holds no statistics.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.probe import ROOT_NAME, _detect_precision, iter_tensors
-from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
+from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
 
 __all__ = ["LAYOUT_OPS", "attach", "op_name"]
 
@@ -62,9 +62,9 @@ class _Frame:
 class _OpCapture(TorchFunctionMode):
     """Hook the gradient of every differentiable op output while a forward runs."""
 
-    def __init__(self, probe: Any) -> None:
+    def __init__(self, recorder: Recorder) -> None:
         super().__init__()
-        self.probe = probe
+        self.recorder = recorder
         self.stack: list[_Frame] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -72,12 +72,11 @@ class _OpCapture(TorchFunctionMode):
         try:
             self._capture(func, out)
         except Exception as e:  # bookkeeping must never break training
-            self.probe._note_error(e)
+            self.recorder.note_error(e)
         return out
 
     def _capture(self, func: Any, out: Any) -> None:
-        probe = self.probe
-        if not (self.stack and probe._active and probe._sampling):
+        if not self.stack:
             return
         frame = self.stack[-1]
         if not frame.selected:
@@ -94,28 +93,19 @@ class _OpCapture(TorchFunctionMode):
         n = frame.counts.get(op, 0)
         frame.counts[op] = n + 1
         name = f"{frame.name}/{op}" if n == 0 else f"{frame.name}/{op}.{n}"
-        want_grad = probe._capture[ACTIVATION_GRAD]
-        want_act = probe._capture[ACTIVATION]
-        with probe._lock:  # rows may grow while a report is being read
-            grad_i = probe._stats[ACTIVATION_GRAD].register(name, op) if want_grad else None
-            act_i = probe._stats[ACTIVATION].register(name, op) if want_act else None
-        for t in tensors:
-            if act_i is not None:
-                probe._record(ACTIVATION, act_i, t, replace=False, unscale=False)
-            if grad_i is not None and t.requires_grad:
-                t.register_hook(probe._grad_hook(grad_i))
+        self.recorder.capture_output(name, op, tensors)
 
 
-def attach(probe: Any, selected: Sequence[str]) -> list[Any]:
-    """Register the hooks that run op capture for ``probe``; return their handles.
+def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder) -> list[Any]:
+    """Register the hooks that run op capture on ``model``, feeding ``recorder``; return their handles.
 
     ``selected`` are the module names (``""`` for the root) whose ops are recorded; an op
     is recorded when the innermost selected module on the call stack is one of them,
-    named after the innermost module of any kind.
+    named after the innermost module of any kind. The Probe attaches these hooks only
+    for sampled steps.
     """
-    model: nn.Module = probe.model
     chosen = set(selected)
-    mode = _OpCapture(probe)
+    mode = _OpCapture(recorder)
     handles: list[Any] = []
     depth = [0]
 
@@ -136,12 +126,12 @@ def attach(probe: Any, selected: Sequence[str]) -> list[Any]:
 
     def root_pre(module: nn.Module, args: Any) -> None:
         depth[0] += 1
-        if depth[0] == 1 and probe._active and probe._sampling:
+        if depth[0] == 1 and recorder.enabled and recorder.sampling:
             mode.stack.clear()
             mode.stack.append(_Frame(ROOT_NAME, "" in chosen))
             mode.__enter__()
         elif depth[0] == 1:
-            depth[0] = 0  # not sampling: no mode, no stack, nothing to undo
+            depth[0] = 0  # not recording: no mode, no stack, nothing to undo
 
     def root_post(module: nn.Module, args: Any, output: Any) -> None:
         if depth[0] == 0:
@@ -150,8 +140,6 @@ def attach(probe: Any, selected: Sequence[str]) -> list[Any]:
         if depth[0] == 0:
             mode.__exit__(None, None, None)
             mode.stack.clear()
-            if probe._precision is None:
-                probe._precision = _detect_precision(output)
 
     handles.append(model.register_forward_pre_hook(root_pre))
     for name, module in model.named_modules():

@@ -1,0 +1,530 @@
+"""The recorder: device-side counts of everything captured, closed step by step.
+
+Module hooks (:mod:`fp16probe.capture.probe`) and op capture (:mod:`fp16probe.capture.ops`)
+talk to it through one small public interface, the way torch's ``FlopCounterMode`` calls
+one method of its counter:
+
+* :meth:`Recorder.capture_output` -- a module or op produced ``output``: count it as an
+  activation and/or hook its gradient, as the capture settings say;
+* :meth:`Recorder.param_grad_ready` -- a parameter's gradient was accumulated: count it
+  once backward is over;
+* :meth:`Recorder.note_max` -- fold a device scalar into a named per-step maximum
+  (the overflow ceiling);
+* :meth:`Recorder.note_error` -- a hook failed for a bookkeeping reason.
+
+Counts go straight into preallocated per-row device tables (one row per module, op or
+parameter; :func:`fp16probe.capture.engine.count_into`): no per-tensor allocation, list or
+index tensor, and nothing is brought to the host until :meth:`Recorder.collect`.
+
+A step is closed atomically (:meth:`Recorder.close_step`): the new state is built out of
+place and committed by one assignment, so an exception or Ctrl-C anywhere inside leaves
+either the step fully open or fully closed, never a trace whose parts disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fp16probe.capture import distributed as _distributed
+from fp16probe.capture import engine
+from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
+from fp16probe.histogram import Histogram
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, ModuleStats, StepTrace
+
+__all__ = ["ROOT_NAME", "Collected", "Recorder", "detect_precision", "histogram_from", "iter_tensors"]
+
+ROOT_NAME = "(model)"
+
+
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Yield the tensors in a module output: tensors, tuples, lists, dicts, dataclasses
+    and mapping-like model outputs (Hugging Face's ModelOutput is an OrderedDict)."""
+    if _depth > 8:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from iter_tensors(v, _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
+
+
+def detect_precision(output: Any) -> str | None:
+    """Name what a forward output was computed in: ``"fp16-autocast"``, ``"bf16"``, ``"fp32"``..."""
+    for t in iter_tensors(output):
+        if t.is_floating_point():
+            dev = t.device.type
+            try:
+                if torch.is_autocast_enabled(dev):
+                    dtype = torch.get_autocast_dtype(dev)
+                    return {torch.float16: "fp16-autocast", torch.bfloat16: "bf16-autocast"}.get(
+                        dtype, f"{dtype}-autocast"
+                    )
+            except (TypeError, RuntimeError):
+                pass
+            return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(t.dtype, "fp32")
+    return None
+
+
+def histogram_from(row: Sequence[int], key: int) -> Histogram:
+    """Build a Histogram from one host-side row of canonical counts and its key."""
+    return Histogram(
+        counts=tuple(row[:SLOT_ZERO]),
+        zero=row[SLOT_ZERO],
+        inf=row[SLOT_INF],
+        nan=row[SLOT_NAN],
+        max_abs=max_abs_from_key(key),
+    )
+
+
+class _Rows:
+    """The names and module types of one kind's rows, in registration order."""
+
+    __slots__ = ("names", "types", "index")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.types: list[str] = []
+        self.index: dict[str, int] = {}
+
+    def add(self, name: str, type_name: str) -> int:
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+            self.types.append(type_name)
+        return i
+
+
+Table = tuple[torch.Tensor, torch.Tensor]  # ([rows, NUM_BINS] int64 counts, [rows] int32 keys)
+
+
+class _State:
+    """Everything a step boundary changes, replaced as a whole (the unit of commit).
+
+    ``open`` holds the counts of the step being recorded, ``spare`` an already-zeroed
+    table the next step will use, ``totals`` the sums over closed steps.
+    """
+
+    __slots__ = ("step_index", "sampling", "closed", "open", "spare", "totals", "dirty", "scale", "inv", "maxima")
+
+    def __init__(self, step_index: int, sampling: bool, closed: int, open_: dict, spare: dict, totals: dict) -> None:
+        self.step_index = step_index
+        self.sampling = sampling
+        self.closed = closed  # trace records that count (the trace list may hold one more)
+        self.open: dict[str, Table] = open_
+        self.spare: dict[str, Table] = spare
+        self.totals: dict[str, Table] = totals
+        self.dirty = False
+        self.scale: torch.Tensor | None = None
+        self.inv: torch.Tensor | None = None
+        self.maxima: dict[str, torch.Tensor] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepRecord:
+    step: int
+    scale: torch.Tensor | None
+    kinds: Mapping[str, Table]  # per kind: ([NUM_BINS] counts summed over rows, [rows] keys)
+    maxima: Mapping[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+    """What the recorder holds, brought to the host: module rows and the per-step trace."""
+
+    modules: tuple[ModuleStats, ...]
+    trace: StepTrace
+    maxima: Mapping[str, tuple[float, ...]]
+    steps_total: int
+    device: str | None
+    precision: str | None
+    errors: int
+    first_error: str | None
+
+
+class Recorder:
+    """Count captured tensors into per-row device tables, step by step.
+
+    Args:
+        capture: which kinds to record (``{"activation_grad": True, ...}``).
+        every: sample every Nth step; the others record nothing.
+        scaler: a ``torch.amp.GradScaler`` whose scale divides the gradients seen, or None.
+        precision: what the run computes in, or None to detect it from the first output.
+    """
+
+    def __init__(self, capture: Mapping[str, bool], *, every: int = 1, scaler: Any = None,
+                 precision: str | None = None) -> None:
+        self.capture = {k: bool(capture.get(k, False)) for k in KINDS}
+        self.every = int(every)
+        self.scaler = scaler
+        self.precision = precision
+        self.enabled = False
+        self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
+        self.lock = threading.Lock()
+        self.rows = {k: _Rows() for k in KINDS}
+        self._output_rows: dict[str, tuple[int | None, int | None]] = {}
+        self._state = _State(0, True, 0, {}, {}, {})
+        self._trace: list[_StepRecord] = []
+        self._pending_params: list[tuple[int, torch.Tensor]] = []
+        self._device: str | None = None
+        self.errors = 0
+        self.first_error: str | None = None
+
+    # -- registration ------------------------------------------------------------------
+    def register(self, kind: str, name: str, type_name: str) -> int:
+        """Give ``name`` a row of ``kind`` (the same row when asked again); return its index."""
+        with self.lock:
+            rows = self.rows[kind]
+            before = len(rows.names)
+            i = rows.add(name, type_name)
+            if len(rows.names) != before and kind in self._state.open:
+                self._grow(kind)
+            return i
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the open step is sampled (``every``)."""
+        return self._state.sampling
+
+    @property
+    def step_index(self) -> int:
+        """Step boundaries passed so far."""
+        return self._state.step_index
+
+    @property
+    def steps_seen(self) -> int:
+        """Steps closed with data, plus the open one if anything was recorded in it."""
+        st = self._state
+        return st.closed + (1 if st.dirty else 0)
+
+    # -- the interface hooks use (hot path: no host synchronisation) -------------------
+    def capture_output(self, name: str, type_name: str, output: Any) -> None:
+        """Record what a module or op named ``name`` produced: activations and/or a gradient hook."""
+        if not (self.enabled and self._state.sampling):
+            return
+        try:
+            if self.precision is None:
+                self.precision = detect_precision(output)
+            rows = self._output_rows.get(name)
+            if rows is None:
+                rows = self._output_rows[name] = (
+                    self.register(ACTIVATION, name, type_name) if self.capture[ACTIVATION] else None,
+                    self.register(ACTIVATION_GRAD, name, type_name) if self.capture[ACTIVATION_GRAD] else None,
+                )
+            act_i, grad_i = rows
+            seen: set[int] = set()
+            for t in iter_tensors(output):
+                # The same tensor twice in one output (HF's last_hidden_state is also
+                # hidden_states[-1]) has one gradient: count it once.
+                if not t.is_floating_point() or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if act_i is not None:
+                    self.record(ACTIVATION, act_i, t)
+                if grad_i is not None and t.requires_grad:
+                    t.register_hook(self._grad_hook(grad_i))
+        except Exception as e:  # bookkeeping must never break training
+            self.note_error(e)
+
+    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.enabled:
+                self.record(ACTIVATION_GRAD, i, grad)
+
+        return hook
+
+    def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        """Note that parameter row ``i`` has its gradient; count it once backward is over.
+
+        Counted at the end of backward, not at :meth:`close_step`: clipping,
+        ``GradScaler.unscale_`` and ``zero_grad`` change ``.grad`` in place after backward.
+        Under DDP it waits for the all-reduce, so it counts what the optimizer steps with.
+        """
+        if not (self.enabled and self._state.sampling):
+            return
+        try:
+            pending = self._pending_params
+            pending.append((i, param))
+            if len(pending) == 1:
+                if self.defer_to_ddp:
+                    _distributed.after_backward(self._count_params)
+                else:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._count_params)
+        except Exception as e:
+            self.note_error(e)
+
+    def _count_params(self) -> None:
+        pending, self._pending_params = self._pending_params, []
+        for i, p in pending:
+            if p.grad is not None:
+                self.record(WEIGHT_GRAD, i, p.grad, replace=True)
+
+    def record(self, kind: str, i: int, t: torch.Tensor, *, replace: bool = False) -> None:
+        """Count ``t`` into row ``i`` of ``kind`` (gradients unscaled); never raises.
+
+        ``replace``: overwrite the row for this step (a parameter's gradient: the last
+        accumulated value wins) instead of adding to it.
+        """
+        try:
+            if t.is_sparse or t.is_complex() or not t.is_floating_point():
+                return
+            with self.lock:
+                st = self._state
+                if kind != ACTIVATION:
+                    inv = self._inv_scale(st, t.device)
+                    if inv is not None:
+                        t = _unscaled(t, inv)
+                table = st.open.get(kind)
+                if table is None:
+                    st = self._allocate(kind, t.device)
+                    table = st.open[kind]
+                engine.count_into(t, table[0], table[1], i, replace=replace)
+                st.dirty = True
+        except Exception as e:
+            self.note_error(e)
+
+    def note_max(self, channel: str, value: torch.Tensor) -> None:
+        """Fold a device scalar into this step's maximum of ``channel`` (no host sync)."""
+        try:
+            with self.lock:
+                st = self._state
+                if not st.sampling:
+                    return
+                v = value.detach().float().reshape(())
+                old = st.maxima.get(channel)
+                st.maxima[channel] = v if old is None else torch.maximum(old, v.to(old.device, non_blocking=True))
+                st.dirty = True
+        except Exception as e:
+            self.note_error(e)
+
+    def note_error(self, e: BaseException) -> None:
+        """Count a failed hook; warn once, with the first failure's message."""
+        self.errors += 1
+        if self.first_error is None:
+            self.first_error = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"fp16probe: a hook failed and was skipped ({self.first_error}); training goes on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scaler's scale in force this step, as a device tensor (None without a scaler)."""
+        st = self._state
+        if st.scale is None and self.scaler is not None:
+            self._inv_scale(st, None)
+        return st.scale
+
+    def _inv_scale(self, st: _State, device: torch.device | None) -> torch.Tensor | None:
+        scaler = self.scaler
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+            return None
+        if st.inv is None:
+            scale = getattr(scaler, "_scale", None)
+            if scale is None:  # scaler.scale() not called yet: gradients are not scaled
+                return None
+            st.scale = scale.detach().clone()
+            # As GradScaler.unscale_ does: the reciprocal in double, applied in fp32.
+            st.inv = scale.double().reciprocal().float()
+        inv = st.inv
+        return inv if device is None or inv.device == device else inv.to(device, non_blocking=True)
+
+    # -- storage -------------------------------------------------------------------------
+    def _allocate(self, kind: str, device: torch.device) -> _State:
+        """Give ``kind`` its tables on ``device`` (first value of that kind); commit by one assignment."""
+        st = self._state
+        n = len(self.rows[kind].names)
+        new = _copy_state(st)
+        new.open = {**st.open, kind: engine.new_table(n, device)}
+        new.spare = {**st.spare, kind: engine.new_table(n, device)}
+        new.totals = {**st.totals, kind: engine.new_table(n, device)}
+        if self._device is None:
+            self._device = str(device)
+        self._state = new
+        return new
+
+    def _grow(self, kind: str) -> None:
+        """Add rows registered after ``kind``'s tables were made (op capture finds ops as they run)."""
+        st = self._state
+        n = len(self.rows[kind].names)
+        new = _copy_state(st)
+        new.open = {**st.open, kind: _grown(st.open[kind], n)}
+        new.spare = {**st.spare, kind: _grown(st.spare[kind], n)}
+        new.totals = {**st.totals, kind: _grown(st.totals[kind], n)}
+        self._state = new
+
+    # -- steps ---------------------------------------------------------------------------
+    def close_step(self) -> None:
+        """Close the open step (if it recorded anything) and open the next one, atomically.
+
+        Everything is computed out of place first; the last statement commits. An
+        exception or KeyboardInterrupt before it leaves the step open and intact.
+        """
+        with self.lock:
+            st = self._state
+            index = st.step_index + 1
+            sampling = index % self.every == 0
+            if not (st.sampling and st.dirty):
+                new = _State(index, sampling, st.closed, st.open, st.spare, st.totals)
+                new.dirty = st.dirty  # values that arrived in an unsampled step wait for a sampled one
+                self._state = new  # commit
+                return
+            for counts, keys in st.spare.values():  # not read by anyone: safe to redo
+                counts.zero_()
+                keys.fill_(-1)
+            totals = {k: (c + st.open[k][0], torch.maximum(key, st.open[k][1])) for k, (c, key) in st.totals.items()}
+            record = self._record_of(st)
+            new = _State(index, sampling, st.closed + 1, st.spare, st.open, totals)
+            del self._trace[st.closed :]  # a record left by an interrupted close
+            self._trace.append(record)
+            self._state = new  # commit
+        self._pending_params = []
+
+    def _record_of(self, st: _State) -> _StepRecord:
+        """The trace record of ``st``'s open step, built out of place."""
+        kinds = {k: (c.sum(0), keys.clone()) for k, (c, keys) in st.open.items()}
+        return _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of device memory held: the fixed tables and the per-step trace."""
+
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        st = self._state
+        fixed = sum(size(c) + size(k) for tables in (st.open, st.spare, st.totals) for c, k in tables.values())
+        trace = sum(
+            size(c) + size(k) for r in self._trace for c, k in r.kinds.values()
+        ) + sum(size(r.scale) + sum(size(m) for m in r.maxima.values()) for r in self._trace)
+        return {"fixed_bytes": fixed, "trace_bytes": trace, "total_bytes": fixed + trace}
+
+    # -- collecting ----------------------------------------------------------------------
+    def collect(self, order: Mapping[str, int] | None = None) -> Collected:
+        """Bring the counts to the host (one transfer per table) and return them as data.
+
+        A step still open is included without closing it, so collecting twice, or
+        mid-step and again after :meth:`close_step`, never counts a value twice.
+        This synchronises with the device; call it outside the training hot path.
+        """
+        order = order or {}
+        with self.lock:
+            st = self._state
+            records = self._trace[: st.closed]
+            open_step = st.sampling and st.dirty
+            if open_step:
+                records = records + [self._record_of(st)]
+            modules: list[ModuleStats] = []
+            histograms: dict[str, tuple[Histogram, ...]] = {}
+            module_max: dict[str, dict[str, tuple[float, ...]]] = {}
+            for kind in KINDS:
+                if not self.capture[kind] or kind not in st.totals:
+                    continue
+                rows = self.rows[kind]
+                counts, keys = st.totals[kind]
+                if open_step:
+                    counts, keys = counts + st.open[kind][0], torch.maximum(keys, st.open[kind][1])
+                counts_h, keys_h = counts.cpu().tolist(), keys.cpu().tolist()
+                for i, name in enumerate(rows.names):
+                    modules.append(
+                        ModuleStats(
+                            name=name,
+                            kind=kind,
+                            module_type=rows.types[i],
+                            order=order.get(name, len(order) + i),
+                            histogram=histogram_from(counts_h[i], keys_h[i]),
+                        )
+                    )
+                if not records:
+                    continue
+                trace_counts, trace_keys = _stack_trace(records, kind, len(rows.names), counts.device)
+                step_hists = []
+                for row, krow in zip(trace_counts, trace_keys):
+                    step_hists.append(histogram_from(row, max(krow) if krow else -1))
+                histograms[kind] = tuple(step_hists)
+                module_max[kind] = {
+                    name: tuple(max_abs_from_key(r[i]) for r in trace_keys) for i, name in enumerate(rows.names)
+                }
+            scales = [r.scale for r in records]
+            present = [s.float().reshape(()).cpu() for s in scales if s is not None]
+            it = iter(torch.stack(present).tolist() if present else [])
+            scale_host = tuple(None if s is None else float(next(it)) for s in scales)
+            found_inf = tuple(
+                any(h[i].nonfinite > 0 for k, h in histograms.items() if k != ACTIVATION) for i in range(len(records))
+            )
+            channels = sorted({c for r in records for c in r.maxima})
+            maxima = {
+                c: tuple(float(r.maxima[c].cpu()) if c in r.maxima else 0.0 for r in records) for c in channels
+            }
+            trace = StepTrace(
+                steps=tuple(r.step for r in records),
+                histograms=histograms,
+                module_max=module_max,
+                scale=scale_host,
+                found_inf=found_inf,
+            )
+            return Collected(
+                modules=tuple(modules),
+                trace=trace,
+                maxima=maxima,
+                steps_total=max(st.step_index, len(records)),
+                device=self._device,
+                precision=self.precision,
+                errors=self.errors,
+                first_error=self.first_error,
+            )
+
+
+def _copy_state(st: _State) -> _State:
+    new = _State(st.step_index, st.sampling, st.closed, st.open, st.spare, st.totals)
+    new.dirty, new.scale, new.inv, new.maxima = st.dirty, st.scale, st.inv, st.maxima
+    return new
+
+
+def _grown(table: Table, rows: int) -> Table:
+    counts, keys = table
+    extra = rows - counts.shape[0]
+    c, k = engine.new_table(extra, counts.device)
+    return torch.cat([counts, c]), torch.cat([keys, k])
+
+
+def _unscaled(t: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 times ``inv`` (as GradScaler.unscale_ multiplies), in a reused buffer on the CPU."""
+    if t.device.type != "cpu":
+        return t.detach().float() * inv
+    ws = getattr(_workspace, "buf", None)
+    n = t.numel()
+    if ws is None or ws.numel() < n:
+        ws = _workspace.buf = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+    out = ws[:n].view(t.shape)
+    out.copy_(t.detach())
+    return out.mul_(inv)
+
+
+_workspace = threading.local()
+
+
+def _stack_trace(records: Sequence[_StepRecord], kind: str, rows: int,
+                 device: torch.device) -> tuple[list[list[int]], list[list[int]]]:
+    """Per-step summed counts and per-row keys of ``kind`` on the host; steps without it are empty."""
+    empty_counts = torch.zeros(NUM_BINS, dtype=torch.int64, device=device)
+    counts, keys = [], []
+    for r in records:
+        c, k = r.kinds.get(kind, (empty_counts, None))
+        counts.append(c)
+        k = torch.full((rows,), -1, dtype=torch.int32, device=device) if k is None else k
+        if k.shape[0] < rows:  # rows registered after this step closed
+            k = torch.cat([k, k.new_full((rows - k.shape[0],), -1)])
+        keys.append(k)
+    return torch.stack(counts).cpu().tolist(), torch.stack(keys).cpu().tolist()
