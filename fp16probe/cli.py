@@ -501,6 +501,40 @@ def compare(
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE)
 
 
+class Tracker(str, enum.Enum):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+
+
+@app.command()
+def export(
+    report: ReportArg,
+    dest: Annotated[Optional[str], typer.Argument(
+        help="TensorBoard: the log folder. wandb: the folder for its files (WANDB_MODE=offline keeps "
+             "them local). MLflow: a tracking URI or a folder (default: MLflow's own setting).")] = None,
+    to: Annotated[Tracker, typer.Option("--to", help="The tracker to write to.")] = Tracker.tensorboard,
+    modules: Annotated[bool, typer.Option("--modules", help="Also log each module's histogram.")] = False,
+    name: Annotated[Optional[str], typer.Option("--name", help="Run name (wandb, MLflow).")] = None,
+    project: Annotated[str, typer.Option("--project", help="wandb project / MLflow experiment.")] = "fp16probe",
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.activation_grad,
+    debug: DebugOpt = False,
+) -> None:
+    """Log a report's histograms and scalars to TensorBoard, wandb or MLflow."""
+    from fp16probe.presentation import terminal as render
+    from fp16probe.presentation.trackers import export as export_report
+
+    console = render.make_console()
+    with _errors(console, debug):
+        if to is Tracker.tensorboard and dest is None:
+            raise InputError("export --to tensorboard needs DEST, the log folder, e.g. runs/fp16probe")
+        r = Report.load(report)
+        where = export_report(r, to=to.value, dest=dest, format=format.value, kind=kind.value,
+                              modules=modules, run_name=name, project=project)
+        console.print(f"exported {r.metadata.steps_seen} step(s) to {to.value}: {where}", markup=False)
+
+
 def main() -> None:
     """Entry point of the ``fp16probe`` console script."""
     app(prog_name="fp16probe")

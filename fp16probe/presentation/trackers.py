@@ -1,0 +1,579 @@
+"""Send a report's histograms and scalars to the trackers people already watch.
+
+TensorBoard (``pip install 'fp16probe[tensorboard]'``), Weights & Biases
+(``'fp16probe[wandb]'``) and MLflow (``'fp16probe[mlflow]'``); each package is imported only
+when its exporter is used, and its absence raises one line naming the extra.
+
+What is logged (the same for every tracker; MLflow has no histogram type and gets the
+figures and an HTML report as artifacts instead):
+
+* histograms ``fp16probe/<kind>``: per profiled step, the exact log2 histogram of that kind.
+  Bucket ``(e - 1, e]`` holds the magnitudes in ``(2^(e-1), 2^e]``, the report's own bins,
+  one bucket per bin from the lowest to the highest occupied one. Zeros, infinities and
+  NaNs are counted apart (scalars ``zero_fraction``, ``nonfinite``), since log2 of 0 has
+  no bucket. With ``modules=True`` also ``fp16probe/<kind>/<module>``: each module's
+  histogram over all steps so far, at the last step.
+* scalars ``fp16probe/<kind>/...`` per step: ``flushed_fraction_at_1`` (the share of
+  nonzero values that become 0 when cast to the format unscaled), ``..._at_scale_in_force``
+  (at the loss scale the run's scaler held that step, from the trace),
+  ``..._at_recommended_scale``, ``max_abs`` (largest finite |x|), ``zero_fraction``; and
+  ``fp16probe/loss_scale`` (the scaler's scale), ``fp16probe/skipped_steps`` (steps so far
+  whose gradients held inf/NaN: a loss scaler skips them), ``fp16probe/recommended_log2_scale``.
+
+Every number comes from the report; the flushed fractions are exact sums of whole bins
+(see :class:`fp16probe.histogram.Histogram`). A step whose scale is not a power of two
+gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import importlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from fp16probe.errors import Fp16ProbeError, InputError
+from fp16probe.formats import Format, get_format
+from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
+
+__all__ = [
+    "AXES",
+    "TRACKERS",
+    "LogHistogram",
+    "TrackerLog",
+    "TrackerSeries",
+    "export",
+    "log_histogram",
+    "sink_for",
+    "to_mlflow",
+    "to_tensorboard",
+    "to_wandb",
+    "tracker_series",
+]
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+AXES = ("log2", "magnitude")
+PREFIX = "fp16probe"
+GRAD_KINDS = tuple(k for k in KINDS if k != ACTIVATION)
+
+
+def _require(module: str, extra: str, what: str) -> Any:
+    """Import an optional tracker package, or raise one line naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise Fp16ProbeError(
+            f"{what} needs the {module.split('.')[0]!r} package, which is not installed; "
+            f"install it with: pip install 'fp16probe[{extra}]'"
+        ) from e
+
+
+# -- the data every tracker gets ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LogHistogram:
+    """One histogram as a tracker draws it: ``counts[i]`` values in ``(edges[i], edges[i + 1]]``.
+
+    On the ``log2`` axis the edges are the integers ``e - 1, e``; on the ``magnitude`` axis
+    they are ``2^(e-1), 2^e`` themselves. Both are exact in a double.
+    """
+
+    edges: tuple[float, ...]
+    counts: tuple[int, ...]
+    zero: int
+    nonfinite: int
+    max_abs: float
+
+    @property
+    def num(self) -> int:
+        """Nonzero finite values in the buckets."""
+        return sum(self.counts)
+
+    @property
+    def bucket_limits(self) -> tuple[float, ...]:
+        """Upper edge of each bucket (TensorBoard's ``bucket_limit``)."""
+        return self.edges[1:]
+
+    def moments(self) -> tuple[float, float]:
+        """Sum and sum of squares over bucket upper edges (TensorBoard wants them; it draws neither)."""
+        s = sum(c * e for c, e in zip(self.counts, self.bucket_limits))
+        s2 = sum(c * e * e for c, e in zip(self.counts, self.bucket_limits))
+        return float(s), float(s2)
+
+
+def log_histogram(h: Histogram, axis: str = "log2") -> LogHistogram | None:
+    """Return ``h``'s occupied range as tracker buckets, one per log2 bin; None when it has no nonzero value."""
+    if axis not in AXES:
+        raise InputError(f"axis {axis!r}: expected one of {', '.join(AXES)}")
+    lo, hi = h.lowest_exp, h.highest_exp
+    if lo is None or hi is None:
+        return None
+    exps = range(lo - 1, hi + 1)
+    edges = tuple(float(e) if axis == "log2" else math.ldexp(1.0, e) for e in exps)
+    counts = tuple(h.counts[e - MIN_EXP] for e in range(lo, hi + 1))
+    return LogHistogram(edges=edges, counts=counts, zero=h.zero, nonfinite=h.nonfinite, max_abs=h.max_abs)
+
+
+@dataclass(frozen=True)
+class TrackerSeries:
+    """Everything one export logs: ``(tag, step, LogHistogram)`` and ``(tag, step, value)`` rows, and texts."""
+
+    histograms: tuple[tuple[str, int, LogHistogram], ...]
+    scalars: tuple[tuple[str, int, float], ...]
+    texts: tuple[tuple[str, str], ...]
+    last_step: int
+
+    def steps(self) -> tuple[int, ...]:
+        """The steps that carry a scalar or histogram, in order."""
+        return tuple(sorted({s for _, s, _ in self.scalars} | {s for _, s, _ in self.histograms}))
+
+
+def _fraction(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _exact_log2(x: float | None) -> int | None:
+    if x is None or not x > 0 or not math.isfinite(x):
+        return None
+    m, e = math.frexp(x)
+    return e - 1 if m == 0.5 else None
+
+
+def tracker_series(
+    report: Report,
+    format: str | Format = "fp16",
+    *,
+    kind: str = ACTIVATION_GRAD,
+    recommendation: Any = None,
+    modules: bool = False,
+    axis: str = "log2",
+    step_offset: int = 0,
+    since_step: int | None = None,
+) -> TrackerSeries:
+    """Compute what an exporter logs for ``report``, with no tracker involved.
+
+    ``step_offset`` is added to the report's step numbers (the callbacks pass the number
+    that makes them the trainer's global step); ``since_step`` drops the trace steps at or
+    before it (live logging sends each step once). The recommendation is the one given,
+    the report's own for ``format``, or a fresh analysis (none when the report has no
+    ``kind`` values yet).
+    """
+    from fp16probe.presentation.notebook import field, resolve_recommendation
+
+    fmt = get_format(format)
+    trace = report.trace
+    try:
+        rec = resolve_recommendation(report, recommendation, fmt, kind)
+    except Fp16ProbeError:  # e.g. no values of that kind yet
+        rec = None
+    rec_k = field(rec, "log2_scale")
+    scaled = bool(report.metadata.grad_scaler) or any(s is not None for s in trace.scale)
+    histograms: list[tuple[str, int, LogHistogram]] = []
+    scalars: list[tuple[str, int, float]] = []
+    skipped = 0
+    last_step = step_offset
+    for i, raw_step in enumerate(trace.steps):
+        step = int(raw_step) + step_offset
+        last_step = max(last_step, step)
+        if i < len(trace.found_inf) and trace.found_inf[i]:
+            skipped += 1
+        if since_step is not None and step <= since_step:
+            continue
+        scale = trace.scale[i] if i < len(trace.scale) else None
+        k_in_force = 0 if scale is None else _exact_log2(scale)
+        for k in KINDS:
+            hs = trace.histograms.get(k)
+            if not hs or i >= len(hs):
+                continue
+            h = hs[i]
+            if h.total == 0:
+                continue
+            tag = f"{PREFIX}/{k}"
+            lh = log_histogram(h, axis)
+            if lh is not None:
+                histograms.append((tag, step, lh))
+            n = h.nonzero_finite
+            scalars.append((f"{tag}/flushed_fraction_at_1", step, _fraction(h.flushed(fmt, 0), n)))
+            scalars.append((f"{tag}/max_abs", step, float(h.max_abs)))
+            scalars.append((f"{tag}/zero_fraction", step, _fraction(h.zero, h.total)))
+            scalars.append((f"{tag}/nonfinite", step, float(h.nonfinite)))
+            if k == ACTIVATION:  # forward values are not multiplied by the loss scale
+                continue
+            if k_in_force is not None:
+                scalars.append((f"{tag}/flushed_fraction_at_scale_in_force", step,
+                                _fraction(h.flushed(fmt, k_in_force), n)))
+            if rec_k is not None:
+                scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step,
+                                _fraction(h.flushed(fmt, int(rec_k)), n)))
+        if scale is not None:
+            scalars.append((f"{PREFIX}/loss_scale", step, float(scale)))
+        if scaled:
+            scalars.append((f"{PREFIX}/skipped_steps", step, float(skipped)))
+        if rec_k is not None:
+            scalars.append((f"{PREFIX}/recommended_log2_scale", step, float(rec_k)))
+    if modules:
+        for m in report.modules:
+            lh = log_histogram(m.histogram, axis)
+            if lh is not None:
+                histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
+    texts = []
+    if rec is not None:
+        caveats = list(field(rec, "caveats", ()) or ())
+        if not caveats:
+            from fp16probe.presentation.terminal import precision_caveat
+
+            c = precision_caveat(report, kind)
+            caveats = [c] if c else []
+        body = str(field(rec, "text", "") or "").rstrip()
+        if caveats:
+            body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
+        if body.strip():
+            texts.append((f"{PREFIX}/recommendation", body.strip()))
+    return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
+
+
+# -- sinks: one per tracker ---------------------------------------------------------------------
+
+class _TensorBoardSink:
+    """Write to a ``SummaryWriter`` (torch.utils.tensorboard or tensorboardX)."""
+
+    name = "tensorboard"
+
+    def __init__(self, writer: Any, *, owned: bool = False) -> None:
+        self.writer = writer
+        self.owned = owned
+        self.location = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
+
+    def write(self, series: TrackerSeries) -> None:
+        for tag, step, lh in series.histograms:
+            s, s2 = lh.moments()
+            self.writer.add_histogram_raw(
+                tag, min=lh.edges[0], max=lh.edges[-1], num=lh.num, sum=s, sum_squares=s2,
+                bucket_limits=list(lh.bucket_limits), bucket_counts=list(lh.counts), global_step=step,
+            )
+        for tag, step, value in series.scalars:
+            self.writer.add_scalar(tag, value, global_step=step)
+        for tag, text in series.texts:
+            # TensorBoard renders Markdown: indent by 4 so the text shows as written.
+            self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()),
+                                 global_step=series.last_step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.owned:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+
+class _WandbSink:
+    """Write to a wandb Run: ``wandb.Histogram(np_histogram=(counts, edges))`` and plain scalars.
+
+    Every row carries ``fp16probe/step`` and the ``fp16probe/*`` keys are defined against it,
+    so rows land at the profiled step whatever wandb's own step counter says.
+    """
+
+    name = "wandb"
+
+    def __init__(self, run: Any, *, owned: bool = False) -> None:
+        self.wandb = _require("wandb", "wandb", "exporting to Weights & Biases")
+        self.run = run
+        self.owned = owned
+        self.location = getattr(run, "dir", None)
+        self._defined = False
+
+    def write(self, series: TrackerSeries) -> None:
+        import numpy as np
+
+        if not self._defined:
+            self.run.define_metric(f"{PREFIX}/step")
+            self.run.define_metric(f"{PREFIX}/*", step_metric=f"{PREFIX}/step")
+            self._defined = True
+        rows: dict[int, dict[str, Any]] = {}
+        for tag, step, lh in series.histograms:
+            rows.setdefault(step, {})[tag] = self.wandb.Histogram(
+                np_histogram=(np.asarray(lh.counts, dtype=np.int64), np.asarray(lh.edges, dtype=np.float64))
+            )
+        for tag, step, value in series.scalars:
+            rows.setdefault(step, {})[tag] = value
+        for step in sorted(rows):
+            self.run.log({**rows[step], f"{PREFIX}/step": step})
+        for tag, text in series.texts:
+            self.run.summary[tag] = text
+
+    def close(self) -> None:
+        if self.owned:
+            self.run.finish()
+
+
+class _MlflowSink:
+    """Write metrics to an MLflow run; :meth:`artifacts` adds the figures and an HTML report."""
+
+    name = "mlflow"
+
+    def __init__(self, client: Any, run_id: str, *, owned: bool = False) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.owned = owned
+        self.location = run_id
+
+    def write(self, series: TrackerSeries) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key=_mlflow_key(tag), value=float(v), timestamp=now, step=int(step))
+                   for tag, step, v in series.scalars]
+        for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+        for tag, text in series.texts:
+            self.client.log_text(self.run_id, text + "\n", f"{_mlflow_key(tag)}.txt")
+
+    def artifacts(self, report: Report, fmt: Format, kind: str, recommendation: Any) -> None:
+        """Upload the report JSON, its figures (PNG) and a standalone HTML report."""
+        from fp16probe.presentation.notebook import report_html
+
+        with tempfile.TemporaryDirectory(prefix="fp16probe-mlflow-") as tmp:
+            folder = Path(tmp)
+            report.save(folder / "fp16probe-report.json")
+            if report.modules_of(kind):
+                from fp16probe.presentation.figures import save_figures
+
+                save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
+                             format=fmt.name, kind=kind)
+            page = report_html(report, fmt, kind=kind, recommendation=recommendation)
+            (folder / "fp16probe-report.html").write_text(
+                "<!doctype html>\n<html><head><meta charset='utf-8'><title>fp16probe report: "
+                f"{html.escape(report.metadata.model_class)}</title></head><body>{page}</body></html>\n",
+                encoding="utf-8",
+            )
+            self.client.log_artifacts(self.run_id, str(folder), artifact_path="fp16probe")
+
+    def close(self) -> None:
+        if self.owned:
+            self.client.set_terminated(self.run_id)
+
+
+def _mlflow_key(tag: str) -> str:
+    # MLflow keys allow letters, digits, _ - . space / ; module names may hold others.
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in tag)
+
+
+def sink_for(target: Any) -> Any:
+    """Return the sink that writes to ``target``: a SummaryWriter, a wandb Run, an ``(MlflowClient, run_id)``
+    pair, the ``mlflow`` module with an active run, or a Lightning logger wrapping one of these."""
+    if target is None:
+        raise InputError("no tracker given: pass a SummaryWriter, a wandb run or an MLflow client and run id")
+    if hasattr(target, "add_histogram_raw"):
+        return _TensorBoardSink(target)
+    if isinstance(target, tuple) and len(target) == 2 and hasattr(target[0], "log_batch"):
+        return _MlflowSink(target[0], str(target[1]))
+    if getattr(target, "__name__", None) == "mlflow":
+        run = target.active_run()
+        if run is None:
+            raise InputError("mlflow has no active run: call mlflow.start_run() first, or pass (client, run_id)")
+        return _MlflowSink(target.MlflowClient(), run.info.run_id)
+    if hasattr(target, "log") and hasattr(target, "define_metric"):
+        return _WandbSink(target)
+    experiment = getattr(target, "experiment", None)  # a Lightning logger
+    if experiment is not None:
+        if hasattr(experiment, "log_batch") and getattr(target, "run_id", None):
+            return _MlflowSink(experiment, target.run_id)
+        return sink_for(experiment)
+    raise InputError(
+        f"cannot log to a {type(target).__name__}: expected a tensorboard SummaryWriter, a wandb run, "
+        "an (mlflow.MlflowClient, run_id) pair, or a Lightning logger wrapping one of them"
+    )
+
+
+# -- finished reports -----------------------------------------------------------------------------
+
+def to_tensorboard(report: Report, log_dir: Any, **options: Any) -> Path | None:
+    """Write ``report`` as TensorBoard event files under ``log_dir`` (or into a SummaryWriter).
+
+    Returns the log folder. Options as for :func:`export`.
+    """
+    return export(report, to="tensorboard", dest=log_dir, **options)
+
+
+def to_wandb(report: Report, run_or_dir: Any = None, **options: Any) -> Path | None:
+    """Log ``report`` to a wandb Run (or a new run under a folder; ``WANDB_MODE=offline`` keeps it local)."""
+    return export(report, to="wandb", dest=run_or_dir, **options)
+
+
+def to_mlflow(report: Report, tracking_uri: Any = None, **options: Any) -> Path | None:
+    """Log ``report`` to a new MLflow run (or ``(client, run_id)``): metrics, figures and an HTML report."""
+    return export(report, to="mlflow", dest=tracking_uri, **options)
+
+
+def export(
+    report: Report,
+    *,
+    to: str,
+    dest: Any = None,
+    format: str | Format = "fp16",
+    kind: str = ACTIVATION_GRAD,
+    recommendation: Any = None,
+    modules: bool = False,
+    axis: str = "log2",
+    step_offset: int = 0,
+    run_name: str | None = None,
+    project: str = "fp16probe",
+) -> Any:
+    """Log a finished report to a tracker; see the module docstring for what is logged.
+
+    Args:
+        report: the report (e.g. ``Report.load("fp16probe-report.json")``).
+        to: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
+        dest: a folder or tracking URI (a new writer or run is made there and closed), or an
+            open SummaryWriter / wandb Run / ``(MlflowClient, run_id)`` (left open).
+            TensorBoard needs one; wandb defaults to its own folder; MLflow to its default store.
+        format, kind: what the flushed fractions and the recommendation are for.
+        modules: also log each module's histogram over the whole run.
+        axis: ``"log2"`` (bucket edges are the exponents, readable on TensorBoard's linear
+            axis) or ``"magnitude"`` (edges ``2^e`` themselves).
+        step_offset: added to every step number.
+        run_name, project: names for a new wandb or MLflow run (experiment).
+
+    Returns the folder written (TensorBoard, wandb) or the MLflow run id.
+    """
+    if to not in TRACKERS:
+        raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
+    fmt = get_format(format)
+    from fp16probe.presentation.notebook import resolve_recommendation
+
+    try:
+        rec = resolve_recommendation(report, recommendation, fmt, kind)
+    except Fp16ProbeError:
+        rec = None
+    series = tracker_series(report, fmt, kind=kind, recommendation=rec, modules=modules, axis=axis,
+                            step_offset=step_offset)
+    with _file_store_allowed(to, dest):
+        sink = _open(to, dest, run_name=run_name, project=project)
+        try:
+            sink.write(series)
+            if isinstance(sink, _MlflowSink):
+                sink.artifacts(report, fmt, kind, rec)
+                location = sink.run_id
+            else:
+                location = Path(sink.location) if sink.location else None
+        finally:
+            sink.close()
+    return location
+
+
+@contextlib.contextmanager
+def _file_store_allowed(to: str, dest: Any) -> Iterator[None]:
+    """Let MLflow 3 use its file store while exporting to a folder the caller named.
+
+    MLflow 3 refuses a plain folder unless ``MLFLOW_ALLOW_FILE_STORE`` is set; naming a
+    folder is that choice, so it is set for the export only and restored afterwards.
+    """
+    local = to == "mlflow" and isinstance(dest, (str, os.PathLike)) and _mlflow_uri(dest).startswith("file:")
+    if not local or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
+        yield
+        return
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+def _open(to: str, dest: Any, *, run_name: str | None, project: str) -> Any:
+    """Open the sink a finished-report export writes to; a path or URI makes a new writer or run."""
+    if dest is not None and not isinstance(dest, (str, os.PathLike)):
+        sink = sink_for(dest)
+        if sink.name != to:
+            raise InputError(f"to={to!r} but the destination given is a {sink.name} object")
+        return sink
+    if to == "tensorboard":
+        if dest is None:
+            raise InputError("exporting to TensorBoard needs a log folder, e.g. runs/fp16probe")
+        _require("tensorboard", "tensorboard", "exporting to TensorBoard")
+        writer_mod = _require("torch.utils.tensorboard", "tensorboard", "exporting to TensorBoard")
+        return _TensorBoardSink(writer_mod.SummaryWriter(log_dir=str(dest)), owned=True)
+    if to == "wandb":
+        wandb = _require("wandb", "wandb", "exporting to Weights & Biases")
+        if dest is not None:
+            Path(dest).mkdir(parents=True, exist_ok=True)
+        try:
+            run = wandb.init(project=project, name=run_name, dir=None if dest is None else str(dest),
+                             reinit="create_new")
+        except Exception as e:  # no API key, no network: wandb raises its own types
+            raise InputError(
+                f"wandb could not start a run ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "log in with 'wandb login', or set WANDB_MODE=offline to write locally and 'wandb sync' later"
+            ) from e
+        return _WandbSink(run, owned=True)
+    mlflow = _require("mlflow", "mlflow", "exporting to MLflow")
+    uri = None if dest is None else _mlflow_uri(dest)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(project)
+    experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(project)
+    run = client.create_run(experiment_id, run_name=run_name)
+    return _MlflowSink(client, run.info.run_id, owned=True)
+
+
+def _mlflow_uri(dest: Any) -> str:
+    text = os.fspath(dest)
+    if "://" in text or text.startswith(("file:", "databricks", "sqlite:")):
+        return text
+    return Path(text).absolute().as_uri()
+
+
+# -- live logging --------------------------------------------------------------------------------
+
+class TrackerLog:
+    """Log reports of a run in progress to a tracker, each profiled step once.
+
+    Feed it the report so far (``probe.report()``) at each logging interval; steps already
+    sent are skipped, module histograms (``modules=True``) are the running totals.
+    """
+
+    def __init__(self, target: Any, *, format: str | Format = "fp16", kind: str = ACTIVATION_GRAD,
+                 modules: bool = False, axis: str = "log2", step_offset: int = 0,
+                 recommend: bool = True) -> None:
+        self.sink = target if hasattr(target, "write") and hasattr(target, "close") else sink_for(target)
+        self.format = get_format(format)
+        self.kind = kind
+        self.modules = modules
+        self.axis = axis
+        self.step_offset = step_offset
+        self.recommend = recommend
+        self.last_step: int | None = None
+
+    def log(self, report: Report, recommendation: Any = None) -> int:
+        """Send the steps of ``report`` not sent yet; return how many steps were sent."""
+        rec = recommendation if recommendation is not None or self.recommend else _NO_RECOMMENDATION
+        series = tracker_series(report, self.format, kind=self.kind, recommendation=rec,
+                                modules=self.modules, axis=self.axis, step_offset=self.step_offset,
+                                since_step=self.last_step)
+        if not series.scalars and not series.histograms:
+            return 0
+        self.sink.write(series)
+        sent = len(series.steps())
+        self.last_step = series.last_step
+        return sent
+
+    def close(self) -> None:
+        """Flush the tracker (a writer or run the caller passed in stays open)."""
+        self.sink.close()
+
+
+class _NoRecommendation(dict):
+    """A recommendation with no scale: live logging without the per-interval analysis."""
+
+    def __init__(self) -> None:
+        super().__init__(log2_scale=None, text="", format=None)
+
+
+_NO_RECOMMENDATION = _NoRecommendation()
+
