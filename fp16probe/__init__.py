@@ -16,6 +16,7 @@ from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.formats import FORMATS, Format, get_format
 from fp16probe.capture.probe import Probe
 from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
+from fp16probe.presentation.trackers import export
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "WhatIfTable",
     "__version__",
     "analyze",
+    "export",
     "get_format",
     "replay_scaler",
     "simulate",

@@ -38,6 +38,9 @@ ONLY_IN = {
     "matplotlib": {"fp16probe.presentation.figures"},
     "numba": {"fp16probe.capture._cpu_kernel"},
     "typer": {"fp16probe.cli"},
+    "tensorboard": {"fp16probe.presentation.trackers"},
+    "wandb": {"fp16probe.presentation.trackers"},
+    "mlflow": {"fp16probe.presentation.trackers"},
 }
 
 

@@ -1,0 +1,277 @@
+"""Exporters: a report's histograms and scalars reach TensorBoard, wandb and MLflow exactly.
+
+Each tracker is read back with its own reader: TensorBoard's EventAccumulator, the records
+of a wandb offline run, and an MLflow client on a local file store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp16probe.cli import app
+from fp16probe.errors import Fp16ProbeError
+from fp16probe.histogram import MIN_EXP
+from fp16probe.presentation.trackers import TrackerLog, export, log_histogram, tracker_series
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram
+from tests.fixtures.reports import hand_report
+
+# The hand report's per-step activation-gradient histogram (see tests/fixtures/reports.py):
+# 2000 nonzero values a step (2001 at step 3, which also holds one value at 2^10).
+# fp16 flushes |x| <= 2^-25: bins -40 (250), -30 (150), -26 (100), -25 (50) = 550 values.
+# At S = 2^8 only |x| <= 2^-33 flushes: bin -40, 250 values; at S = 2^7, |x| <= 2^-32: the same 250.
+SCALES = (256.0, 256.0, 256.0, 128.0, 128.0, 100.0)
+FOUND_INF = (False, False, False, True, False, False)
+
+
+def scaled_report():
+    """The hand report as if taken under a loss scaler that backed off once at step 3."""
+    r = hand_report()
+    trace = dataclasses.replace(r.trace, scale=SCALES, found_inf=FOUND_INF)
+    return dataclasses.replace(r, trace=trace, metadata=dataclasses.replace(r.metadata, grad_scaler=True))
+
+
+def expected_buckets(h: Histogram) -> tuple[list[float], list[int]]:
+    """Bucket upper edges and counts, one per log2 bin from the lowest to the highest occupied one."""
+    occupied = [MIN_EXP + i for i, c in enumerate(h.counts) if c]
+    exps = list(range(min(occupied), max(occupied) + 1))
+    return [float(e) for e in exps], [h.count(e) for e in exps]
+
+
+# -- what is logged, with no tracker ----------------------------------------------------------
+
+def test_log_histogram_has_one_bucket_per_log2_bin_and_zeros_apart():
+    h = Histogram.from_values({-30: 7, -27: 3, -24: 5}, zero=11, inf=2)
+    lh = log_histogram(h)
+    assert lh.edges == (-31.0, -30.0, -29.0, -28.0, -27.0, -26.0, -25.0, -24.0)
+    assert lh.counts == (7, 0, 0, 3, 0, 0, 5)
+    assert (lh.num, lh.zero, lh.nonfinite) == (15, 11, 2)
+    magnitude = log_histogram(h, "magnitude")
+    assert magnitude.edges == tuple(2.0 ** e for e in range(-31, -23))
+    assert magnitude.counts == lh.counts
+    assert log_histogram(Histogram(zero=5)) is None
+
+
+def test_series_scalars_are_the_closed_form_shares():
+    series = tracker_series(scaled_report(), "fp16", recommendation={"log2_scale": 8, "text": "advice"})
+    by = {}
+    for tag, step, value in series.scalars:
+        by.setdefault(tag, {})[step] = value
+    at1 = by["fp16probe/activation_grad/flushed_fraction_at_1"]
+    assert at1 == {0: 550 / 2000, 1: 550 / 2000, 2: 550 / 2000, 3: 550 / 2001, 4: 550 / 2000, 5: 550 / 2000}
+    in_force = by["fp16probe/activation_grad/flushed_fraction_at_scale_in_force"]
+    # step 5's scale (100) is not a power of two: the bins cannot give that share exactly
+    assert in_force == {0: 250 / 2000, 1: 250 / 2000, 2: 250 / 2000, 3: 250 / 2001, 4: 250 / 2000}
+    assert by["fp16probe/activation_grad/flushed_fraction_at_recommended_scale"][0] == 250 / 2000
+    assert by["fp16probe/weight_grad/flushed_fraction_at_1"][0] == 0.0  # 2^-12 survives
+    assert by["fp16probe/activation_grad/max_abs"][3] == 2.0 ** 10
+    assert by["fp16probe/activation_grad/max_abs"][0] == 2.0 ** -6
+    assert by["fp16probe/activation_grad/zero_fraction"][0] == 1600 / 3600
+    assert by["fp16probe/loss_scale"] == dict(enumerate(SCALES))
+    assert by["fp16probe/skipped_steps"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    assert by["fp16probe/recommended_log2_scale"][5] == 8
+    assert series.texts == (("fp16probe/recommendation", "advice"),)
+
+
+def test_series_without_a_scaler_has_no_scale_or_skipped_steps():
+    series = tracker_series(hand_report(), "fp16", step_offset=10)
+    tags = {t for t, _, _ in series.scalars}
+    assert "fp16probe/loss_scale" not in tags and "fp16probe/skipped_steps" not in tags
+    assert {s for _, s, _ in series.scalars} == set(range(10, 16))
+    # no scale in force means S = 1
+    at1 = [v for t, s, v in series.scalars if t.endswith("activation_grad/flushed_fraction_at_1")]
+    in_force = [v for t, s, v in series.scalars if t.endswith("activation_grad/flushed_fraction_at_scale_in_force")]
+    assert at1 == in_force
+
+
+# -- TensorBoard ------------------------------------------------------------------------------
+
+def _accumulator(log_dir):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    ea = event_accumulator.EventAccumulator(str(log_dir), size_guidance={"histograms": 0, "scalars": 0, "tensors": 0})
+    ea.Reload()
+    return ea
+
+
+def test_tensorboard_event_files_hold_the_exact_bins(tmp_path):
+    pytest.importorskip("tensorboard")
+    report = scaled_report()
+    assert export(report, to="tensorboard", dest=tmp_path / "tb", modules=True) == tmp_path / "tb"
+    ea = _accumulator(tmp_path / "tb")
+    for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):
+        events = ea.Histograms(f"fp16probe/{kind}")
+        assert [e.step for e in events] == list(range(6))
+        for event, h in zip(events, report.trace.histograms[kind]):
+            v = event.histogram_value
+            limits, counts = expected_buckets(h)
+            assert list(v.bucket_limit) == limits
+            assert list(v.bucket) == counts
+            assert v.min == limits[0] - 1  # the lowest bucket's lower edge
+            assert v.num == h.nonzero_finite
+    step3 = ea.Histograms("fp16probe/activation_grad")[3].histogram_value
+    assert (step3.bucket_limit[0], step3.bucket_limit[-1], step3.bucket[0], step3.bucket[-1]) == (-40, 10, 250, 1)
+    for m in report.modules:  # module totals, at the last step
+        (event,) = ea.Histograms(f"fp16probe/{m.kind}/{m.name}")
+        assert event.step == 5
+        assert (list(event.histogram_value.bucket_limit), list(event.histogram_value.bucket)) == expected_buckets(m.histogram)
+    scale = ea.Scalars("fp16probe/loss_scale")
+    assert [(s.step, s.value) for s in scale] == list(enumerate(SCALES))
+    shares = ea.Scalars("fp16probe/activation_grad/flushed_fraction_at_1")
+    assert [s.value for s in shares] == pytest.approx([550 / 2000] * 3 + [550 / 2001] + [550 / 2000] * 2, rel=1e-6)
+    assert "fp16probe/recommendation/text_summary" in ea.Tags()["tensors"]
+
+
+def test_tensorboard_magnitude_axis_holds_powers_of_two(tmp_path):
+    pytest.importorskip("tensorboard")
+    report = hand_report()
+    export(report, to="tensorboard", dest=tmp_path, axis="magnitude")
+    v = _accumulator(tmp_path).Histograms("fp16probe/activation_grad")[0].histogram_value
+    assert list(v.bucket_limit) == [2.0 ** e for e in range(-40, -5)]
+    assert v.min == 2.0 ** -41
+
+
+def test_live_log_sends_each_step_once(tmp_path):
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    report = scaled_report()
+    first = dataclasses.replace(report, trace=_first_steps(report.trace, 3))
+    writer = tensorboard.SummaryWriter(log_dir=str(tmp_path))
+    log = TrackerLog(writer, step_offset=1, recommend=False)
+    assert log.log(first) == 3
+    assert log.log(first) == 0  # nothing new
+    assert log.log(report) == 3
+    writer.close()
+    events = _accumulator(tmp_path).Histograms("fp16probe/activation_grad")
+    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [list(e.histogram_value.bucket) for e in events] == [expected_buckets(h)[1] for h in report.trace.histograms[ACTIVATION_GRAD]]
+
+
+def _first_steps(trace, n):
+    return dataclasses.replace(
+        trace, steps=trace.steps[:n], scale=trace.scale[:n], found_inf=trace.found_inf[:n],
+        histograms={k: v[:n] for k, v in trace.histograms.items()},
+        module_max={k: {m: v[:n] for m, v in mm.items()} for k, mm in trace.module_max.items()},
+    )
+
+
+# -- wandb (offline) ----------------------------------------------------------------------------
+
+def _wandb_records(path):
+    """Yield the protobuf records of a wandb offline run file (LevelDB log format after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending + chunk)
+            pending = b""
+            yield record
+        elif kind in (2, 3):
+            pending += chunk
+
+
+def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    report = scaled_report()
+    export(report, to="wandb", dest=tmp_path, run_name="test")
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = []
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({tuple(i.nested_key) or (i.key,): json.loads(i.value_json) for i in record.history.item})
+    rows = [r for r in rows if ("fp16probe/step",) in r]
+    assert [r[("fp16probe/step",)] for r in rows] == list(range(6))
+    for row, h in zip(rows, report.trace.histograms[ACTIVATION_GRAD]):
+        limits, counts = expected_buckets(h)
+        assert row[("fp16probe/activation_grad", "_type")] == "histogram"
+        assert row[("fp16probe/activation_grad", "bins")] == [limits[0] - 1] + limits
+        assert row[("fp16probe/activation_grad", "values")] == counts
+        assert row[("fp16probe/activation_grad/flushed_fraction_at_1",)] == 550 / h.nonzero_finite
+    assert [r[("fp16probe/skipped_steps",)] for r in rows] == [0, 0, 0, 1, 1, 1]
+
+
+# -- MLflow (local file store) -----------------------------------------------------------------
+
+def test_mlflow_file_store_holds_metrics_figures_and_html(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    report = scaled_report()
+    run_id = export(report, to="mlflow", dest=tmp_path / "mlruns", run_name="test")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # only for reading it back here
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "test"
+    history = client.get_metric_history(run_id, "fp16probe/activation_grad/flushed_fraction_at_1")
+    assert sorted((m.step, m.value) for m in history) == [
+        (s, 550 / h.nonzero_finite) for s, h in enumerate(report.trace.histograms[ACTIVATION_GRAD])]
+    skipped = client.get_metric_history(run_id, "fp16probe/skipped_steps")
+    assert sorted((m.step, m.value) for m in skipped) == list(enumerate([0, 0, 0, 1, 1, 1]))
+    names = {a.path for a in client.list_artifacts(run_id, "fp16probe")}
+    assert names >= {"fp16probe/fp16probe-figures.png", "fp16probe/fp16probe-report.html",
+                     "fp16probe/fp16probe-report.json", "fp16probe/recommendation.txt"}
+    folder = client.download_artifacts(run_id, "fp16probe", str(tmp_path / "down"))
+    page = Path(folder, "fp16probe-report.html").read_text(encoding="utf-8")
+    assert page.startswith("<!doctype html>") and "HandBuilt" in page
+    assert Path(folder, "fp16probe-figures.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "MLFLOW_ALLOW_FILE_STORE" in __import__("os").environ  # our setenv, not left by export
+
+
+def test_mlflow_export_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    export(hand_report(), to="mlflow", dest=tmp_path)
+    assert "MLFLOW_ALLOW_FILE_STORE" not in __import__("os").environ
+
+
+# -- missing extras, bad input, the CLI -------------------------------------------------------
+
+@pytest.mark.parametrize("to,module,extra", [("tensorboard", "tensorboard", "tensorboard"),
+                                             ("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")])
+def test_a_missing_tracker_package_names_its_extra(tmp_path, monkeypatch, to, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    with pytest.raises(Fp16ProbeError, match=rf"pip install 'fp16probe\[{extra}\]'") as e:
+        export(hand_report(), to=to, dest=tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_export_writes_event_files_and_refuses_bad_input(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    path = scaled_report().save(tmp_path / "r.json")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["export", str(path), str(tmp_path / "tb"), "--to", "tensorboard", "--modules"])
+    assert ok.exit_code == 0, ok.output
+    assert "exported 6 step(s) to tensorboard" in ok.output
+    ea = _accumulator(tmp_path / "tb")
+    assert len(ea.Histograms("fp16probe/activation_grad")) == 6
+    assert len(ea.Histograms("fp16probe/activation_grad/deep")) == 1
+    no_dest = runner.invoke(app, ["export", str(path)])
+    assert no_dest.exit_code == 2 and "needs DEST" in no_dest.output
+    bad_to = runner.invoke(app, ["export", str(path), str(tmp_path), "--to", "comet"])
+    assert bad_to.exit_code == 2
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    missing = runner.invoke(app, ["export", str(path), str(tmp_path / "tb2")])
+    assert missing.exit_code == 2 and "fp16probe[tensorboard]" in missing.output
+    assert len([line for line in missing.output.splitlines() if line.strip()]) == 1
+
+
+def test_exact_log2_of_scale_is_only_for_powers_of_two():
+    from fp16probe.presentation.trackers import _exact_log2
+
+    assert [_exact_log2(x) for x in (1.0, 65536.0, 2.0 ** -3, 100.0, 0.0, math.inf, None)] == [0, 16, -3, None, None, None, None]
