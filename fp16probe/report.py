@@ -6,6 +6,7 @@ Nothing here touches a model or a device; everything is host-side Python numbers
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,11 @@ class StepTrace:
     ``steps[i]``; ``module_max[kind][name][i]`` the largest finite magnitude a module
     saw in it (0.0 when it saw nothing); ``scale[i]`` the GradScaler scale in force
     (None without a scaler); ``found_inf[i]`` whether any gradient held inf or NaN.
+    ``ceiling[i]`` is the overflow ceiling: the largest unscaled |g| that backward made
+    anywhere at that step (every autograd node's gradient: the gradient at the model's
+    output, functional ops, module internals, weight gradients), ``math.inf`` when any
+    gradient held inf or NaN (written as the string ``"inf"`` in JSON); None in reports
+    made before it was recorded.
     """
 
     steps: tuple[int, ...] = ()
@@ -83,6 +89,7 @@ class StepTrace:
     module_max: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
     scale: tuple[float | None, ...] = ()
     found_inf: tuple[bool, ...] = ()
+    ceiling: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -98,6 +105,7 @@ class StepTrace:
             "module_max": {k: {n: list(v) for n, v in m.items()} for k, m in self.module_max.items()},
             "scale": list(self.scale),
             "found_inf": list(self.found_inf),
+            **({} if self.ceiling is None else {"ceiling": ["inf" if math.isinf(c) else c for c in self.ceiling]}),
         }
 
     @classmethod
@@ -115,7 +123,8 @@ class StepTrace:
         }
         scale = tuple(None if s is None else float(s) for s in d["scale"])
         found_inf = tuple(d["found_inf"])
-        return cls(steps, histograms, module_max, scale, found_inf)
+        ceiling = None if d.get("ceiling") is None else tuple(float(c) for c in d["ceiling"])
+        return cls(steps, histograms, module_max, scale, found_inf, ceiling)
 
 
 @dataclass(frozen=True)
@@ -348,6 +357,9 @@ def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
             module_max=module_max,
             scale=tuple(s for t in traces for s in t.scale),
             found_inf=tuple(f for t in traces for f in t.found_inf),
+            ceiling=(
+                None if any(t.ceiling is None for t in traces) else tuple(c for t in traces for c in t.ceiling)
+            ),
         )
     first = traces[0]
     n = len(first)
@@ -369,7 +381,14 @@ def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
                     cur[i] = max(cur[i], v)
         module_max[k] = {name: tuple(v) for name, v in merged.items()}
     found_inf = tuple(any(t.found_inf[i] for t in traces) for i in range(n))
-    return StepTrace(first.steps, histograms, module_max, first.scale, found_inf)
+    return StepTrace(first.steps, histograms, module_max, first.scale, found_inf, merge_ceilings(traces))
+
+
+def merge_ceilings(traces: Sequence[StepTrace]) -> tuple[float, ...] | None:
+    """Per-step ceilings of traces over the same steps (ranks): the max; None if any lacks one."""
+    if not traces or any(t.ceiling is None for t in traces):
+        return None
+    return tuple(max(vals) for vals in zip(*(t.ceiling for t in traces)))
 
 
 def _check_report_fields(d: Mapping[str, Any]) -> None:

@@ -144,6 +144,25 @@ def test_hooks_never_bring_values_to_the_host(activations: bool) -> None:
     assert "hook_errors" not in report.metadata.extra
     assert report.histogram("activation_grad").total > 0
     assert report.histogram("weight_grad").total > 0
+    # The overflow ceiling's node hooks ran inside the guard too, and saw every step.
+    assert report.trace.ceiling is not None and len(report.trace.ceiling) == 3
+    assert all(c >= report.trace.global_max("activation_grad")[i] > 0 for i, c in enumerate(report.trace.ceiling))
+
+
+def test_a_syncing_ceiling_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard sees a sync in the ceiling's node hooks, so the test above covers them."""
+    real = torch.aminmax
+
+    def syncing(x, *args, **kwargs):
+        x.abs().amax().item()
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr("fp16probe.capture.ceiling.torch.aminmax", syncing)
+    torch.manual_seed(0)
+    model = _Net()
+    with Probe(model) as probe, pytest.warns(RuntimeWarning, match="hook failed"):
+        calls = _probed_steps(model, torch.randn(2, 3, 4, 4), probe, 1, guard=True)
+    assert "item" in calls
 
 
 def test_a_syncing_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

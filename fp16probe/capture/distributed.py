@@ -6,8 +6,10 @@ take the max. Activation gradients are local to a rank (its own micro-batch) and
 Weight gradients are different under DDP: after backward they are all-reduced, the same
 on every rank, and counting them once per rank would multiply them by the world size.
 The Probe reads them after DDP's all-reduce (:func:`after_backward`), so every rank
-holds the same weight-gradient histograms and the merge keeps one copy of them; under a
-sharded scheme (FSDP) each rank holds a different shard, and they sum.
+holds the same weight-gradient histograms and the merge keeps one copy of them. Under
+FSDP2 (``fully_shard``) each parameter's gradient is a DTensor; the Probe reads each rank's
+local shard (``to_local()``), marks the report as sharded, and the shards' counts add up
+(the max is the max). Empty weight gradients on every rank are never taken as "identical".
 
 Contract for launchers (the CLI under torchrun)::
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from fp16probe.errors import Fp16ProbeError
-from fp16probe.report import ACTIVATION, WEIGHT_GRAD, Histogram, Report, StepTrace, merge_reports
+from fp16probe.report import ACTIVATION, WEIGHT_GRAD, Histogram, Report, StepTrace, merge_ceilings, merge_reports
 
 __all__ = [
     "WEIGHT_GRAD_MERGES",
@@ -159,8 +161,19 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
             )
     local = merge_reports([_only(rep, keep_weight=False) for rep in reports], how="ranks")
     weights = [_only(rep, keep_weight=True) for rep in reports]
-    identical = all(_weight_view(w) == _weight_view(weights[0]) for w in weights[1:])
-    how = weight_grads if weight_grads != "auto" else ("replicated" if identical else "sharded")
+    # Nothing on every rank is no evidence of replication (FSDP2 once lost every weight
+    # gradient and the merge called the empty reports identical).
+    any_values = any(m.histogram.total > 0 for w in weights for m in w.modules)
+    sharded = any(rep.metadata.extra.get("weight_grad_sharding") == "sharded" for rep in reports)
+    identical: bool | None = (
+        all(_weight_view(w) == _weight_view(weights[0]) for w in weights[1:]) if any_values else None
+    )
+    if weight_grads != "auto":
+        how = weight_grads
+    elif sharded or not identical:  # DTensor shards (FSDP2) always add up
+        how = "sharded"
+    else:
+        how = "replicated"
     weight = weights[0] if how == "replicated" else merge_reports(weights, how="ranks")
 
     histograms = dict(local.trace.histograms)
@@ -180,6 +193,7 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
         module_max=module_max,
         scale=reports[0].trace.scale,
         found_inf=found_inf,
+        ceiling=merge_ceilings([rep.trace for rep in reports]),
     )
     first = reports[0].metadata
     extra = dict(first.extra)

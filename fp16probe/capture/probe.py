@@ -9,6 +9,7 @@ nothing in a hook synchronises with the host. Everything comes to the host once,
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import fnmatch
 from collections.abc import Mapping, Sequence
@@ -19,9 +20,10 @@ from torch import nn
 
 from fp16probe._version import __version__
 from fp16probe.capture import distributed as _distributed
+from fp16probe.capture.ceiling import CHANNEL, Ceiling, step_ceilings
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, histogram_from, iter_tensors
 from fp16probe.errors import ProbeError
-from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, Report
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report
 
 __all__ = ["ROOT_NAME", "Probe", "iter_tensors", "select_modules"]
 
@@ -61,9 +63,12 @@ class Probe:
         weight_grads: capture each parameter's accumulated gradient.
         activations: also capture forward outputs (forward-pass overflow is real too).
         every: sample every Nth step (counted by :meth:`step`); others cost nothing.
-        scaler: the ``torch.amp.GradScaler`` the training loop uses. Gradients seen in
-            backward are then scaled; the Probe records them unscaled, using the
-            scaler's scale as a device tensor (no ``get_scale()`` sync).
+        scaler: what scales the loss, when something does: a ``torch.amp.GradScaler``,
+            a DeepSpeed (``cur_scale``) or Megatron (``scale``) loss scaler, a fixed
+            number or tensor, or a function returning the scale (see
+            :mod:`fp16probe.capture.scale`). Gradients seen in backward are then scaled;
+            the Probe records them unscaled, reading the scale once per step without a
+            host sync. An object it cannot read a scale from raises ProbeError here.
         precision: what the run computes in, for the report (default: detected from
             autocast at the first probed forward; "fp32" without autocast).
         granularity: ``"module"`` records the gradient of each hooked module's output;
@@ -115,6 +120,18 @@ class Probe:
         self._patterns = [modules] if isinstance(modules, str) else list(modules or [])
         self._types = tuple(types) if isinstance(types, (list, tuple)) else ((types,) if types else ())
         self.recorder = Recorder(self._capture, every=self.every, scaler=scaler, precision=precision)
+        rec = self.recorder
+        # The overflow ceiling covers every gradient backward makes, not only hooked modules'.
+        self._ceiling = (
+            Ceiling(
+                lambda: rec.enabled and rec.sampling,
+                rec.inv_scale,
+                lambda v: rec.note_max(CHANNEL, v),
+                rec.note_error,
+            )
+            if activation_grads or weight_grads
+            else None
+        )
         self._handles: list[Any] = []
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
@@ -200,6 +217,12 @@ class Probe:
                     module = modules[name]
                     hook = _output_hook(rec, name or ROOT_NAME, type(module).__name__)
                     self._handles.append(module.register_forward_hook(hook))
+            if self._ceiling is not None:
+                ceiling = self._ceiling
+                self._handles.append(
+                    self.model.register_forward_hook(lambda m, a, out: ceiling.watch(iter_tensors(out)))
+                )
+                self._handles.append(ceiling)  # its remove() unhooks nodes that outlive a graph
             if self._capture[WEIGHT_GRAD]:
                 rows = rec.rows[WEIGHT_GRAD].index
                 for pname, _, p in self._parameters():
@@ -223,12 +246,24 @@ class Probe:
         Closing the step is atomic: a KeyboardInterrupt anywhere in here leaves the
         step either open or closed, so a partial report is always consistent.
         """
+        if self._ceiling is not None:
+            self._ceiling.close_step()
         self.recorder.close_step()
         if self._active:
             if self.recorder.sampling:
                 self._attach()
             else:
                 self._detach()
+
+    def watch(self, loss: torch.Tensor) -> None:
+        """Also cover the gradients between the model's output and ``loss`` in the overflow ceiling.
+
+        Call it before ``loss.backward()`` when code outside the model sits between the
+        model's output and the loss (the gradient at the model's output is covered
+        without it). Costs no host sync.
+        """
+        if self._ceiling is not None and self._active:
+            self._ceiling.watch(iter_tensors(loss))
 
     @property
     def steps_seen(self) -> int:
@@ -244,8 +279,27 @@ class Probe:
         :meth:`step`, never counts a value twice.
         This synchronises with the device; call it outside the training hot path.
         """
+        if self._ceiling is not None:
+            self._ceiling.flush()
         got = self.recorder.collect({n: i for i, n in enumerate(self.hooked_modules)})
+        trace = got.trace
+        if self._ceiling is not None:
+            n = len(trace)
+            step_max = [
+                max([hs[i].max_abs for k, hs in trace.histograms.items() if k != ACTIVATION], default=0.0)
+                for i in range(n)
+            ]
+            trace = dataclasses.replace(
+                trace, ceiling=step_ceilings(got.maxima.get(CHANNEL, (0.0,) * n), step_max, trace.found_inf)
+            )
         extra_meta = dict(extra or {})
+        silent = self._silent_modules(got.modules, len(trace))
+        if silent:
+            extra_meta["unrecorded_modules"] = silent
+        if self.recorder.sharded_weight_grads:
+            extra_meta["weight_grad_sharding"] = "sharded"
+        if self.recorder.scale_source is not None:
+            extra_meta["scale_source"] = self.recorder.scale_source.describe
         if self.granularity != "module":
             extra_meta["granularity"] = self.granularity
         if got.errors:
@@ -270,7 +324,14 @@ class Probe:
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             extra=extra_meta,
         )
-        return Report(metadata=metadata, modules=got.modules, trace=got.trace)
+        return Report(metadata=metadata, modules=got.modules, trace=trace)
+
+    def _silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> list[str]:
+        """Hooked modules whose output never carried a gradient (e.g. a forward bypassed by its parent)."""
+        if self.granularity != "module" or not self._capture[ACTIVATION_GRAD] or n_steps == 0:
+            return []
+        recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
+        return [name for name in self.hooked_modules if name not in recorded]
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

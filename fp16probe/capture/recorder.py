@@ -34,6 +34,7 @@ import torch
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture import engine
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
+from fp16probe.capture.scale import scale_source
 from fp16probe.histogram import Histogram
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, ModuleStats, StepTrace
 
@@ -160,7 +161,9 @@ class Recorder:
     Args:
         capture: which kinds to record (``{"activation_grad": True, ...}``).
         every: sample every Nth step; the others record nothing.
-        scaler: a ``torch.amp.GradScaler`` whose scale divides the gradients seen, or None.
+        scaler: what scales the loss (a ``torch.amp.GradScaler``, a DeepSpeed or Megatron
+            scaler, a number, a tensor or a callable; see :mod:`fp16probe.capture.scale`),
+            whose scale divides the gradients seen, or None. Unreadable: ProbeError.
         precision: what the run computes in, or None to detect it from the first output.
     """
 
@@ -169,7 +172,9 @@ class Recorder:
         self.capture = {k: bool(capture.get(k, False)) for k in KINDS}
         self.every = int(every)
         self.scaler = scaler
+        self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
+        self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
         self.enabled = False
         self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
         self.lock = threading.Lock()
@@ -280,6 +285,10 @@ class Recorder:
         try:
             if t.is_sparse or t.is_complex() or not t.is_floating_point():
                 return
+            if hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard; ranks add up as shards
+                t = t.to_local()
+                if kind == WEIGHT_GRAD:
+                    self.sharded_weight_grads = True
             with self.lock:
                 st = self._state
                 if kind != ACTIVATION:
@@ -323,19 +332,26 @@ class Recorder:
     def scale_tensor(self) -> torch.Tensor | None:
         """The scaler's scale in force this step, as a device tensor (None without a scaler)."""
         st = self._state
-        if st.scale is None and self.scaler is not None:
+        if st.scale is None and self.scale_source is not None:
             self._inv_scale(st, None)
         return st.scale
 
+    def inv_scale(self, device: torch.device) -> torch.Tensor | None:
+        """1 / the scale in force this step, on ``device`` (None when gradients are not scaled); no sync."""
+        with self.lock:
+            return self._inv_scale(self._state, device)
+
     def _inv_scale(self, st: _State, device: torch.device | None) -> torch.Tensor | None:
-        scaler = self.scaler
-        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        source = self.scale_source
+        if source is None:
             return None
         if st.inv is None:
-            scale = getattr(scaler, "_scale", None)
-            if scale is None:  # scaler.scale() not called yet: gradients are not scaled
+            scale = source.tensor()
+            if scale is None:  # e.g. GradScaler.scale() not called yet: gradients are not scaled
                 return None
-            st.scale = scale.detach().clone()
+            if device is not None and scale.device != device and scale.device.type == "cpu":
+                scale = scale.to(device, non_blocking=True)  # a host number read from the scaler
+            st.scale = scale.clone()
             # As GradScaler.unscale_ does: the reciprocal in double, applied in fp32.
             st.inv = scale.double().reciprocal().float()
         inv = st.inv
