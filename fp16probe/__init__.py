@@ -6,6 +6,7 @@ from fp16probe.errors import (
     AnalysisError,
     Fp16ProbeError,
     InputError,
+    ModelError,
     ModelLoadError,
     ProbeError,
     ReportError,
@@ -18,6 +19,7 @@ from fp16probe.capture.probe import Probe
 from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
 from fp16probe.presentation.trackers import export
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+from fp16probe.running.profile import profile
 
 __all__ = [
     "AnalysisError",
@@ -27,6 +29,7 @@ __all__ = [
     "Histogram",
     "InputError",
     "Metadata",
+    "ModelError",
     "ModelLoadError",
     "ModuleStats",
     "Probe",
@@ -45,6 +48,7 @@ __all__ = [
     "analyze",
     "export",
     "get_format",
+    "profile",
     "replay_scaler",
     "simulate",
     "weight_update_loss",

@@ -2,8 +2,9 @@
 
 Human output goes to stderr through rich (see :mod:`fp16probe.presentation.terminal`); ``--json`` puts
 machine output alone on stdout. Exit codes are stable and documented in the README:
-0 fine, 1 a gate failed, 2 bad usage or input, 3 the model could not be loaded or its
-loading was refused, 4 an internal error, 130 interrupted (a partial report is written).
+0 fine, 1 a gate failed, 2 bad usage or input, 3 the model could not be loaded, its loading
+was refused, or it failed while running, 4 an internal error, 130 interrupted (Ctrl-C) and
+143 terminated (SIGTERM); after 130, 143 or a failure part-way, a partial report is written.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +24,14 @@ from typing import Annotated, Any, Optional
 import typer
 import typer.core
 
-from fp16probe.errors import Fp16ProbeError, InputError, ModelLoadError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError
 from fp16probe.formats import FORMATS
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report, atomic_write_text
 
-__all__ = ["EXIT_GATE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_USAGE", "app", "main"]
+__all__ = [
+    "EXIT_GATE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
+    "app", "as_flags", "main",
+]
 
 EXIT_OK = 0
 EXIT_GATE = 1
@@ -34,6 +39,7 @@ EXIT_USAGE = 2
 EXIT_LOAD = 3
 EXIT_INTERNAL = 4
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
 DEFAULT_OUT = Path("fp16probe-report.json")
 
@@ -153,7 +159,10 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
     except KeyboardInterrupt:
         print_error(console, "interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except ModelLoadError as e:
+    except SystemExit as e:  # user code (a factory, a loss) called sys.exit: never a silent success
+        _fail(console, f"user code called sys.exit({e.code!r}) while fp16probe was loading or running it; "
+              "a factory or loss must return, not exit", EXIT_LOAD, debug, print_error)
+    except (ModelLoadError, ModelError) as e:
         _fail(console, as_flags(str(e)), EXIT_LOAD, debug, print_error)
     except Fp16ProbeError as e:  # ReportError, InputError, UnknownFormatError, ProbeError
         _fail(console, as_flags(str(e)), EXIT_USAGE, debug, print_error)
@@ -239,147 +248,110 @@ def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs.")] = 0,
+    verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches) and report predicted against measured.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
-    from fp16probe.presentation import terminal as render
-
-    console = render.make_console()
-    with _errors(console, debug):
-        code = _profile(console, render, locals())
-    raise typer.Exit(code)
-
-
-def _profile(console: Any, render: Any, o: dict[str, Any]) -> int:
     import torch
 
-    from fp16probe.running.loading import load_model
-    from fp16probe.capture.probe import Probe
-    from fp16probe.running.inputs import make_batches, pick_device
-    from fp16probe.running.losses import make_loss
-    from fp16probe.running.profile import RunSettings, run_profile
-
-    fmt = o["format"].value
-    kind = o["kind"].value
-    out: Path = o["out"]
-    inputs = [Path(o["model"])] if o["model"] and Path(o["model"]).exists() else []
-    if o["weights"] is not None:
-        inputs.append(o["weights"])
-    _check_output(out, "--out")
-    _refuse_overwrite(out, inputs, "--out")
-    if o["plot"] is not None:
-        _check_output(o["plot"], "--plot")
-        _refuse_overwrite(o["plot"], inputs + [out], "--plot")
-        _plotting().check_figure_path(o["plot"])  # fail before the run, not after it
-    precision = o["precision"].value
-    if o["loss_scale"] is not None:
-        if precision == "fp32":
-            raise InputError("--loss-scale applies to --precision fp16 or bf16 (fp32 runs are the unscaled reference)")
-        if not o["loss_scale"] > 0:
-            raise InputError(f"--loss-scale {o['loss_scale']}: expected a positive number such as 1024")
     from fp16probe.capture import distributed
+    from fp16probe.presentation import figures
+    from fp16probe.presentation import terminal as render
+    from fp16probe.running.inputs import make_batches, pick_device
+    from fp16probe.running.loading import load_model
+    from fp16probe.running.losses import make_loss
+    from fp16probe.running.profile import Terminated, check_settings
+    from fp16probe.running.profile import profile as run
 
-    is_dist = distributed.init_from_env()
-    rank = distributed.rank()
-    dev = pick_device(o["device"].value)
-    if is_dist and dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-    loaded = load_model(o["model"], weights=o["weights"], trust_checkpoint=o["trust_checkpoint"],
-                        trust_remote_code=o["trust_remote_code"])
-    model = loaded.model
-    if not any(p.requires_grad for p in model.parameters()):
-        raise InputError(
-            f"{type(model).__name__} has no trainable parameters (none requires grad); nothing to "
-            "profile: unfreeze them (requires_grad_(True)) in the factory"
-        )
-    notes = list(loaded.notes)
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes - {torch.float32}:
-        # Autocast and the fp32 reference both want fp32 master weights.
-        notes.append(f"parameters cast from {', '.join(sorted(str(d) for d in dtypes))} to torch.float32")
-        model = model.float()
-    model = model.to(dev)
-
-    batch_src = make_batches(loaded, dev, input_shape=o["input_shape"], input_dtype=o["input_dtype"].value,
-                             vocab_size=o["vocab_size"], batches=o["batches"],
-                             seed=o["seed"] + rank)  # each rank draws its own synthetic batches
-    loss = make_loss(loaded, o["loss"])
-    scaler = None
-    if precision != "fp32" and o["loss_scale"] is not None:
-        scaler = torch.amp.GradScaler(dev.type, init_scale=o["loss_scale"])
-    optimizer = None if o["optimizer"].value == "none" else o["optimizer"].value
-    settings = RunSettings(steps=o["steps"], device=str(dev), precision=precision,
-                           loss_scale=o["loss_scale"], optimizer=optimizer, lr=o["lr"])
-    probe = Probe(model, modules=o["modules"] or None, scaler=scaler, granularity=o["granularity"].value)
-    if o["modules"] and not probe.hooked_modules:
-        names = [n for n, _ in model.named_modules() if n][:6]
-        raise InputError(
-            f"--modules {o['modules']}: no module name matches; names look like {', '.join(names)}"
-        )
-    # Under torchrun the probe watches the plain module (clean names) while DDP runs it.
-    runner = torch.nn.parallel.DistributedDataParallel(model) if is_dist else model
-    with probe, render.progress(console, o["steps"], enabled=not o["json_out"] and rank == 0) as update:
-        result = run_profile(runner, batch_src, loss, settings, probe, scaler=scaler, on_step=update)
-    if result.steps_done == 0:
-        if result.interrupted:
-            console.print("interrupted before the first step finished; no report written")
-            return EXIT_INTERRUPTED
-        raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
-
-    extra = {
-        "model_kind": loaded.kind,
-        "model_source": loaded.source,
-        "inputs": batch_src.description,
-        "inputs_synthetic": batch_src.synthetic,
-        "loss": loss.description,
-        "loss_synthetic": loss.synthetic,
-        "optimizer": None if optimizer is None else {"name": optimizer, "lr": o["lr"]},
-        "loss_scale": o["loss_scale"],
-        "nonfinite_loss_steps": list(result.nonfinite_loss_steps),
-        "steps_requested": o["steps"],
-        "notes": notes,
-        **{k: v for k, v in loaded.extra.items()},
-    }
-    if result.exhausted:
-        extra["notes"] = notes + [f"the batches ran out after {result.steps_done} step(s)"]
-    if result.updates is not None:
-        from fp16probe.analysis.recommend import weight_update_loss
-
-        lost = weight_update_loss(result.weights_before, result.updates, format=fmt)
-        wul = lost.to_dict()
-        wul.pop("parameters")
-        wul["measured_on"] = "the last optimizer step that moved the weights"
-        extra["weight_update_loss"] = wul
-    if is_dist:
-        extra["batches_per_rank"] = "synthetic inputs seeded with --seed + rank" if batch_src.synthetic else (
-            "each rank ran the batches it was given")
-    report = distributed.gather_report(probe, partial=result.interrupted, extra=extra)
-    if report is None:  # a rank other than 0: rank 0 writes and prints
-        return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
-    rec = _analyze(report, fmt, kind)
-    report = report.with_recommendation(rec)
-    with _writing(out, "--out"):
-        report.save(out)
-    if o["plot"] is not None:
-        with _writing(o["plot"], "--plot"):
-            _plotting().save_figures(report, o["plot"], recommendation=rec, format=fmt, kind=kind)
-    if o["json_out"]:
-        sys.stdout.write(report.to_json() + "\n")
-    else:
-        render.print_profile_summary(console, report, rec, fmt=fmt, kind=kind, out=str(out))
-    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+    console = render.make_console()
+    print_error = render.print_error
+    with _errors(console, debug):
+        # Everything that can be refused is refused before the model loads or runs.
+        inputs = [Path(model)] if model and Path(model).exists() else []
+        if weights is not None:
+            inputs.append(weights)
+        _check_output(out, "--out")
+        _refuse_overwrite(out, inputs, "--out")
+        _check_writable(out, "--out")
+        if plot is not None:
+            _check_output(plot, "--plot")
+            _refuse_overwrite(plot, inputs + [out], "--plot")
+            figures.check_figure_path(plot)
+            _check_writable(plot, "--plot")
+        opt = None if optimizer is OptimizerName.none else optimizer.value
+        check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
+                       format=format.value, kind=kind.value)
+        is_dist = distributed.init_from_env()
+        rank = distributed.rank()
+        dev = pick_device(device.value)
+        if is_dist and dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        loaded = load_model(model, weights=weights, trust_checkpoint=trust_checkpoint,
+                            trust_remote_code=trust_remote_code)
+        batch_src = make_batches(loaded, dev, input_shape=input_shape, input_dtype=input_dtype.value,
+                                 vocab_size=vocab_size, batches=batches,
+                                 seed=seed + rank)  # each rank draws its own synthetic batches
+        extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source,
+                                 "notes": list(loaded.notes), **loaded.extra}
+        if is_dist:
+            extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
+                                         else "each rank ran the batches it was given")
+        try:
+            with render.progress(console, steps, enabled=not json_out and rank == 0) as update:
+                report = run(loaded.model, batch_src, make_loss(loaded, loss), steps=steps,
+                             precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
+                             format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
+                             extra=extra, modules=modules or None, granularity=granularity.value)
+        except Terminated:
+            print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
+            raise typer.Exit(EXIT_TERMINATED) from None
+        except KeyboardInterrupt:
+            print_error(console, "interrupted before the first step finished; no report written")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Fp16ProbeError as e:
+            if e.report is not None:  # a failure part-way: keep the steps before it
+                with _writing(out, "--out"):
+                    e.report.save(out)
+                steps_done = e.report.metadata.steps_seen
+                raise type(e)(f"{e}; the {steps_done} step(s) before it are in the partial report {out}") from e
+            raise
+        if report is None:  # a rank other than 0: rank 0 writes and prints
+            raise typer.Exit(EXIT_OK)
+        with _writing(out, "--out"):
+            report.save(out)
+        rec = report.recommendation
+        if plot is not None:
+            with _writing(plot, "--plot"):
+                figures.save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
+        if json_out:
+            sys.stdout.write(report.to_json() + "\n")
+        else:
+            render.print_profile_summary(console, report, rec, fmt=format.value, kind=kind.value, out=str(out))
+    raise typer.Exit(_exit_code(report))
 
 
-def _plotting() -> Any:
+def _exit_code(report: Report) -> int:
+    """0 for a whole run; the interruption's code for a partial one."""
+    stopped = report.metadata.extra.get("stopped")
+    return {"interrupted": EXIT_INTERRUPTED, "terminated": EXIT_TERMINATED}.get(stopped, EXIT_OK)
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse, before the run, an output that cannot be written: create and remove a file beside it."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
     try:
-        import fp16probe.presentation.figures as plotting
-    except ImportError as e:
-        raise InputError(f"--plot needs fp16probe.presentation.figures, which this install lacks ({e}); drop --plot") from e
-    if not hasattr(plotting, "save_figures"):
-        raise InputError("--plot: fp16probe.presentation.figures has no save_figures in this install; drop --plot")
-    return plotting
+        fd, probe = tempfile.mkstemp(prefix=".fp16probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise InputError(
+            f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}); choose a writable path"
+        ) from e
 
 
 @app.command()
@@ -415,12 +387,13 @@ def plot(
     with _errors(console, debug):
         _check_output(output, "--output")
         _refuse_overwrite(output, [report], "--output")
-        plotting = _plotting()
-        plotting.check_figure_path(output)
+        from fp16probe.presentation import figures
+
+        figures.check_figure_path(output)
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
         with _writing(output, "--output"):
-            plotting.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+            figures.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
         console.print(f"figures written to {output}")
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class Fp16ProbeError(RuntimeError):
-    """Base class of every error fp16probe raises on purpose."""
+    """Base class of every error fp16probe raises on purpose.
+
+    ``report`` is set when a run failed part-way (see :func:`fp16probe.profile`): the partial
+    Report of the steps finished before the failure, so nothing collected is lost.
+    """
+
+    report: object | None = None
 
 
 class UnknownFormatError(Fp16ProbeError, ValueError):
@@ -25,6 +31,10 @@ class AnalysisError(Fp16ProbeError, ValueError):
 
 class ModelLoadError(Fp16ProbeError):
     """A model that could not be loaded, or whose loading was refused as unsafe."""
+
+
+class ModelError(Fp16ProbeError):
+    """The model (or the loss, an optimizer, user code) raised while it ran; the message names the step."""
 
 
 class InputError(Fp16ProbeError, ValueError):

@@ -272,16 +272,6 @@ def test_github_step_summary_folder_is_usage_error(monkeypatch):
     assert "$GITHUB_STEP_SUMMARY" in one_error_line(result)
 
 
-def test_plot_without_plotting_module(tmp_path, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "fp16probe.presentation.figures", None)  # as if the module were absent
-    result = run("profile", "cli_models:TinyMLP", *TINY, "--plot", "fig.png", "--out", "r.json")
-    assert result.exit_code == EXIT_USAGE
-    assert "--plot" in one_error_line(result)
-    assert not Path("r.json").exists()
-
-
 # -- profile: bad inputs (one line each, exit 2 or 3) --------------------------------------
 
 

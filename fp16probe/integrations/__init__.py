@@ -15,8 +15,8 @@ from fp16probe.errors import Fp16ProbeError
 
 __all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "finish", "require", "write_outputs"]
 
-REPORT_NAME = "fp16probe_report.json"
-RECOMMENDATION_NAME = "fp16probe_recommendation.txt"
+REPORT_NAME = "fp16probe-report.json"  # the command line's default too
+RECOMMENDATION_NAME = "fp16probe-recommendation.txt"
 
 
 def require(module: str, extra: str, what: str) -> Any:
@@ -30,34 +30,33 @@ def require(module: str, extra: str, what: str) -> Any:
         ) from e
 
 
-def write_outputs(report: Any, folder: str | Path, *, format: str = "fp16") -> Any:
-    """Analyse ``report`` for ``format``; write the report with its recommendation
-    (REPORT_NAME) and the recommendation's text (RECOMMENDATION_NAME) into ``folder``.
+def write_outputs(report: Any, folder: str | Path) -> Any:
+    """Write ``report`` (REPORT_NAME) and its recommendation's text (RECOMMENDATION_NAME) into ``folder``.
 
-    Returns the report as written, recommendation included.
+    Returns the report as written.
     """
-    from fp16probe.analysis.recommend import analyze
     from fp16probe.report import atomic_write_text
 
-    recommendation = analyze(report, format)
-    report = report.with_recommendation(recommendation)
     folder = Path(folder)
     report.save(folder / REPORT_NAME)
-    atomic_write_text(folder / RECOMMENDATION_NAME, recommendation.text.rstrip("\n") + "\n")
+    text = report.recommendation.text if report.recommendation is not None else ""
+    atomic_write_text(folder / RECOMMENDATION_NAME, text.rstrip("\n") + "\n")
     return report
 
 
 def finish(probe: Any, *, trainer: str, global_step: int, is_main: bool, folder: str | Path,
-           format: str = "fp16") -> Any:
-    """Stop ``probe``, merge every rank's statistics and write them on the main process.
+           format: str = "fp16", extra: dict[str, Any] | None = None) -> Any:
+    """Stop ``probe``, merge every rank's statistics, analyse and write them on the main process.
 
-    Every rank must call it (the merge is a collective). Returns the report as written on
-    the main process, None elsewhere.
+    The same last step as :func:`fp16probe.profile` (``running.profile.conclude``). Every rank
+    must call it (the merge is a collective). Returns the report as written on the main
+    process, None elsewhere.
     """
-    from fp16probe.capture import distributed
+    from fp16probe.running.profile import conclude
 
     probe.stop()
-    report = distributed.gather_report(probe, extra={"trainer": trainer, "global_step": int(global_step)})
+    meta = {"trainer": trainer, "global_step": int(global_step), **(extra or {})}
+    report = conclude(probe, extra=meta, format=format)
     if report is None or not is_main:
         return None
-    return write_outputs(report, folder, format=format)
+    return write_outputs(report, folder)

@@ -4,7 +4,7 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=data)
     Fp16ProbeCallback(every=10).attach(trainer)
-    trainer.train()   # writes fp16probe_report.json and fp16probe_recommendation.txt to args.output_dir
+    trainer.train()   # writes fp16probe-report.json and fp16probe-recommendation.txt to args.output_dir
 
 Under ``fp16=True`` the Trainer's backward runs on ``scale * loss`` (accelerate keeps the
 ``torch.amp.GradScaler`` at ``trainer.accelerator.scaler``); the callback hands that scaler

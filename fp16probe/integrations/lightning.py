@@ -3,7 +3,7 @@
     from fp16probe.integrations.lightning import Fp16ProbeCallback
 
     trainer = pl.Trainer(precision="16-mixed", callbacks=[Fp16ProbeCallback(every=10)])
-    trainer.fit(module, data)   # writes fp16probe_report.json and fp16probe_recommendation.txt
+    trainer.fit(module, data)   # writes fp16probe-report.json and fp16probe-recommendation.txt
 
 Under ``precision="16-mixed"`` Lightning's precision plugin owns a ``torch.amp.GradScaler``
 (``trainer.precision_plugin.scaler``) and backward runs on ``scale * loss``: gradients are

@@ -119,8 +119,10 @@ def make_batches(
     """Choose the batches: ``batches`` (an import string) if given, the demo's data, or synthetic inputs.
 
     Everything that can be known before the run is checked here: the shape parses, the
-    dtype is known, and one batch fits in memory.
+    dtype is known, the seed is one a generator takes, and one batch fits in memory.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"seed={seed!r}: expected a whole number in [0, 2**63), e.g. 0")
     if batches is not None:
         fn = resolve_import(batches, what="batches=")
         try:

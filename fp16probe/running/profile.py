@@ -1,25 +1,51 @@
-"""The profiling run: N forward+backward steps of a model under a Probe.
+"""``fp16probe.profile``: run N forward+backward steps of a model under a Probe and analyse them.
 
-Library code: it returns data and raises :class:`InputError` whose message names the
-parameter; the command line maps parameter names to its flags.
+The one path every entry point takes (the command line, the callbacks' notebooks and the
+benchmark). Library code: it returns a Report and raises errors whose messages name its
+parameters (``steps=...``); the command line maps parameter names to its flags.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from fp16probe.errors import InputError
-from fp16probe.running.inputs import Batches, call_model, describe_batch
-from fp16probe.running.losses import Loss
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.report import ACTIVATION_GRAD, KINDS, Report
+from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
+from fp16probe.running.losses import Loss, as_loss
 
-__all__ = ["RunResult", "RunSettings", "make_optimizer", "run_profile"]
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "RunResult",
+    "RunSettings",
+    "Terminated",
+    "check_settings",
+    "conclude",
+    "make_optimizer",
+    "profile",
+    "run_profile",
+]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+STOPPED_INTERRUPTED = "interrupted"  # Ctrl-C (KeyboardInterrupt)
+STOPPED_TERMINATED = "terminated"  # SIGTERM, as timeout, docker and Kubernetes send
+STOPPED_ERROR = "error"  # the model, the loss or the batches raised
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during :func:`profile`; handled like Ctrl-C (a partial report)."""
 
 
 @dataclass(frozen=True)
@@ -36,17 +62,293 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What the loop did: steps finished, whether Ctrl-C stopped it, non-finite losses."""
+    """What the loop did: steps finished, why it stopped early, non-finite losses."""
 
     steps_done: int
-    interrupted: bool = False
+    stopped: str | None = None  # None (ran to the end or out of batches) or a STOPPED_* value
     exhausted: bool = False
+    error: Fp16ProbeError | None = field(default=None, repr=False)
     nonfinite_loss_steps: tuple[int, ...] = ()
     losses: tuple[float, ...] = field(default=(), repr=False)
+    batches: tuple[Any, ...] = field(default=(), repr=False)  # the batches of the finished steps, when kept
     # With an optimizer: the weights before the last step that updated them, and that
-    # step's update (new minus old), for the weight-update check of Micikevicius et al. (arXiv:1710.03740).
+    # step's update (new minus old), for the weight-update check of Micikevicius et al.
+    # ("Mixed Precision Training", arXiv:1710.03740).
     weights_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     updates: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C or SIGTERM stopped the run early."""
+        return self.stopped in (STOPPED_INTERRUPTED, STOPPED_TERMINATED)
+
+
+def check_settings(
+    *,
+    steps: int = 10,
+    precision: str = "fp32",
+    scaler: Any = None,
+    optimizer: Any = None,
+    lr: float = 1e-3,
+    format: str = "fp16",
+    kind: str = ACTIVATION_GRAD,
+) -> None:
+    """Refuse, before anything runs, settings that cannot work; raise InputError naming the parameter."""
+    from fp16probe.formats import get_format
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps={steps!r}: expected a positive whole number of steps, e.g. 10")
+    if precision not in PRECISIONS:
+        raise InputError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if scaler is not None and not _is_scaler_object(scaler):
+        if isinstance(scaler, bool) or not isinstance(scaler, (int, float)):
+            raise InputError(f"scaler={scaler!r}: expected a loss scale (a number such as 1024) or a GradScaler")
+        if precision == "fp32":
+            raise InputError("scaler= applies to precision='fp16' or 'bf16' (fp32 runs are the unscaled reference)")
+        if not (math.isfinite(scaler) and scaler > 0):
+            raise InputError(f"scaler={scaler}: expected a finite positive loss scale such as 1024")
+        if scaler >= torch.finfo(torch.float32).max:
+            raise InputError(f"scaler={scaler:g}: beyond float32's range; expected a loss scale such as 1024")
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
+    if optimizer is not None and not isinstance(optimizer, (str, torch.optim.Optimizer)):
+        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
+    get_format(format)  # raises UnknownFormatError naming the known formats
+    if kind not in KINDS:
+        raise InputError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def _is_scaler_object(scaler: Any) -> bool:
+    return hasattr(scaler, "scale") and hasattr(scaler, "get_scale")
+
+
+def profile(
+    model: nn.Module,
+    batches: Iterable[Any] | Batches,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Loss | None = None,
+    *,
+    steps: int = 10,
+    precision: str = "fp32",
+    scaler: Any = None,
+    optimizer: str | torch.optim.Optimizer | None = None,
+    lr: float = 1e-3,
+    format: str = "fp16",
+    kind: str = ACTIVATION_GRAD,
+    device: str | torch.device | None = None,
+    on_step: Callable[[int], None] | None = None,
+    verify: bool = False,
+    extra: Mapping[str, Any] | None = None,
+    **probe_options: Any,
+) -> Report | None:
+    """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
+
+    Args:
+        model: the ``nn.Module`` to profile. It is put in train mode, its floating
+            parameters are cast to float32 (fp32 master weights, noted in the report) and
+            it is moved to ``device``, in place, as ``nn.Module.to`` does.
+        batches: an iterable of batches: a tensor is the input, a mapping is keyword
+            arguments, a tuple ``(inputs, targets...)`` as a DataLoader yields it. Each batch
+            is moved to the model's device. Fewer batches than ``steps`` end the run early.
+        loss_fn: ``(output, batch) -> scalar tensor``; None uses the model's own ``.loss``
+            when the output has one, else the mean of squares of its floating outputs
+            (a synthetic loss, marked as such in the report).
+        steps: forward+backward passes to profile.
+        precision: ``"fp32"`` (the unscaled reference a recommendation needs), or
+            ``"fp16"``/``"bf16"`` under autocast.
+        scaler: with fp16/bf16, a loss scale (a number: ``torch.amp.GradScaler(init_scale=...)``)
+            or a GradScaler of your own; the Probe records unscaled gradients either way.
+        optimizer: None (weights unchanged), ``"sgd"``/``"adam"``/``"adamw"`` at ``lr``, or a
+            torch optimizer over the model's parameters.
+        format, kind: what the recommendation is for (``"fp16"``, ``"activation_grad"``).
+        device: where to run (default: where the model's parameters are).
+        on_step: called with the number of finished steps after each step (a progress bar).
+        verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
+            store the result as ``Report.verification``.
+        extra: more ``metadata.extra`` entries for the report.
+        **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
+
+    Returns:
+        The Report with its recommendation. Under ``torch.distributed`` every rank must
+        call it (the model runs under DistributedDataParallel); rank 0 gets the merged
+        report and the other ranks None.
+
+    Ctrl-C or SIGTERM stop the run early and return a partial report
+    (``report.metadata.partial``, ``metadata.extra["stopped"]``) of the steps finished; with
+    none finished, the KeyboardInterrupt (or :class:`Terminated`) propagates. A failure of
+    the model, the loss or the batches part-way raises :class:`ModelError` or
+    :class:`InputError` naming the step and the exception's own message, with the partial
+    report of the steps before it as the error's ``report``.
+    """
+    check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
+                   format=format, kind=kind)
+    model, dev, notes = prepare_model(model, device)
+    batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
+    loss = as_loss(loss_fn)
+    grad_scaler = _make_scaler(scaler, precision, dev)
+    probe = _make_probe(model, grad_scaler, probe_options)
+    settings = RunSettings(steps=steps, device=str(dev), precision=precision,
+                           loss_scale=_scale_of(scaler), lr=lr,
+                           optimizer=optimizer if isinstance(optimizer, str) else None)
+    runner = _distributed_runner(model)
+    with probe, _sigterm_as_interrupt():
+        result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
+                             optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+                             keep_batches=verify)
+    if result.steps_done == 0:
+        if result.error is not None:
+            raise result.error
+        if result.stopped == STOPPED_TERMINATED:
+            raise Terminated()
+        if result.interrupted:
+            raise KeyboardInterrupt()
+        raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind,
+                     notes=notes, extra=extra or {})
+    if result.error is not None:
+        result.error.report = report
+        raise result.error
+    if verify and report is not None and not report.metadata.partial:
+        from fp16probe.verification import verify as run_verification
+
+        report = run_verification(model, report, batches_seen=result.batches, loss_fn=loss,
+                                  device=dev, format=format, kind=kind)
+    return report
+
+
+def prepare_model(model: nn.Module, device: str | torch.device | None) -> tuple[nn.Module, torch.device, list[str]]:
+    """Check the model can be profiled, cast it to fp32 master weights and move it to ``device``."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise InputError(
+            f"{type(model).__name__} has no trainable parameters (none requires grad); nothing to "
+            "profile: unfreeze them (requires_grad_(True)) in the factory"
+        )
+    if any(p.is_meta for p in params) or any(b.is_meta for b in model.buffers()):
+        raise ModelError(
+            f"{type(model).__name__} has parameters on the meta device (shapes only, no values); "
+            "materialise them (model.to_empty(device=...) and initialise, or load weights) before profiling"
+        )
+    notes: list[str] = []
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    if dtypes - {torch.float32}:
+        # Autocast and the fp32 reference both want fp32 master weights.
+        notes.append(f"parameters cast from {', '.join(sorted(str(d) for d in dtypes))} to torch.float32")
+        model = model.float()
+    dev = torch.device(device) if device is not None else params[0].device
+    return model.to(dev), dev, notes
+
+
+def _as_batches(batches: Iterable[Any], device: torch.device) -> Batches:
+    try:
+        iterator = iter(batches)
+    except TypeError as e:
+        raise InputError(f"batches: expected an iterable of batches, got {type(batches).__name__}") from e
+    moved = (move_to(b, device) for b in iterator)
+    return Batches(moved, f"batches passed to fp16probe.profile ({type(batches).__name__})", synthetic=False)
+
+
+def _make_scaler(scaler: Any, precision: str, device: torch.device) -> Any:
+    if scaler is None or _is_scaler_object(scaler):
+        return scaler
+    return torch.amp.GradScaler(device.type, init_scale=float(scaler))
+
+
+def _scale_of(scaler: Any) -> float | None:
+    if scaler is None:
+        return None
+    if _is_scaler_object(scaler):
+        return float(scaler.get_scale())
+    return float(scaler)
+
+
+def _make_probe(model: nn.Module, scaler: Any, options: Mapping[str, Any]) -> Any:
+    from fp16probe.capture.probe import Probe
+
+    probe = Probe(model, scaler=scaler, **options)
+    patterns = options.get("modules")
+    if patterns and not probe.hooked_modules:
+        names = [n for n, _ in model.named_modules() if n][:6]
+        raise InputError(f"modules={list(patterns) if not isinstance(patterns, str) else patterns!r}: "
+                         f"no module name matches; names look like {', '.join(names)}")
+    return probe
+
+
+def _distributed_runner(model: nn.Module) -> nn.Module:
+    """Under torch.distributed, run the model as DDP while the Probe watches the plain module (clean names)."""
+    from fp16probe.capture import distributed
+
+    if not distributed.is_distributed():
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while the run lasts, where no handler of the caller's is set."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, settings: RunSettings, *,
+            format: str, kind: str, notes: list[str], extra: Mapping[str, Any]) -> Report | None:
+    """Gather the report (every rank), add what the run knows, and analyse it."""
+    from fp16probe.analysis.recommend import weight_update_loss
+
+    meta: dict[str, Any] = {
+        "inputs": batch_src.description,
+        "inputs_synthetic": batch_src.synthetic,
+        "loss": loss.description,
+        "loss_synthetic": loss.synthetic,
+        "optimizer": None if settings.optimizer is None else {"name": settings.optimizer, "lr": settings.lr},
+        "loss_scale": settings.loss_scale,
+        "nonfinite_loss_steps": list(result.nonfinite_loss_steps),
+        "steps_requested": settings.steps,
+        **extra,
+    }
+    meta["notes"] = list(extra.get("notes", ())) + notes
+    if result.exhausted:
+        meta["notes"] = meta["notes"] + [f"the batches ran out after {result.steps_done} step(s)"]
+    if result.stopped is not None:
+        meta["stopped"] = result.stopped
+    if result.error is not None:
+        meta["error"] = str(result.error)
+    if result.updates is not None:
+        lost = weight_update_loss(result.weights_before, result.updates, format=format)
+        wul = lost.to_dict()
+        wul.pop("parameters")
+        wul["measured_on"] = "the last optimizer step that moved the weights"
+        meta["weight_update_loss"] = wul
+    return conclude(probe, partial=result.stopped is not None, extra=meta, format=format, kind=kind)
+
+
+def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
+             format: str = "fp16", kind: str = ACTIVATION_GRAD) -> Report | None:
+    """Merge every rank's statistics and analyse them: the Report with its recommendation on rank 0, else None.
+
+    The last step of :func:`profile`, and of the training-loop callbacks. Every rank must
+    call it (the merge is a collective); it synchronises with the device.
+    """
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.capture import distributed
+
+    report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}))
+    if report is None:  # a rank other than 0: rank 0 analyses and writes
+        return None
+    return report.with_recommendation(analyze(report, format, kind=kind))
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -57,10 +359,33 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    """Build the optimizer named on the command line."""
+    """Build the optimizer named ``name`` (``sgd``, ``adam``, ``adamw``) over the trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
-    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    return classes[name](params, lr=lr)
+    return OPTIMIZERS[name](params, lr=lr)
+
+
+# Messages of errors that say a batch does not fit the model (shape, dtype, arguments),
+# as torch and Python phrase them: at the first step these are the input's fault.
+_MISMATCH = re.compile(
+    r"shape|size|dimension|dtype|must match|mat1|mat2|argument|index out of range|expected .*(input|tensor)",
+    re.IGNORECASE,
+)
+
+
+def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok: bool) -> Fp16ProbeError:
+    """Classify a failure at ``step`` (0-based): the input's only when the first batch does not fit."""
+    name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
+    message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {_first_line(e)}"
+    if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
+            and _MISMATCH.search(str(e))):
+        error: Fp16ProbeError = InputError(
+            f"the model rejected the input ({describe_batch(batch)}) at step 1: {name}: {_first_line(e)}; "
+            "pass an input_shape=/input_dtype= that forward() accepts, or batches="
+        )
+    else:
+        error = ModelError(f"step {step + 1}: the {what} {message}")
+    error.__cause__ = e
+    return error
 
 
 def run_profile(
@@ -71,87 +396,112 @@ def run_profile(
     probe: Any,
     *,
     scaler: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[int], None] | None = None,
+    keep_batches: bool = False,
 ) -> RunResult:
-    """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C stops early.
+    """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C or a failure stops early.
 
-    The loss is checked for inf/NaN each step, which synchronises with the device
-    once per step; a non-finite loss is recorded (a finding), never raised.
+    A failure of user code (the batches, the model, the loss, backward, the optimizer) ends
+    the loop and comes back as ``RunResult.error`` beside the steps already finished. The
+    loss is checked for inf/NaN each step, which synchronises with the device once per
+    step; a non-finite loss is recorded (a finding), never raised.
     """
     device = torch.device(settings.device)
-    optimizer = make_optimizer(model, settings.optimizer, settings.lr) if settings.optimizer else None
+    if optimizer is None and settings.optimizer:
+        optimizer = make_optimizer(model, settings.optimizer, settings.lr)
     nonfinite: list[int] = []
     losses: list[float] = []
+    used: list[Any] = []
     before: dict[str, torch.Tensor] | None = None
-    updates: dict[str, torch.Tensor] | None = None
     done = 0
     exhausted = False
+    stopped: str | None = None
+    error: Fp16ProbeError | None = None
     model.train()
     try:
         for step in range(settings.steps):
+            batch = None
+            what = "batches"
             try:
-                batch = next(batches.iterator)
-            except StopIteration:
-                exhausted = True
-                break
-            with _autocast(device, settings.precision):
                 try:
+                    batch = next(batches.iterator)
+                except StopIteration:
+                    exhausted = True
+                    break
+                what = "forward"
+                with _autocast(device, settings.precision):
                     output = call_model(model, batch)
-                except InputError:
-                    raise
-                except (RuntimeError, TypeError, ValueError, IndexError) as e:
-                    raise InputError(
-                        f"the model rejected the input ({describe_batch(batch)}): {type(e).__name__}: "
-                        f"{_first_line(e)}; pass an input_shape=/input_dtype= that forward() accepts, or batches="
-                    ) from e
-                try:
+                    what = f"loss ({loss.description})"
                     value = loss.fn(output, batch)
-                except InputError:
-                    raise
-                except Exception as e:
-                    raise InputError(f"the loss ({loss.description}) raised {type(e).__name__}: {_first_line(e)}") from e
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise InputError(
-                    f"the loss ({loss.description}) returned {type(value).__name__}, expected a scalar tensor"
-                )
-            value = value.reshape(())
-            loss_val = float(value.detach().float())  # one host sync per step, outside every hook
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise InputError(
+                        f"the loss ({loss.description}) returned {type(value).__name__}, expected a scalar tensor"
+                    )
+                value = value.reshape(())
+                loss_val = float(value.detach().float())  # one host sync per step, outside every hook
+                if not value.requires_grad:
+                    raise InputError(
+                        f"the loss ({loss.description}) does not depend on any trainable parameter; "
+                        "check that the model's parameters require grad"
+                    )
+                what = "backward"
+                (scaler.scale(value) if scaler is not None else value).backward()
+                if optimizer is not None:
+                    what = "optimizer step"
+                    snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+                    if _taken_step(optimizer, scaler, loss_val):
+                        before = snapshot
+            except KeyboardInterrupt:
+                raise
+            except Fp16ProbeError as e:
+                error = e
+                stopped = STOPPED_ERROR
+                break
+            except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
+                if what == "batches":
+                    error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {_first_line(e)}")
+                    error.__cause__ = e
+                else:
+                    error = _step_error(step, what, e, batch, first_ok=done > 0)
+                stopped = STOPPED_ERROR
+                break
             losses.append(loss_val)
             if not math.isfinite(loss_val):
                 nonfinite.append(step)
-            if not value.requires_grad:
-                raise InputError(
-                    f"the loss ({loss.description}) does not depend on any trainable parameter; "
-                    "check that the model's parameters require grad"
-                )
-            (scaler.scale(value) if scaler is not None else value).backward()
-            if optimizer is not None:
-                snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-                if scaler is not None:
-                    scale = scaler.get_scale()
-                    scaler.step(optimizer)  # skips the step itself on inf/NaN gradients
-                    scaler.update()
-                    taken = scaler.get_scale() >= scale  # a skipped step backs the scale off
-                else:
-                    taken = math.isfinite(loss_val)
-                    if taken:
-                        optimizer.step()
-                if taken:
-                    before = snapshot
+            if keep_batches:
+                used.append(batch)
             model.zero_grad(set_to_none=True)
             probe.step()
             done += 1
             if on_step is not None:
                 on_step(done)
+    except Terminated:
+        stopped = STOPPED_TERMINATED
     except KeyboardInterrupt:
-        interrupted = True
-    else:
-        interrupted = False
+        stopped = STOPPED_INTERRUPTED
+    if stopped is not None:
+        model.zero_grad(set_to_none=True)  # a step cut short leaves no half-made gradients behind
+    updates = None
     if before is not None:
         # Later steps were skipped, so the weights still hold the last taken step's result.
         updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
-    return RunResult(done, interrupted=interrupted, exhausted=exhausted, nonfinite_loss_steps=tuple(nonfinite),
-                     losses=tuple(losses), weights_before=before, updates=updates)
+    return RunResult(done, stopped=stopped, exhausted=exhausted, error=error,
+                     nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses), batches=tuple(used),
+                     weights_before=before, updates=updates)
+
+
+def _taken_step(optimizer: torch.optim.Optimizer, scaler: Any, loss_val: float) -> bool:
+    """Step the optimizer (through the scaler when there is one); whether the weights moved."""
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # skips the step itself on inf/NaN gradients
+        scaler.update()
+        return scaler.get_scale() >= scale  # a skipped step backs the scale off
+    if math.isfinite(loss_val):
+        optimizer.step()
+        return True
+    return False
 
 
 def _first_line(e: BaseException) -> str:
