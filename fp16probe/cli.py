@@ -429,10 +429,14 @@ def recommend(
 def compare(
     baseline: Annotated[Path, typer.Argument(help="The baseline report.", dir_okay=False)],
     current: Annotated[Path, typer.Argument(help="The current report.", dir_okay=False)],
-    max_flushed_increase: Annotated[float, typer.Option(min=0.0, help="Allowed rise of the flushed fraction at S=1 (0.01 = 1 point).")] = 0.01,
+    max_flushed_increase_at_scale: Annotated[float, typer.Option(min=0.0, help="Allowed rise of the share flushed at the deployed scale (the baseline's recommendation, and each run's own); 0.001 = 0.1 point.")] = 0.001,
+    max_flushed_increase: Annotated[float, typer.Option(min=0.0, help="Allowed rise of the flushed share at S=1 (0.01 = 1 point).")] = 0.01,
+    max_module_increase: Annotated[float, typer.Option(min=0.0, help="Allowed rise of one module's own flushed share at the baseline's scale (0.01 = 1 point).")] = 0.01,
     max_scale_shift: Annotated[int, typer.Option(min=0, help="Allowed move of the recommended scale, in powers of two.")] = 2,
-    worst: Annotated[int, typer.Option(min=1, help="How many worst modules to compare.")] = 3,
+    worst: Annotated[int, typer.Option(min=1, help="How many regressed modules to name.")] = 3,
     allow_new_overflow: Annotated[bool, typer.Option("--allow-new-overflow", help="Do not fail on new overflow.")] = False,
+    allow_worse_verdict: Annotated[bool, typer.Option("--allow-worse-verdict", help="Do not fail when the verdict got worse.")] = False,
+    require_same_workload: Annotated[bool, typer.Option("--require-same-workload", help="Refuse (exit 2) reports that profiled different models, precisions, inputs or losses, instead of warning.")] = False,
     format: FormatOpt = FormatName["fp16"],
     kind: KindOpt = Kind.activation_grad,
     summary: Annotated[Optional[Path], typer.Option(help="Append the Markdown summary to this file (also to $GITHUB_STEP_SUMMARY when set).")] = None,
@@ -440,33 +444,48 @@ def compare(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """The CI gate: exit 1 when CURRENT regressed against BASELINE."""
+    """The CI gate: exit 1 when CURRENT regressed against BASELINE at the scale users deploy."""
+    import time
+
     from fp16probe.analysis import gate
+    from fp16probe.presentation import ci
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
+    started = time.perf_counter()
     with _errors(console, debug):
         outputs = {"--summary": summary, "--junit": junit, "$GITHUB_STEP_SUMMARY": os.environ.get("GITHUB_STEP_SUMMARY")}
         for option, p in outputs.items():
             if p:
                 _check_output(Path(p), option)
                 _refuse_overwrite(Path(p), [baseline, current], option)
-        thresholds = gate.Thresholds(max_flushed_increase=max_flushed_increase, max_scale_shift_bits=max_scale_shift,
-                                     worst_n=worst, fail_on_new_overflow=not allow_new_overflow)
+        thresholds = gate.Thresholds(
+            max_flushed_increase=max_flushed_increase, max_flushed_increase_at_scale=max_flushed_increase_at_scale,
+            max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
+            fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)
         snaps = []
         for path in (baseline, current):
             r = Report.load(path)
+            gate.check_consistency(r, str(path))
             rec = _analyze(r, format.value, kind.value)
             snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
         result = gate.compare(snaps[0], snaps[1], thresholds)
-        markdown = gate.to_markdown(result)
+        if require_same_workload and result.warnings:
+            raise InputError(f"--require-same-workload: {result.warnings[0]}")
+        markdown = ci.to_markdown(result)
         targets = {Path(p): option for option, p in outputs.items() if p and option != "--junit"}
         for target, option in targets.items():
-            with _writing(target, option), open(target, "a", encoding="utf-8") as f:  # appending, as GitHub expects
-                f.write(markdown)
+            with _writing(target, option):  # appended, as GitHub expects, but never half-written
+                old = target.read_text(encoding="utf-8") if target.exists() else ""
+                atomic_write_text(target, old + markdown)
         if junit is not None:
             with _writing(junit, "--junit"):
-                atomic_write_text(junit, gate.to_junit(result))
+                atomic_write_text(junit, ci.to_junit(result, seconds=time.perf_counter() - started))
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            # Workflow commands go to stdout, where GitHub reads them, unless --json owns stdout.
+            stream = sys.stderr if json_out else sys.stdout
+            for line in ci.github_annotations(result):
+                stream.write(line + "\n")
         if json_out:
             sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
         else:

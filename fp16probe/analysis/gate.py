@@ -1,38 +1,75 @@
-"""The CI gate: compare a baseline report with the current one, as pure functions.
+"""The CI gate: judge a current report against a baseline by what users deploy, as pure functions.
 
-:func:`snapshot` reduces a report to the numbers the gate looks at (the flushed fraction
-at S = 1, the merged histogram, the recommended scale, the worst modules); :func:`compare`
-checks two snapshots against :class:`Thresholds`; :func:`to_markdown` and :func:`to_junit`
-render the result. Nothing here prints or reads the environment; the CLI does that.
+Users deploy the loss scale the baseline recommended. So the gate asks, of the current
+run: how much more flushes at *that* scale, and at the scale it now recommends itself; is
+its verdict worse (``Verdict.severity``); does it overflow at the deployed scale; did any
+module's own flushed share rise; did its measured verification fail. The share at S = 1
+and the move of the recommended scale are checked too.
+
+:func:`snapshot` reduces a report to the numbers the gate looks at; :func:`compare` checks
+two snapshots against :class:`Thresholds` and notes where the two reports profiled
+different things. Rendering (Markdown, JUnit, GitHub annotations) lives in
+:mod:`fp16probe.presentation.ci`. Nothing here prints or reads the environment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-from xml.sax.saxutils import escape, quoteattr
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
+from fp16probe.errors import ReportError
+from fp16probe.recommendation import Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
 
-__all__ = ["Check", "GateResult", "Snapshot", "Thresholds", "compare", "snapshot", "to_junit", "to_markdown"]
+__all__ = [
+    "Check",
+    "GateResult",
+    "Snapshot",
+    "Thresholds",
+    "canonical_module_names",
+    "check_consistency",
+    "compare",
+    "flushed_fraction",
+    "natural_key",
+    "snapshot",
+    "worst_modules",
+]
+
+# Wrappers that rename a model's modules without changing it: torch.compile's
+# OptimizedModule keeps the model as ``_orig_mod``; DistributedDataParallel (and
+# DataParallel) as ``module``.
+_COMPILE_SEGMENT = "_orig_mod"
+_DDP_PREFIX = "module"
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """What counts as a regression.
 
-    ``max_flushed_increase``: allowed rise of the flushed fraction at S = 1, in absolute
-    fraction (0.01 = one percentage point). ``max_scale_shift_bits``: allowed move of the
-    recommended scale, in powers of two. ``worst_n``: how many worst modules are compared.
-    ``fail_on_new_overflow``: fail when the current run overflows at the baseline's scale.
+    ``max_flushed_increase``: allowed rise of the flushed share at S = 1 (absolute fraction,
+    0.01 = one percentage point). ``max_flushed_increase_at_scale``: allowed rise of the
+    share flushed at the scale users deploy (the baseline's recommendation, and each run's
+    own); 0.001 = 0.1 point, the analyzer's own tolerance. ``max_module_increase``: allowed
+    rise of one module's own share at the baseline's scale. ``max_scale_shift_bits``: allowed
+    move of the recommended scale, in powers of two. ``worst_n``: how many regressed modules
+    a message names. ``fail_on_new_overflow``: fail when the current run overflows at the
+    baseline's scale and the baseline did not. ``fail_on_worse_verdict``: fail when the
+    verdict's severity rose.
     """
 
     max_flushed_increase: float = 0.01
+    max_flushed_increase_at_scale: float = 0.001
+    max_module_increase: float = 0.01
     max_scale_shift_bits: int = 2
     worst_n: int = 3
     fail_on_new_overflow: bool = True
+    fail_on_worse_verdict: bool = True
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the thresholds as JSON-ready data."""
         return dict(self.__dict__)
 
 
@@ -42,7 +79,12 @@ class Snapshot:
 
     ``histogram`` holds the analysed kind (underflow); ``overflow_histogram`` every gradient
     the loss scale multiplies, activation and weight gradients alike, as the analyzer judges
-    overflow (None: the analysed kind alone).
+    overflow (None: the analysed kind alone); ``ceiling`` the largest unscaled |g| anywhere
+    in backward when the report recorded it (``math.inf`` after a non-finite value).
+    ``modules`` maps each module's name, stripped of wrapper prefixes, to its histogram.
+    ``workload`` says what was profiled (model, precision, inputs, loss), to notice when two
+    reports profiled different things. ``verification`` is ``(held, summary)`` when the
+    report carries a measured verification of its recommendation.
     """
 
     source: str
@@ -54,30 +96,71 @@ class Snapshot:
     verdict: str
     worst_modules: tuple[tuple[str, float], ...]
     overflow_histogram: Histogram | None = None
+    ceiling: float | None = None
+    modules: Mapping[str, Histogram] = field(default_factory=dict)
+    workload: Mapping[str, Any] = field(default_factory=dict)
+    verification: tuple[bool, str] | None = None
+    stored_recommendation: tuple[str, int | None] | None = None
 
     @property
     def overflow_values(self) -> Histogram:
+        """Return the histogram whose values the loss scale multiplies (overflow is judged on it)."""
         return self.histogram if self.overflow_histogram is None else self.overflow_histogram
 
+    @property
+    def overflow_max(self) -> float:
+        """Return the largest unscaled magnitude that the loss scale multiplies."""
+        m = self.overflow_values.max_abs
+        return m if self.ceiling is None else max(m, self.ceiling)
+
+    @property
+    def deployed_log2_scale(self) -> int:
+        """Return the exponent of the scale this run's recommendation deploys (0: no scaling)."""
+        return 0 if self.log2_scale is None else self.log2_scale
+
+    @property
+    def severity(self) -> int:
+        """Return the verdict's severity (higher is worse); an unknown verdict counts as the worst."""
+        try:
+            return Verdict(self.verdict).severity
+        except ValueError:
+            return max(v.severity for v in Verdict) + 1
+
+    def flushed_at(self, log2_scale: int) -> float:
+        """Return the share of the analysed kind's nonzero values that flush at S = 2^log2_scale."""
+        return flushed_fraction(self.histogram, self.format, log2_scale)
+
+    def overflows_at(self, log2_scale: int) -> bool:
+        """Return whether any gradient the loss scale multiplies overflows at S = 2^log2_scale."""
+        if self.overflow_values.overflows(self.format, log2_scale):
+            return True
+        return self.ceiling is not None and _overflows(self.format, self.ceiling, log2_scale)
+
     def to_dict(self) -> dict[str, Any]:
+        """Return the snapshot as JSON-ready data."""
         return {
             "source": self.source,
             "format": self.format,
             "kind": self.kind,
             "flushed_fraction": self.flushed_fraction,
+            "flushed_fraction_at_scale": self.flushed_at(self.deployed_log2_scale),
             "max_abs": self.histogram.max_abs,
             "nonfinite": self.histogram.nonfinite,
-            "overflow_max_abs": self.overflow_values.max_abs,
+            "overflow_max_abs": _finite_or_none(self.overflow_max),
             "overflow_nonfinite": self.overflow_values.nonfinite,
             "log2_scale": self.log2_scale,
             "verdict": self.verdict,
+            "verdict_severity": self.severity,
             "worst_modules": [list(w) for w in self.worst_modules],
+            "workload": dict(self.workload),
+            "verification": None if self.verification is None else
+            {"held": self.verification[0], "summary": self.verification[1]},
         }
 
 
 @dataclass(frozen=True)
 class Check:
-    """One gate check: its name, whether it passed, the two values and the limit."""
+    """One gate check: its name, whether it passed, the two values, the limit and its time."""
 
     name: str
     passed: bool
@@ -85,60 +168,116 @@ class Check:
     current: Any
     limit: Any
     message: str
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the check as JSON-ready data."""
         return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
 class GateResult:
-    """The outcome of :func:`compare`."""
+    """The outcome of :func:`compare`: the checks, and warnings about what the two reports profiled."""
 
     checks: tuple[Check, ...]
     baseline: Snapshot
     current: Snapshot
     thresholds: Thresholds
+    warnings: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
+        """Return whether every check passed."""
         return all(c.passed for c in self.checks)
 
     @property
     def failures(self) -> tuple[Check, ...]:
+        """Return the checks that failed."""
         return tuple(c for c in self.checks if not c.passed)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the result as JSON-ready data."""
         return {
             "passed": self.passed,
             "checks": [c.to_dict() for c in self.checks],
+            "warnings": list(self.warnings),
             "baseline": self.baseline.to_dict(),
             "current": self.current.to_dict(),
             "thresholds": self.thresholds.to_dict(),
         }
 
 
+# -- names ------------------------------------------------------------------------------------
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Return a sort key that orders digit runs by value: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part)
+
+
+def canonical_module_names(names: Iterable[str]) -> dict[str, str]:
+    """Map module names to the names of the unwrapped model.
+
+    ``_orig_mod`` segments (``torch.compile``) are dropped wherever they occur; a leading
+    ``module.`` (DistributedDataParallel, DataParallel) is dropped when every name carries
+    it, since a model may well have a child of its own called ``module``.
+    """
+    names = list(names)
+    stripped = {n: ".".join(p for p in n.split(".") if p != _COMPILE_SEGMENT) for n in names}
+    values = [v for v in stripped.values() if v]
+    if values and all(v == _DDP_PREFIX or v.startswith(_DDP_PREFIX + ".") for v in values):
+        stripped = {n: v[len(_DDP_PREFIX) + 1:] if v.startswith(_DDP_PREFIX + ".") else "" for n, v in stripped.items()}
+    return stripped
+
+
+# -- the numbers of one report ----------------------------------------------------------------
+
 def flushed_fraction(h: Histogram, fmt: str, log2_scale: int = 0) -> float:
-    """Share of nonzero finite values that flush to zero at S = 2^log2_scale (0.0 when none)."""
+    """Return the share of nonzero finite values that flush to zero at S = 2^log2_scale (0.0 when none)."""
     n = h.nonzero_finite
     return h.flushed(fmt, log2_scale) / n if n else 0.0
 
 
-def worst_modules(report: Report, fmt: str, kind: str, n: int) -> tuple[tuple[str, float], ...]:
-    """The ``n`` modules with the largest flushed fraction at S = 1 (only those that lose any)."""
+def worst_modules(report: Report, fmt: str, kind: str, n: int, log2_scale: int = 0) -> tuple[tuple[str, float], ...]:
+    """Return the ``n`` modules with the largest flushed share at S = 2^log2_scale (only those that lose any)."""
     ranked = []
     for m in report.modules_of(kind):
-        f = flushed_fraction(m.histogram, fmt)
+        f = flushed_fraction(m.histogram, fmt, log2_scale)
         if f > 0:
             ranked.append((m.name, f))
-    ranked.sort(key=lambda x: (-x[1], x[0]))
+    ranked.sort(key=lambda x: (-x[1], natural_key(x[0])))
     return tuple(ranked[:n])
+
+
+def check_consistency(report: Report, source: str = "report") -> None:
+    """Refuse a report whose module histograms do not add up to its per-step trace.
+
+    A probe counts every value into both, so they agree exactly; a file in which one was
+    edited without the other (to pass a gate, say) does not. Raises ReportError.
+    """
+    for kind, per_step in report.trace.histograms.items():
+        if not per_step:
+            continue
+        steps, modules = Histogram.sum(per_step), report.histogram(kind)
+        if steps.counts != modules.counts or (steps.zero, steps.inf, steps.nan) != (modules.zero, modules.inf, modules.nan):
+            raise ReportError(
+                f"{source}: its {kind} module histograms ({modules.total} values) do not add up to its per-step "
+                f"trace ({steps.total} values); the report was edited or is corrupt: re-create it with fp16probe profile"
+            )
 
 
 def snapshot(report: Report, recommendation: Any, *, fmt: str = "fp16", kind: str = ACTIVATION_GRAD,
              worst_n: int = 3, source: str = "") -> Snapshot:
-    """Reduce a report and its recommendation (an analysis.Recommendation or its dict) to a Snapshot."""
+    """Reduce a report and its recommendation (a Recommendation or its dict) to a Snapshot."""
     rec = recommendation.to_dict() if hasattr(recommendation, "to_dict") else dict(recommendation or {})
     h = report.histogram(kind)
+    names = canonical_module_names(m.name for m in report.modules)
+    modules: dict[str, Histogram] = {}
+    for m in report.modules_of(kind):
+        modules[names[m.name]] = modules.get(names[m.name], Histogram()) + m.histogram
+    ceiling = getattr(report.trace, "ceiling", None)
+    stored = report.recommendation
+    if stored is not None:
+        stored = stored.to_dict() if hasattr(stored, "to_dict") else dict(stored)
     return Snapshot(
         source=source,
         format=fmt,
@@ -147,109 +286,221 @@ def snapshot(report: Report, recommendation: Any, *, fmt: str = "fp16", kind: st
         histogram=h,
         log2_scale=rec.get("log2_scale"),
         verdict=str(rec.get("verdict", "unknown")),
-        worst_modules=worst_modules(report, fmt, kind, worst_n),
+        worst_modules=tuple((names[n], f) for n, f in worst_modules(report, fmt, kind, worst_n)),
         overflow_histogram=Histogram.sum(report.histogram(k) for k in (ACTIVATION_GRAD, WEIGHT_GRAD)),
+        ceiling=max(ceiling) if ceiling else None,
+        modules=modules,
+        workload=_workload(report),
+        verification=_verification(report),
+        stored_recommendation=None if stored is None else (str(stored.get("verdict")), stored.get("log2_scale")),
     )
 
+
+def _workload(report: Report) -> dict[str, Any]:
+    meta = report.metadata
+    extra = meta.extra
+    return {
+        "model_class": meta.model_class,
+        "precision": meta.precision,
+        "captured": list(meta.captured),
+        "inputs": extra.get("inputs"),
+        "loss": extra.get("loss"),
+        "loss_scale": extra.get("loss_scale"),
+    }
+
+
+def _verification(report: Report) -> tuple[bool, str] | None:
+    v = getattr(report, "verification", None)
+    if v is None:
+        return None
+    held = bool(getattr(v, "held", False))
+    notes = getattr(v, "notes", ())
+    notes = [notes] if isinstance(notes, str) else list(notes or ())
+    summary = "; ".join(str(n) for n in notes) if notes else ("it held" if held else "it did not hold")
+    return held, summary
+
+
+# -- the checks -------------------------------------------------------------------------------
 
 def compare(baseline: Snapshot, current: Snapshot, thresholds: Thresholds = Thresholds()) -> GateResult:
     """Check ``current`` against ``baseline``; every check reports both values and the limit."""
     checks = []
-    fmt = current.format
-    rise = current.flushed_fraction - baseline.flushed_fraction
-    checks.append(Check(
-        "flushed_fraction",
-        rise <= thresholds.max_flushed_increase,
-        baseline.flushed_fraction,
-        current.flushed_fraction,
-        thresholds.max_flushed_increase,
-        f"flushed at S=1 went from {_pct(baseline.flushed_fraction)} to {_pct(current.flushed_fraction)} "
-        f"({'+' if rise >= 0 else ''}{rise * 100:.3g} points; allowed +{thresholds.max_flushed_increase * 100:.3g})",
-    ))
+    for check in (_at_baseline_scale, _at_recommended_scale, _at_one, _verdict, _new_overflow, _scale_shift,
+                  _module_regressions, _verified):
+        start = time.perf_counter()
+        c = check(baseline, current, thresholds)
+        if c is not None:
+            checks.append(Check(c.name, c.passed, c.baseline, c.current, c.limit, c.message,
+                                time.perf_counter() - start))
+    return GateResult(tuple(checks), baseline, current, thresholds, _workload_warnings(baseline, current))
 
-    # Overflow at the scale the baseline recommended: that is the scale users deploy. The
-    # scale multiplies weight gradients too, so they count whatever kind is analysed.
-    k = baseline.log2_scale if baseline.log2_scale is not None else 0
-    b_over, c_over = baseline.overflow_values, current.overflow_values
-    was = b_over.overflows(fmt, k)
-    now = c_over.overflows(fmt, k)
-    new_overflow = now and not was
-    checks.append(Check(
-        "new_overflow",
-        not (new_overflow and thresholds.fail_on_new_overflow),
-        was,
-        now,
-        "none" if thresholds.fail_on_new_overflow else "ignored",
-        f"at the baseline's scale 2^{k}: overflow {'yes' if was else 'no'} before, "
-        f"{'yes' if now else 'no'} now (max |g| {b_over.max_abs:.3g} -> {c_over.max_abs:.3g}, "
-        f"non-finite {b_over.nonfinite} -> {c_over.nonfinite})",
-    ))
 
-    b, c = baseline.log2_scale, current.log2_scale
-    if b is None and c is None:
-        shift, shift_ok, text = 0, True, "no scale recommended in either run"
-    elif b is None or c is None:
-        shift_ok = False
-        shift = None
-        text = f"recommended scale changed from {_scale(b)} to {_scale(c)} (verdict {baseline.verdict} -> {current.verdict})"
+def _rise_check(name: str, before: float, after: float, limit: float, what: str) -> Check:
+    rise = after - before
+    return Check(name, rise <= limit, before, after, limit,
+                 f"{what} went from {_pct(before)} to {_pct(after)} ({_points(rise)}; allowed +{limit * 100:.3g})")
+
+
+def _at_baseline_scale(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    k = b.deployed_log2_scale
+    return _rise_check("flushed_at_baseline_scale", b.flushed_at(k), c.flushed_at(k),
+                       t.max_flushed_increase_at_scale, f"flushed at the baseline's recommended {_scale(k)}")
+
+
+def _at_recommended_scale(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    kb, kc = b.deployed_log2_scale, c.deployed_log2_scale
+    return _rise_check("flushed_at_recommended_scale", b.flushed_at(kb), c.flushed_at(kc),
+                       t.max_flushed_increase_at_scale,
+                       f"flushed at each run's own recommendation ({_scale(kb)} -> {_scale(kc)})")
+
+
+def _at_one(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    return _rise_check("flushed_fraction", b.flushed_fraction, c.flushed_fraction, t.max_flushed_increase,
+                       "flushed at S = 1")
+
+
+def _verdict(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    worse = c.severity > b.severity
+    if worse:
+        how = "worse"
+    elif c.severity < b.severity:
+        how = "better"
     else:
-        shift = c - b
-        shift_ok = abs(shift) <= thresholds.max_scale_shift_bits
-        text = f"recommended scale moved from 2^{b} to 2^{c} ({shift:+d} bits; allowed ±{thresholds.max_scale_shift_bits})"
-    checks.append(Check("scale_shift", shift_ok, b, c, thresholds.max_scale_shift_bits, text))
-
-    before = {name for name, _ in baseline.worst_modules}
-    newcomers = [name for name, _ in current.worst_modules if name not in before]
-    checks.append(Check(
-        "new_worst_modules",
-        not newcomers,
-        [n for n, _ in baseline.worst_modules],
-        [n for n, _ in current.worst_modules],
-        thresholds.worst_n,
-        (f"newly among the {thresholds.worst_n} worst: {', '.join(newcomers)}" if newcomers
-         else f"no module newly among the {thresholds.worst_n} worst"),
-    ))
-    return GateResult(tuple(checks), baseline, current, thresholds)
+        how = "as severe"
+    message = (f"verdict {b.verdict} -> {c.verdict} ({how}; severity {b.severity} -> {c.severity}"
+               f"{'' if t.fail_on_worse_verdict else ', not judged'})")
+    return Check("verdict", not (worse and t.fail_on_worse_verdict), b.verdict, c.verdict,
+                 "no worse" if t.fail_on_worse_verdict else "ignored", message)
 
 
-def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
-    """A Markdown summary (for $GITHUB_STEP_SUMMARY)."""
-    verdict = "passed" if result.passed else f"FAILED ({len(result.failures)} of {len(result.checks)} checks)"
-    lines = [
-        f"### {title}: {verdict}",
-        "",
-        f"Format {result.current.format}, {result.current.kind}; baseline `{result.baseline.source}`, "
-        f"current `{result.current.source}`.",
-        "",
-        "| check | result | details |",
-        "|---|---|---|",
-    ]
-    for c in result.checks:
-        # GitHub renders an escaped pipe inside a table cell as a pipe: "max |g|" stays readable.
-        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.message.replace('|', chr(92) + '|')} |")
-    return "\n".join(lines) + "\n"
-
-
-def to_junit(result: GateResult, suite: str = "fp16probe.analysis.gate") -> str:
-    """JUnit XML: one test case per check, a failure element for each failed one."""
-    cases = []
-    for c in result.checks:
-        body = ""
-        if not c.passed:
-            body = f"<failure message={quoteattr(c.message)}>{escape(c.message)}</failure>"
-        cases.append(f'  <testcase classname="{suite}" name={quoteattr(c.name)}>{body}</testcase>')
-    return (
-        '<?xml version="1.0" encoding="utf-8"?>\n'
-        f'<testsuite name="{suite}" tests="{len(result.checks)}" failures="{len(result.failures)}" errors="0">\n'
-        + "\n".join(cases)
-        + "\n</testsuite>\n"
+def _new_overflow(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    # At the scale the baseline recommended: the scale users deploy. The scale multiplies
+    # weight gradients too, so they count whatever kind is analysed.
+    k = b.deployed_log2_scale
+    was, now = b.overflows_at(k), c.overflows_at(k)
+    new = now and not was
+    return Check(
+        "new_overflow", not (new and t.fail_on_new_overflow), was, now,
+        "none" if t.fail_on_new_overflow else "ignored",
+        f"at the baseline's {_scale(k)}: overflow {'yes' if was else 'no'} before, {'yes' if now else 'no'} now "
+        f"(max |g| {_magnitude(b.overflow_max)} -> {_magnitude(c.overflow_max)}, "
+        f"non-finite {b.overflow_values.nonfinite} -> {c.overflow_values.nonfinite})",
     )
+
+
+def _scale_shift(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    kb, kc = b.log2_scale, c.log2_scale
+    if kb is None and kc is None:
+        return Check("scale_shift", True, kb, kc, t.max_scale_shift_bits, "no scale recommended in either run")
+    if kb is None or kc is None:
+        return Check("scale_shift", False, kb, kc, t.max_scale_shift_bits,
+                     f"recommended scale changed from {_scale(kb)} to {_scale(kc)} "
+                     f"(verdict {b.verdict} -> {c.verdict})")
+    shift = kc - kb
+    return Check("scale_shift", abs(shift) <= t.max_scale_shift_bits, kb, kc, t.max_scale_shift_bits,
+                 f"recommended scale moved from 2^{kb} to 2^{kc} ({shift:+d} bits; allowed ±{t.max_scale_shift_bits})")
+
+
+def _module_regressions(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+    """Judge each module by how much its own share rose at the deployed scale, not by its rank."""
+    k = b.deployed_log2_scale
+    rises = []
+    for name in b.modules.keys() & c.modules.keys():
+        before = flushed_fraction(b.modules[name], b.format, k)
+        after = flushed_fraction(c.modules[name], c.format, k)
+        rises.append((after - before, name, before, after))
+    rises.sort(key=lambda r: (-r[0], natural_key(r[1])))
+    over = [r for r in rises if r[0] > t.max_module_increase]
+    shown = over[: t.worst_n]
+    listed = {name: [before, after] for _, name, before, after in shown}
+    if over:
+        named = ", ".join(f"{name} {_pct(before)} -> {_pct(after)}" for _, name, before, after in shown)
+        more = f" and {len(over) - len(shown)} more" if len(over) > len(shown) else ""
+        message = (f"{len(over)} module(s) lose more at the baseline's {_scale(k)}: {named}{more} "
+                   f"(allowed +{t.max_module_increase * 100:.3g} points each)")
+    elif rises:
+        top = rises[0]
+        message = (f"no module's own flushed share at {_scale(k)} rose more than {t.max_module_increase * 100:.3g} "
+                   f"points (largest change: {top[1]} {_points(top[0])}; {len(rises)} modules matched)")
+    else:
+        message = "no module is in both reports; nothing to match (see the warnings)"
+    return Check("module_regressions", not over, len(rises), listed, t.max_module_increase, message)
+
+
+def _verified(b: Snapshot, c: Snapshot, t: Thresholds) -> Check | None:
+    if c.verification is None:
+        return None
+    held, summary = c.verification
+    return Check("verification", held, None if b.verification is None else b.verification[0], held, "held",
+                 f"the current report's measured verification {'held' if held else 'did not hold'}: {summary}")
+
+
+# -- what the two reports profiled --------------------------------------------------------------
+
+def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[str, ...]:
+    warnings = []
+    labels = {"model_class": "model", "precision": "precision", "captured": "captured kinds",
+              "inputs": "inputs", "loss": "loss", "loss_scale": "loss scale"}
+    for key, label in labels.items():
+        vb, vc = b.workload.get(key), c.workload.get(key)
+        if vb != vc:
+            warnings.append(f"the reports profiled different {label}: {_short(vb)} (baseline) vs {_short(vc)} (current)")
+    only_b = sorted(b.modules.keys() - c.modules.keys(), key=natural_key)
+    only_c = sorted(c.modules.keys() - b.modules.keys(), key=natural_key)
+    if only_b or only_c:
+        warnings.append(
+            f"{len(only_b)} module(s) only in the baseline ({_names(only_b)}) and {len(only_c)} only in the current "
+            f"report ({_names(only_c)}); only the {len(b.modules.keys() & c.modules.keys())} in both are compared "
+            "module by module"
+        )
+    for snap, label in ((b, "baseline"), (c, "current")):
+        stored = snap.stored_recommendation
+        if stored is not None and stored[0] in {v.value for v in Verdict} and (
+                stored[0] != snap.verdict or stored[1] != snap.log2_scale):
+            warnings.append(
+                f"the {label} report's stored recommendation ({stored[0]}, {_scale(stored[1])}) differs from its "
+                f"re-analysis ({snap.verdict}, {_scale(snap.log2_scale)}); the gate judges the re-analysis"
+            )
+    return tuple(warnings)
+
+
+# -- words ------------------------------------------------------------------------------------
+
+def _overflows(fmt: str, magnitude: float, log2_scale: int) -> bool:
+    from fp16probe.formats import get_format
+
+    if not math.isfinite(magnitude):
+        return True
+    return magnitude > 0 and get_format(fmt).overflows(math.ldexp(magnitude, log2_scale))
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _pct(f: float) -> str:
     return f"{f * 100:.3g}%"
 
 
-def _scale(k: int | None) -> str:
-    return "none" if k is None else f"2^{k}"
+def _points(rise: float) -> str:
+    return f"{'+' if rise >= 0 else ''}{rise * 100:.3g} points"
 
+
+def _magnitude(x: float) -> str:
+    return "inf" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def _scale(k: int | None) -> str:
+    return "no scale" if k is None else f"S = 2^{k}"
+
+
+def _short(v: Any) -> str:
+    text = "none" if v is None else str(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _names(names: list[str]) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:4])
+    return shown + (f", and {len(names) - 4} more" if len(names) > 4 else "")

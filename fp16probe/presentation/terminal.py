@@ -333,6 +333,8 @@ def print_compare(console: Any, result: Any) -> None:
     for c in result.checks:
         table.add_row(c.name, "pass" if c.passed else "[bold red]FAIL[/bold red]", escape(c.message))
     console.print(table)
+    for w in getattr(result, "warnings", ()):
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
     if result.passed:
         console.print("[green]no regression[/green]")
     else:

@@ -1,0 +1,108 @@
+"""The CI gate's outputs: a Markdown summary, JUnit XML and GitHub Actions annotations.
+
+Each function turns a :class:`fp16probe.analysis.gate.GateResult` into text; writing the
+text (atomically) and deciding whether GitHub Actions is watching are the CLI's job.
+Module names and messages are data: pipes are escaped in Markdown table cells, XML is
+escaped, and annotation text is escaped the way GitHub's workflow commands require.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+from xml.sax.saxutils import escape, quoteattr
+
+__all__ = ["github_annotations", "to_junit", "to_markdown"]
+
+SUITE = "fp16probe.compare"
+
+
+def _cell(text: str) -> str:
+    # GitHub renders an escaped pipe inside a table cell as a pipe: "max |g|" stays readable.
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def to_markdown(result: Any, title: str = "fp16probe compare") -> str:
+    """Return a Markdown summary (for ``$GITHUB_STEP_SUMMARY``) that ends with a blank line.
+
+    The blank line keeps two summaries appended to one file two tables: without it the
+    next summary's heading would continue the previous table outside GitHub's renderer.
+    """
+    n, failed = len(result.checks), len(result.failures)
+    outcome = f"passed ({n} checks)" if result.passed else f"FAILED ({failed} of {n} checks)"
+    lines = [
+        f"### {title}: {outcome}",
+        "",
+        f"Format {result.current.format}, {result.current.kind}; baseline `{_code(result.baseline.source)}` "
+        f"({result.baseline.verdict}), current `{_code(result.current.source)}` ({result.current.verdict}).",
+        "",
+        "| check | result | details |",
+        "|---|---|---|",
+    ]
+    for c in result.checks:
+        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {_cell(c.message)} |")
+    if result.warnings:
+        lines.append("")
+        lines.extend(f"> **warning:** {' '.join(w.split())}" for w in result.warnings)
+    return "\n".join(lines) + "\n\n"
+
+
+def _code(text: str) -> str:
+    return str(text).replace("`", "'")
+
+
+def to_junit(result: Any, *, seconds: float | None = None, suite: str = SUITE,
+             timestamp: datetime.datetime | None = None) -> str:
+    """Return JUnit XML: a ``testsuites`` root, one test case per check, times, and every check's numbers.
+
+    A failed check carries a ``failure`` element; every check, passing or not, carries its
+    message (both values and the limit) in ``system-out``; warnings go to the suite's
+    ``system-err``. ``seconds`` is the whole comparison's time (loading and analysis
+    included); each case's time is its check's own.
+    """
+    total = sum(c.seconds for c in result.checks) if seconds is None else seconds
+    stamp = (timestamp or datetime.datetime.now(datetime.timezone.utc)).replace(microsecond=0).isoformat()
+    n, failed = len(result.checks), len(result.failures)
+    counts = f'tests="{n}" failures="{failed}" errors="0" skipped="0" time="{total:.3f}"'
+    out = [
+        '<?xml version="1.0" encoding="utf-8"?>',
+        f'<testsuites name="fp16probe" {counts}>',
+        f'  <testsuite name="{suite}" {counts} timestamp="{stamp}">',
+        "    <properties>",
+    ]
+    for name, value in (("baseline", result.baseline.source), ("current", result.current.source),
+                        ("format", result.current.format), ("kind", result.current.kind),
+                        ("baseline_verdict", result.baseline.verdict), ("current_verdict", result.current.verdict)):
+        out.append(f"      <property name={quoteattr(name)} value={quoteattr(str(value))}/>")
+    out.append("    </properties>")
+    for c in result.checks:
+        out.append(f'    <testcase classname="{suite}" name={quoteattr(c.name)} time="{c.seconds:.6f}">')
+        if not c.passed:
+            out.append(f"      <failure message={quoteattr(c.message)} type=\"regression\">{escape(c.message)}</failure>")
+        details = f"{c.message}\nbaseline: {c.baseline}\ncurrent: {c.current}\nlimit: {c.limit}"
+        out.append(f"      <system-out>{escape(details)}</system-out>")
+        out.append("    </testcase>")
+    if result.warnings:
+        out.append(f"    <system-err>{escape(chr(10).join(result.warnings))}</system-err>")
+    out += ["  </testsuite>", "</testsuites>", ""]
+    return "\n".join(out)
+
+
+def _data(text: str) -> str:
+    return str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _property(text: str) -> str:
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def github_annotations(result: Any) -> list[str]:
+    """Return GitHub Actions workflow commands: ``::error`` per failed check, ``::warning`` per warning.
+
+    GitHub shows them as annotations on the run and the pull request.
+    """
+    lines = [
+        f"::error title={_property('fp16probe compare: ' + c.name)}::{_data(c.message)}" for c in result.failures
+    ]
+    lines += [f"::warning title={_property('fp16probe compare')}::{_data(w)}" for w in result.warnings]
+    return lines
