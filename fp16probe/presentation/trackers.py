@@ -48,9 +48,12 @@ __all__ = [
     "LogHistogram",
     "TrackerLog",
     "TrackerSeries",
+    "active_mlflow_run",
+    "active_wandb_run",
     "export",
     "log_histogram",
     "sink_for",
+    "tensorboard_writer",
     "to_mlflow",
     "to_tensorboard",
     "to_wandb",
@@ -393,6 +396,28 @@ def sink_for(target: Any) -> Any:
     )
 
 
+def tensorboard_writer(log_dir: Any) -> Any:
+    """Return a new ``torch.utils.tensorboard.SummaryWriter`` in ``log_dir``, marked as made by fp16probe."""
+    _require("tensorboard", "tensorboard", "logging to TensorBoard")
+    writer_mod = _require("torch.utils.tensorboard", "tensorboard", "logging to TensorBoard")
+    writer = writer_mod.SummaryWriter(log_dir=str(log_dir))
+    writer._fp16probe_owned = True
+    return writer
+
+
+def active_wandb_run() -> Any:
+    """The wandb run in progress (``wandb.run``), or None."""
+    wandb = _require("wandb", "wandb", "logging to Weights & Biases")
+    return wandb.run
+
+
+def active_mlflow_run() -> tuple[Any, str] | None:
+    """``(MlflowClient, run_id)`` of MLflow's active run, or None."""
+    mlflow = _require("mlflow", "mlflow", "logging to MLflow")
+    run = mlflow.active_run()
+    return None if run is None else (mlflow.MlflowClient(), run.info.run_id)
+
+
 # -- finished reports -----------------------------------------------------------------------------
 
 def to_tensorboard(report: Report, log_dir: Any, **options: Any) -> Path | None:
@@ -497,9 +522,7 @@ def _open(to: str, dest: Any, *, run_name: str | None, project: str) -> Any:
     if to == "tensorboard":
         if dest is None:
             raise InputError("exporting to TensorBoard needs a log folder, e.g. runs/fp16probe")
-        _require("tensorboard", "tensorboard", "exporting to TensorBoard")
-        writer_mod = _require("torch.utils.tensorboard", "tensorboard", "exporting to TensorBoard")
-        return _TensorBoardSink(writer_mod.SummaryWriter(log_dir=str(dest)), owned=True)
+        return _TensorBoardSink(tensorboard_writer(dest), owned=True)
     if to == "wandb":
         wandb = _require("wandb", "wandb", "exporting to Weights & Biases")
         if dest is not None:
