@@ -44,6 +44,11 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         output_dir: where to write (default: the Trainer's ``args.output_dir``).
         trainer: the Trainer, to find its GradScaler (or call :meth:`attach`).
         scaler: a GradScaler to unscale with, when it is not the Trainer's.
+        log_every: also log histograms and scalars every N optimizer steps to the trackers
+            ``args.report_to`` names (tensorboard, wandb, mlflow); statistics reach the host
+            only then (see :mod:`fp16probe.integrations.live`).
+        log_modules: with ``log_every``, also each module's running histogram.
+        trackers: with ``log_every``, log to these instead (SummaryWriter, wandb Run, ...).
         **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
     """
 
@@ -55,6 +60,9 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         output_dir: str | Path | None = None,
         trainer: Any = None,
         scaler: Any = None,
+        log_every: int | None = None,
+        log_modules: bool = False,
+        trackers: Any = None,
         **probe_options: Any,
     ) -> None:
         self.every = every
@@ -65,6 +73,8 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         self.probe_options = probe_options
         self.probe: Probe | None = None
         self.report = None  # on the main process, once training ends: the report as written
+        self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
+        self.live: Any = None
 
     def attach(self, trainer: Any) -> "Fp16ProbeCallback":
         """Add this callback to ``trainer`` (once) and remember the Trainer for its scaler."""
@@ -90,12 +100,24 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         if model is None:
             raise Fp16ProbeError("the Trainer passed no model to on_train_begin; nothing to probe")
         self.probe = Probe(model, every=self.every, scaler=self._scaler(args), **self.probe_options).start()
+        if self.log_every:
+            from fp16probe.integrations.live import LiveLogger, hf_trackers
+
+            main = state.is_world_process_zero
+            trackers = (self.trackers or hf_trackers(args)) if main else []
+            self.live = LiveLogger(self.probe, trackers, log_every=self.log_every, step_offset=state.global_step + 1,
+                                   is_main=main, format=self.format, modules=self.log_modules)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.probe is not None:
             self.probe.step()
+            if self.live is not None:
+                self.live.step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        live, self.live = self.live, None
+        if live is not None:
+            live.close()
         probe, self.probe = self.probe, None
         if probe is None:
             return

@@ -40,11 +40,17 @@ class Fp16ProbeCallback(pl.Callback):
         every: sample every Nth optimizer step.
         format: the format the recommendation is for (``"fp16"``, ``"bf16"``, ...).
         dirpath: where to write (default: the Trainer's ``default_root_dir``).
+        log_every: also log histograms and scalars every N optimizer steps to the Trainer's
+            loggers (TensorBoardLogger, WandbLogger, MLFlowLogger); statistics reach the host
+            only then (see :mod:`fp16probe.integrations.live`).
+        log_modules: with ``log_every``, also each module's running histogram.
+        trackers: with ``log_every``, log to these instead of the Trainer's loggers.
         **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
     """
 
     def __init__(
-        self, *, every: int = 1, format: str = "fp16", dirpath: str | Path | None = None, **probe_options: Any
+        self, *, every: int = 1, format: str = "fp16", dirpath: str | Path | None = None,
+        log_every: int | None = None, log_modules: bool = False, trackers: Any = None, **probe_options: Any
     ) -> None:
         super().__init__()
         self.every = every
@@ -53,18 +59,33 @@ class Fp16ProbeCallback(pl.Callback):
         self.probe_options = probe_options
         self.probe: Probe | None = None
         self.report = None  # on global rank 0, once fit ends: the report as written
+        self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
+        self.live: Any = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.probe = Probe(
             pl_module, every=self.every, scaler=lightning_scaler(trainer), **self.probe_options
         ).start()
+        if self.log_every:
+            from fp16probe.integrations.live import LiveLogger, lightning_trackers
+
+            main = trainer.is_global_zero
+            trackers = (self.trackers or lightning_trackers(trainer)) if main else []
+            self.live = LiveLogger(self.probe, trackers, log_every=self.log_every,
+                                   step_offset=trainer.global_step + 1, is_main=main, format=self.format,
+                                   modules=self.log_modules)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Called once per optimizer step, after the (accumulated) backward passes of it.
         if self.probe is not None:
             self.probe.step()
+            if self.live is not None:
+                self.live.step()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        live, self.live = self.live, None
+        if live is not None:
+            live.close()
         probe, self.probe = self.probe, None
         if probe is None:
             return
@@ -73,6 +94,7 @@ class Fp16ProbeCallback(pl.Callback):
                              format=self.format)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.live = None  # no final flush: it is a collective, and the run is failing
         if self.probe is not None:
             self.probe.stop()
             self.probe = None

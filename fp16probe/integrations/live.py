@@ -22,6 +22,7 @@ themselves: Lightning's ``trainer.loggers``, the Hugging Face Trainer's ``report
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fp16probe.errors import InputError, ProbeError
@@ -112,12 +113,14 @@ def lightning_trackers(trainer: Any) -> list[Any]:
     return found
 
 
-def hf_trackers(args: Any, *, tensorboard_dir: str | None = None) -> list[Any]:
+def hf_trackers(args: Any) -> list[Any]:
     """The trackers a Hugging Face Trainer reports to (``args.report_to``) that fp16probe can write to.
 
-    TensorBoard gets a writer of its own in ``args.logging_dir`` (the folder the Trainer's
-    TensorBoardCallback writes to, so one TensorBoard run shows both); wandb its active run;
-    MLflow its active run.
+    TensorBoard gets a writer of its own, in ``$TENSORBOARD_LOGGING_DIR`` when set (where the
+    Trainer's TensorBoardCallback writes too), else ``args.logging_dir`` where the
+    TrainingArguments have one (transformers 4), else ``<output_dir>/runs/fp16probe``, beside
+    the Trainer's own ``<output_dir>/runs/<date>`` run; wandb gets its active run, MLflow its
+    active run.
     """
     report_to = getattr(args, "report_to", None) or []
     if isinstance(report_to, str):
@@ -128,7 +131,9 @@ def hf_trackers(args: Any, *, tensorboard_dir: str | None = None) -> list[Any]:
         if name == "tensorboard":
             from fp16probe.presentation.trackers import tensorboard_writer
 
-            found.append(tensorboard_writer(tensorboard_dir or args.logging_dir))
+            folder = (os.environ.get("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
+                      or os.path.join(args.output_dir, "runs", "fp16probe"))
+            found.append(tensorboard_writer(os.path.expanduser(folder)))
         elif name == "wandb":
             from fp16probe.presentation.trackers import active_wandb_run
 
