@@ -12,6 +12,7 @@ import json
 import math
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,11 @@ def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
     report = scaled_report()
     export(report, to="wandb", dest=tmp_path, run_name="test")
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    deadline = time.monotonic() + 60
+    # wandb's service process may still be writing the file when finish() returns
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+        assert time.monotonic() < deadline, "the wandb run file never got its exit record"
+        time.sleep(0.2)
     rows = []
     for record in _wandb_records(run_file):
         if record.WhichOneof("record_type") == "history":

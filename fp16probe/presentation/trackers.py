@@ -35,7 +35,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
@@ -137,6 +137,15 @@ class TrackerSeries:
         return tuple(sorted({s for _, s, _ in self.scalars} | {s for _, s, _ in self.histograms}))
 
 
+def _field(rec: Any, name: str, default: Any = None) -> Any:
+    """Read a field of a Recommendation, or of a mapping with its keys (``{"log2_scale": 8}``)."""
+    if rec is None:
+        return default
+    if isinstance(rec, Mapping):
+        return rec.get(name, default)
+    return getattr(rec, name, default)
+
+
 def _fraction(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
@@ -167,7 +176,7 @@ def tracker_series(
     the report's own for ``format``, or a fresh analysis (none when the report has no
     ``kind`` values yet).
     """
-    from fp16probe.presentation.notebook import field, resolve_recommendation
+    from fp16probe.presentation.notebook import resolve_recommendation
 
     fmt = get_format(format)
     trace = report.trace
@@ -175,7 +184,7 @@ def tracker_series(
         rec = resolve_recommendation(report, recommendation, fmt, kind)
     except Fp16ProbeError:  # e.g. no values of that kind yet
         rec = None
-    rec_k = field(rec, "log2_scale")
+    rec_k = _field(rec, "log2_scale")
     scaled = bool(report.metadata.grad_scaler) or any(s is not None for s in trace.scale)
     histograms: list[tuple[str, int, LogHistogram]] = []
     scalars: list[tuple[str, int, float]] = []
@@ -227,13 +236,8 @@ def tracker_series(
                 histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
     texts = []
     if rec is not None:
-        caveats = list(field(rec, "caveats", ()) or ())
-        if not caveats:
-            from fp16probe.presentation.terminal import precision_caveat
-
-            c = precision_caveat(report, kind)
-            caveats = [c] if c else []
-        body = str(field(rec, "text", "") or "").rstrip()
+        caveats = list(_field(rec, "caveats", ()) or ())
+        body = str(_field(rec, "text", "") or "").rstrip()
         if caveats:
             body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
         if body.strip():
