@@ -220,6 +220,10 @@ def check_trace(d: Any, path: str = "trace") -> None:
             _number(s, f"{path}.scale[{i}]", hi=sys.float_info.max)
     for i, f in enumerate(per_step(d["found_inf"], f"{path}.found_inf")):
         _bool(f, f"{path}.found_inf[{i}]")
+    if d.get("ceiling") is not None:  # absent in reports written before the overflow ceiling
+        for i, c in enumerate(per_step(d["ceiling"], f"{path}.ceiling")):
+            if c != "inf":  # a step that saw a non-finite value
+                _number(c, f"{path}.ceiling[{i}]")
     if d.get("ceiling") is not None:  # absent in reports made before the overflow ceiling
         for i, c in enumerate(per_step(d["ceiling"], f"{path}.ceiling")):
             if c != "inf":  # a step whose gradients held inf or NaN

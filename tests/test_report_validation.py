@@ -82,6 +82,9 @@ CASES = {
                             "module_max", "3 entries for 2 steps"),
     "module_max negative": (lambda d: _set(d, ("trace", "module_max", "activation_grad", "0", 1), -2.0),
                             "module_max", "finite number"),
+    "ceiling too short": (lambda d: _set(d, ("trace", "ceiling"), [1.0]), "trace.ceiling", "1 entries for 2 steps"),
+    "ceiling 10^400": (lambda d: _set(d, ("trace", "ceiling"), [1.0, 10**400]), "trace.ceiling[1]", "401 digits"),
+    "ceiling 'nan'": (lambda d: _set(d, ("trace", "ceiling"), ["nan", 1.0]), "trace.ceiling[0]", "finite number"),
     "steps_seen a string": (lambda d: _set(d, ("metadata", "steps_seen"), "3"), "metadata.steps_seen",
                             "non-negative integer"),
     "device a number": (lambda d: _set(d, ("metadata", "device"), 5), "metadata.device", "a string"),
@@ -117,6 +120,9 @@ def test_the_valid_report_loads(tmp_path, valid):
     """The cases above fail for their edit alone: the untouched report loads and round-trips."""
     report = _load(tmp_path, valid)
     assert json.loads(report.to_json()) == valid
+    assert len(valid["trace"]["ceiling"]) == 2  # the overflow ceiling is there to be checked
+    with_inf = _set(valid, ("trace", "ceiling"), ["inf", 1.0])
+    assert _load(tmp_path, with_inf).trace.ceiling[0] == float("inf")
 
 
 def test_field_errors_are_value_errors_too(valid):
