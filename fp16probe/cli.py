@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import math
 import os
 import re
 import sys
@@ -360,6 +361,7 @@ def show(
     format: FormatOpt = FormatName["fp16"],
     kind: KindOpt = Kind.activation_grad,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
+    json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Show a report: the distribution against the format's bounds, worst modules, verdict and evidence."""
@@ -369,7 +371,58 @@ def show(
     with _errors(console, debug):
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
-        render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
+        if json_out:
+            data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
+            sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+        else:
+            render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
+
+
+def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
+    """What ``show`` prints, as JSON-ready data: metadata, the distribution at S = 1 and at S, worst modules, advice."""
+    from fp16probe.analysis.gate import flushed_fraction, natural_key
+
+    h = report.histogram(kind)
+    k = rec.log2_scale
+    n = h.nonzero_finite
+
+    def share(part: int) -> float:
+        return part / n if n else 0.0
+
+    modules = sorted(report.modules_of(kind),
+                     key=lambda m: (-flushed_fraction(m.histogram, fmt), natural_key(m.name)))[:top]
+    return _finite({
+        "report": source,
+        "format": fmt,
+        "kind": kind,
+        "metadata": report.metadata.to_dict(),
+        "distribution": {
+            "values": h.total, "nonzero": n, "zero": h.zero, "inf": h.inf, "nan": h.nan, "max_abs": h.max_abs,
+            "flushed_fraction_at_1": share(h.flushed(fmt, 0)),
+            "subnormal_fraction_at_1": share(h.subnormal(fmt, 0)),
+            "log2_scale": k,
+            "flushed_fraction_at_scale": None if k is None else share(h.flushed(fmt, k)),
+            "bins": {str(e): c for e, c in ((e, h.count(e)) for e in range(h.lowest_exp or 0, (h.highest_exp or -1) + 1)) if c},
+        },
+        "worst_modules": [
+            {"name": m.name, "module_type": m.module_type, "values": m.histogram.total,
+             "flushed_fraction_at_1": flushed_fraction(m.histogram, fmt),
+             "flushed_fraction_at_scale": None if k is None else flushed_fraction(m.histogram, fmt, k)}
+            for m in modules
+        ],
+        "recommendation": rec.to_dict(),
+    })
+
+
+def _finite(obj: Any) -> Any:
+    """Replace non-finite floats with None: JSON has no inf or NaN."""
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
 
 
 @app.command()

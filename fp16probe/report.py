@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fp16probe import validation
-from fp16probe.errors import ReportError, ReportFieldError
+from fp16probe.errors import ReportError
 from fp16probe.histogram import Histogram
 from fp16probe.recommendation import Recommendation
 
@@ -255,7 +255,7 @@ class Report:
             raise ReportError(f"{source}: nested too deeply to be an fp16probe report") from e
         except KeyError as e:
             raise ReportError(f"{source}: malformed report, missing field {e.args[0]!r}") from e
-        except (TypeError, ValueError, AttributeError) as e:
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ReportError(f"{source}: malformed report: {e}") from e
 
     def to_json(self, indent: int | None = None) -> str:
@@ -398,10 +398,7 @@ def _check_report_fields(d: Mapping[str, Any]) -> None:
             raise KeyError(key)
     validation.check_modules(d["modules"])
     if d.get("recommendation") is not None:
-        if not isinstance(d["recommendation"], dict):
-            raise ReportFieldError("recommendation", "recommendation: expected an object or null, got "
-                                   f"{type(d['recommendation']).__name__}")
-        validation.check_depth(d["recommendation"], "recommendation")
+        validation.check_recommendation(d["recommendation"])
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "check_metadata",
     "check_module",
     "check_modules",
+    "check_recommendation",
     "check_trace",
 ]
 
@@ -255,3 +256,43 @@ def check_metadata(d: Any, path: str = "metadata") -> None:
             _str(name, f"{path}.hooked_modules[{i}]")
     if "extra" in d:
         check_depth(_object(d["extra"], f"{path}.extra"), f"{path}.extra")
+
+
+def _optional(v: Any, path: str, check: Any, *args: Any) -> None:
+    if v is not None:
+        check(v, path, *args)
+
+
+def _fraction(v: Any, path: str) -> None:
+    _number(v, path, hi=1.0)
+
+
+def check_recommendation(d: Any, path: str = "recommendation") -> None:
+    """Check a stored recommendation's JSON: its numbers, lists and objects, and how deep it nests.
+
+    The verdict's value is left to ``Recommendation.from_dict``, which names the known ones.
+    """
+    d = _object(d, path)
+    check_depth(d, path)
+    _str(d.get("verdict"), f"{path}.verdict")
+    for key in ("format", "kind", "text"):
+        _optional(d.get(key), f"{path}.{key}", _str)
+    for key in ("log2_scale", "headroom_bits"):
+        _optional(d.get(key), f"{path}.{key}", _int, -1100, 1100)
+    _optional(d.get("overflow_steps_at_scale"), f"{path}.overflow_steps_at_scale", _int)
+    _optional(d.get("scale"), f"{path}.scale", _number, sys.float_info.max)
+    for key in ("flushed_fraction_at_1", "flushed_fraction_at_scale"):
+        _optional(d.get(key), f"{path}.{key}", _fraction)
+    for key in ("grad_scaler_kwargs", "evidence", "thresholds", "growth_interval_table"):
+        _optional(d.get(key), f"{path}.{key}", _object)
+    for key in ("citations", "caveats"):
+        if d.get(key) is not None:
+            for i, c in enumerate(_list(d[key], f"{path}.{key}")):
+                _str(c, f"{path}.{key}[{i}]")
+    if d.get("worst_modules") is not None:
+        for i, pair in enumerate(_list(d["worst_modules"], f"{path}.worst_modules")):
+            where = f"{path}.worst_modules[{i}]"
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _fail(where, "a [name, fraction] pair", pair)
+            _str(pair[0], f"{where}[0]")
+            _fraction(pair[1], f"{where}[1]")

@@ -101,7 +101,15 @@ CASES = {
     "duplicate module": (lambda d: _set(d, ("modules",), d["modules"] + [d["modules"][0]]), "recorded twice",
                          "modules["),
     "schema_version true": (lambda d: _set(d, ("schema_version",), True), "schema_version", "not supported"),
-    "recommendation a list": (lambda d: _set(d, ("recommendation",), [1]), "recommendation", "an object or null"),
+    "recommendation a list": (lambda d: _set(d, ("recommendation",), [1]), "recommendation", "an object"),
+    "recommendation scale 10^400": (lambda d: _set(d, ("recommendation",), {"verdict": "constant", "scale": 10**400}),
+                                    "recommendation.scale", "401 digits"),
+    "recommendation worst_modules": (lambda d: _set(d, ("recommendation",), {"verdict": "constant",
+                                                                              "worst_modules": [["a"]]}),
+                                     "recommendation.worst_modules[0]", "[name, fraction] pair"),
+    "recommendation fraction > 1": (lambda d: _set(d, ("recommendation",), {"verdict": "constant",
+                                                                             "flushed_fraction_at_1": 2.0}),
+                                    "flushed_fraction_at_1", "finite number in [0, 1]"),
 }
 
 
