@@ -56,10 +56,14 @@ def test_module_granularity_misses_functional_ops_that_op_granularity_finds():
     report = _run("op", model, x)
     by_op = {m.name: m for m in report.modules_of("activation_grad")}
     assert by_module == {"block.proj", "head"}
-    for name in ("block/gelu", "block/softmax", "block/add", "(model)/mul"):
+    for name in ("block/gelu", "block/softmax", "(model)/mul"):
         assert name not in by_module
         assert by_op[name].histogram.total == x.numel()  # one gradient value per output element
         assert by_op[name].histogram.nonzero_finite > 0
+    # x + att takes the fp32 input x: under autocast it stays fp32, and its only consumer
+    # (* 0.5, fp32 too) leaves its gradient fp32; * 0.5 feeds the head's fp16 linear.
+    assert report.metadata.extra["autocast_fp32_ops"] == ["block/add"]
+    assert "block/add" not in by_op
     assert {"block.proj/linear", "head/linear", "block/matmul"} <= set(by_op)
     # views and reshapes carry no new numbers: never recorded
     assert not any(n.split("/")[1].split(".")[0] in LAYOUT_OPS for n in by_op)
@@ -104,8 +108,11 @@ def test_repeated_ops_are_numbered_and_patterns_select():
 
     model = nn.Sequential(Twice(), nn.Linear(4, 1))
     x = torch.randn(3, 4)
-    names = {m.name for m in _run("op", model, x).modules_of("activation_grad")}
-    assert {"0/add", "0/add.1", "0/tanh", "0/tanh.1", "0.inner/linear", "1/linear"} <= names
+    report = _run("op", model, x)
+    names = {m.name for m in report.modules_of("activation_grad")}
+    # y = x + ... is fp32 under autocast (x is), and so is tanh(y); their gradients stay fp32
+    assert {"0/add.1", "0/tanh", "0.inner/linear", "1/linear"} <= names
+    assert report.metadata.extra["autocast_fp32_ops"] == ["0/add", "0/tanh.1"]
     only = {m.name for m in _run("op", model, x, modules=["0"]).modules_of("activation_grad")}
     assert "1/linear" not in only and {"0/add.1", "0.inner/linear"} <= only
 
@@ -145,3 +152,82 @@ def test_op_name_and_bad_granularity():
     assert op_name(F.gelu) == "gelu"
     with pytest.raises(ProbeError, match="granularity"):
         Probe(Net(), granularity="tensor")
+
+
+def test_a_compute_op_whose_output_is_a_view_is_recorded():
+    """A biased Linear on 3-D input returns a view of its addmm: it is the op's output, not layout."""
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 3, 8)
+    assert lin(x)._is_view()  # the premise: torch returns a view here
+    with Probe(lin, granularity="op") as probe:
+        out = lin(x)
+        out.retain_grad()
+        out.pow(2).sum().backward()
+        probe.step()
+    row = probe.report().module("(model)/linear")
+    counts, key = histogram(out.grad)
+    assert row.histogram == histogram_from(counts.tolist(), int(key))
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: computed in fp32 whatever the input's dtype, cast back at the end."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h32 = h.to(torch.float32)
+        var = h32.pow(2).mean(-1, keepdim=True)
+        h32 = h32 * torch.rsqrt(var + self.eps)
+        return self.weight * h32.to(dtype)
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.norm = RMSNorm(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def test_rmsnorm_internals_that_autocast_keeps_in_fp32_are_left_out():
+    model, x = NormNet(), torch.randn(2, 5, 16)
+    report = _run("op", model, x)
+    internals = ["norm/add", "norm/mean", "norm/pow", "norm/rsqrt"]
+    assert report.metadata.extra["autocast_fp32_ops"] == internals
+    names = {m.name for m in report.modules_of("activation_grad")}
+    assert not names & set(internals)
+    # what the fp16 linears consume, and what is cast back to the input's dtype, counts
+    assert {"a/linear", "norm/mul", "norm/mul.1", "b/linear"} <= names
+    # the ceiling skips the internals' nodes too: it equals the largest gradient that
+    # remains (recorded ops and weight gradients), below the internals' own maximum
+    rest = max(max(report.trace.global_max(k)) for k in ("activation_grad", "weight_grad"))
+    assert report.trace.ceiling[0] == rest
+    module_level = _run("module", model, x)
+    assert module_level.trace.ceiling[0] > rest  # without op capture the internals count (conservative)
+
+
+def test_autocast_decides_from_its_own_behaviour_not_a_list():
+    """Under a real autocast profile the real dtypes decide; a loss computed in fp32 by autocast is left out."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return F.mse_loss(self.model(x), y)  # autocast runs mse_loss in fp32 on the CPU
+
+    wrapped = WithLoss()
+    with Probe(wrapped, granularity="op") as probe:
+        wrapped(x).backward()
+        probe.step()
+    assert "(model)/mse_loss" in probe.report().metadata.extra["autocast_fp32_ops"]

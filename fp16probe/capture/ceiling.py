@@ -11,7 +11,8 @@ walked once, and every node gets a pre-hook that keeps only ``max |g|`` of the g
 flowing into it: one reduction per node, on the gradient's device, folded into one running
 maximum per step (the Recorder's ``note_max``). Nothing here brings a value to the host.
 
-What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
+With op-level capture, nodes whose gradient stays fp32 under autocast (marked by
+:mod:`fp16probe.capture.ops`) are walked through but not counted. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
 Function's backward (one node each: only what flows in and out), and the recomputed graph
 of activation checkpointing (built during backward, after the walk).
 
@@ -28,9 +29,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHANNEL", "Ceiling", "step_ceilings"]
+__all__ = ["CHANNEL", "FP32_ONLY", "Ceiling", "step_ceilings"]
 
 CHANNEL = "ceiling"  # the Recorder's per-step maximum this feeds
+FP32_ONLY = "fp16probe.fp32_only"  # node.metadata mark (op capture): its gradient stays fp32 under autocast
 
 _KEY = "fp16probe.ceiling"  # node.metadata entry marking a node hooked in the current generation
 _ACCUMULATE = "AccumulateGrad"
@@ -81,13 +83,14 @@ class Ceiling:
                 if meta.get(_KEY) is token:
                     continue
                 meta[_KEY] = token
-                handle = node.register_prehook(hook)
-                if _ACCUMULATE in node.name():
-                    # A parameter's AccumulateGrad node outlives a graph while another holds
-                    # it (the next forward runs before the last loss is freed): unhook it at
-                    # the step's end, or its hooks would pile up step after step.
-                    self._lasting.append(handle)
-                self.nodes_hooked += 1
+                if not meta.get(FP32_ONLY):  # op capture found it never holds fp16 under autocast
+                    handle = node.register_prehook(hook)
+                    if _ACCUMULATE in node.name():
+                        # A parameter's AccumulateGrad node outlives a graph while another holds
+                        # it (the next forward runs before the last loss is freed): unhook it at
+                        # the step's end, or its hooks would pile up step after step.
+                        self._lasting.append(handle)
+                    self.nodes_hooked += 1
                 for nxt, _ in node.next_functions:
                     if nxt is not None:
                         stack.append(nxt)

@@ -8,9 +8,25 @@ a gradient gets a gradient hook, under the name ``"<module>/<op>"`` of the inner
 module it ran in (``"block.attn/softmax"``; a second ``add`` in the same call is
 ``"block/add.1"``). Pure layout ops (views, reshapes, copies, dtype moves) are skipped:
 their gradients are the same numbers, rearranged, as the gradients of the ops next to
-them. Torch functions called by other functions (``F.layer_norm`` inside a Python
-function) are seen once, at the outermost torch call, because the mode is off while a
-call it intercepted runs.
+them. A compute op whose output happens to be a view of a tensor it made itself is
+recorded (a biased ``nn.Linear`` on 3-D input returns a view of its ``addmm``); an
+output that views one of the op's inputs is layout. Torch functions called by other
+functions (``F.layer_norm`` inside a Python function) are seen once, at the outermost
+torch call, because the mode is off while a call it intercepted runs.
+
+**Ops that autocast computes in fp32.** Under fp16 autocast some ops run in fp32 whatever
+their inputs (losses, and on CUDA norms and softmax), and ops on fp32 inputs stay in fp32
+(an RMSNorm that calls ``.float()``). Their gradients are fp32 in the real run, so an fp16
+bound does not apply to them. The dtype each op would get under autocast is worked out
+while the forward runs: an op's class is asked of autocast itself, once per op and device
+(the op is run on fp16 copies of its inputs under ``torch.autocast``, on copies so nothing
+of the model changes: fp32 out means autocast keeps it in fp32; then on fp32 copies: fp16
+out means autocast lowers it), and dtypes flow through the other ops by type promotion
+and explicit casts. An op whose output would be fp32 and whose every consumer computes in
+fp32 (no lowered op, no cast) never holds an fp16 gradient: it is left out of the
+histograms and the overflow ceiling, and named in the report
+(``metadata.extra["autocast_fp32_ops"]``). When the profile itself runs under autocast the
+real dtypes are used.
 
 This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``):
 it names the ops and hands their outputs to the recorder through its public interface
@@ -19,25 +35,35 @@ it names the ops and hands their outputs to the recorder through its public inte
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
+from fp16probe.capture.ceiling import FP32_ONLY
+from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
-__all__ = ["LAYOUT_OPS", "attach", "op_name"]
+__all__ = ["FP32_ONLY", "LAYOUT_OPS", "attach", "op_name"]
 
 # Ops that move, view or copy values without computing new ones.
 LAYOUT_OPS = frozenset(
     {
-        "bfloat16", "chunk", "clone", "contiguous", "cpu", "cuda", "detach", "double", "expand",
-        "expand_as", "flatten", "float", "get", "getitem", "half", "movedim", "narrow", "permute",
-        "reshape", "reshape_as", "select", "split", "squeeze", "swapaxes", "t", "to", "transpose",
-        "type", "unbind", "unflatten", "unsqueeze", "view", "view_as",
+        "T", "H", "mT", "mH", "alias", "as_strided", "bfloat16", "broadcast_to", "chunk", "clone",
+        "contiguous", "cpu", "cuda", "detach", "diagonal", "double", "dsplit", "expand", "expand_as",
+        "flatten", "float", "get", "getitem", "half", "hsplit", "movedim", "moveaxis", "narrow",
+        "permute", "ravel", "reshape", "reshape_as", "select", "split", "split_with_sizes", "squeeze",
+        "swapaxes", "swapdims", "t", "tensor_split", "to", "transpose", "type", "unbind", "unflatten",
+        "unfold", "unsqueeze", "view", "view_as", "vsplit",
     }
 )
+# Explicit dtype conversions: what they produce, and (as consumers) a possible cast to fp16.
+_CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})
+
+_LOW, _FP32, _PASS = "lower", "fp32", "pass"  # what autocast does with an op
 
 
 def op_name(func: Any) -> str:
@@ -59,6 +85,19 @@ class _Frame:
         self.counts: dict[str, int] = {}
 
 
+class _Out:
+    """One captured op output: its row, whether it would be fp32 under autocast, whether an
+    op that computes in fp16 (or a cast) consumed it."""
+
+    __slots__ = ("name", "fp32", "exposed", "node")
+
+    def __init__(self, name: str, fp32: bool, node: Any) -> None:
+        self.name = name
+        self.fp32 = fp32
+        self.exposed = False
+        self.node = node
+
+
 class _OpCapture(TorchFunctionMode):
     """Hook the gradient of every differentiable op output while a forward runs."""
 
@@ -66,38 +105,212 @@ class _OpCapture(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
         self.stack: list[_Frame] = []
+        self.classes: dict[tuple[Any, str, bool], str] = {}  # (op, device type, fp32 run) -> class
+        # Per forward: the would-be-under-autocast dtype of tensors made in it, by id (a
+        # weakref guards against a reused id), and the captured outputs.
+        self.low: dict[int, tuple[weakref.ref, bool]] = {}
+        self.outs: dict[int, tuple[weakref.ref, _Out]] = {}
+        self.entries: list[_Out] = []  # every captured output of the forward, freed or not
+        self.fp32_only: set[str] = set()  # rows whose gradient never held fp16 in any forward
+        self.fp16_rows: set[str] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         try:
-            self._capture(func, out)
+            if self.stack and args and out is args[0] and isinstance(out, torch.Tensor) and out.is_floating_point():
+                # x.to(torch.float32) on an fp32 profile returns x itself, but under autocast it
+                # would make a new fp32 tensor from an fp16 x: give the result its own identity
+                # (a view, the same values and storage) so the two can carry different dtypes.
+                op = op_name(func)
+                if op in _CASTS:
+                    low = self._cast_low(op, args, kwargs or {})
+                    if low is not None and low != self._is_low(out):
+                        out = out.view_as(out)
+        except Exception as e:
+            self.recorder.note_error(e)
+        try:
+            self._capture(func, args, kwargs or {}, out)
         except Exception as e:  # bookkeeping must never break training
             self.recorder.note_error(e)
         return out
 
-    def _capture(self, func: Any, out: Any) -> None:
+    # -- the dtype an op would have under autocast -----------------------------------
+    def _is_low(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` would be fp16 under autocast (tensors not made in this forward: their dtype)."""
+        entry = self.low.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return t.dtype in (torch.float16, torch.bfloat16)
+
+    def _set_low(self, t: torch.Tensor, low: bool) -> None:
+        self.low[id(t)] = (weakref.ref(t), low)
+
+    def _class(self, func: Any, args: Sequence[Any], kwargs: Any, device: torch.device, fp32_run: bool) -> str:
+        """Ask autocast what it does with ``func`` (cached per op and device)."""
+        key = (func, device.type, fp32_run)
+        got = self.classes.get(key)
+        if got is None:
+            got = self.classes[key] = _ask_autocast(func, args, kwargs, device, fp32_run)
+        return got
+
+    def _cast_low(self, op: str, args: Sequence[Any], kwargs: Any) -> bool | None:
+        """What an explicit conversion makes, fp16/bf16 (True) or not (False); None: no dtype change."""
+        if op in ("half", "bfloat16"):
+            return True
+        if op in ("float", "double"):
+            return False
+        for a in list(args[1:]) + list(kwargs.values()):
+            if isinstance(a, torch.dtype):
+                return a in (torch.float16, torch.bfloat16)
+            if isinstance(a, torch.Tensor):  # .to(other): other's dtype (as it would be under autocast)
+                return self._is_low(a)
+            if isinstance(a, str) and a.endswith(("HalfTensor", "BFloat16Tensor")):
+                return True
+        return None  # .to(device), .type() with no dtype
+
+    def _output_low(self, op: str, func: Any, args: Sequence[Any], kwargs: Any, out: torch.Tensor,
+                    inputs: list[torch.Tensor]) -> bool:
+        if torch.is_autocast_enabled(out.device.type):  # the profile runs under autocast: real dtypes
+            return out.dtype in (torch.float16, torch.bfloat16)
+        if op in _CASTS:
+            low = self._cast_low(op, args, kwargs)
+            if low is not None:
+                return low
+        if op in LAYOUT_OPS or op in _CASTS:
+            return bool(inputs) and self._is_low(inputs[0])
+        floats = [t for t in inputs if t.is_floating_point()]
+        if self._class(func, args, kwargs, out.device, False) == _FP32:
+            return False
+        if all(self._is_low(t) for t in floats if t.dim() > 0) and floats:
+            return True  # fp16 in, not an fp32 op: fp16 out
+        # Some input would be fp32: a lowered op still gives fp16, any other op promotes.
+        return self._class(func, args, kwargs, out.device, True) == _LOW
+
+    # -- capture -----------------------------------------------------------------------
+    def _capture(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> None:
         if not self.stack:
             return
         frame = self.stack[-1]
-        if not frame.selected:
-            return
-        tensors = [
-            t for t in iter_tensors(out)
-            if t.is_floating_point() and t.grad_fn is not None and not t._is_view()
-        ]
-        if not tensors:
+        outs = [t for t in iter_tensors(out) if t.is_floating_point()]
+        if not outs:
             return
         op = op_name(func)
-        if op in LAYOUT_OPS:
+        inputs = [t for t in iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
+        low = self._output_low(op, func, args, kwargs, outs[0], inputs)
+        for t in outs:
+            self._set_low(t, low)
+        # A consumer that computes in fp16 (or casts) gives its fp32 inputs' gradients an
+        # fp16 pass in the real run.
+        if low or op in _CASTS:
+            for t in inputs:
+                entry = self.outs.get(id(t))
+                if entry is not None and entry[0]() is t:  # not a freed tensor's reused id
+                    entry[1].exposed = True
+        if not frame.selected or op in LAYOUT_OPS:
+            return
+        input_ids = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
+        tensors = [
+            t for t in outs
+            if t.grad_fn is not None
+            # A view of an input is layout; a view of what the op made itself (a biased
+            # Linear on 3-D input returns a view of its addmm) is the op's output.
+            and not (t._is_view() and id(t._base) in input_ids)
+        ]
+        if not tensors:
             return
         n = frame.counts.get(op, 0)
         frame.counts[op] = n + 1
         name = f"{frame.name}/{op}" if n == 0 else f"{frame.name}/{op}.{n}"
-        self.recorder.capture_output(name, op, tensors)
+        rec = self.recorder
+        if rec.precision is None:
+            rec.precision = detect_precision(tensors)
+        act_i = rec.register(ACTIVATION, name, op) if rec.capture[ACTIVATION] else None
+        grad_i = rec.register(ACTIVATION_GRAD, name, op) if rec.capture[ACTIVATION_GRAD] else None
+        for t in tensors:
+            if act_i is not None:
+                rec.record(ACTIVATION, act_i, t)
+            if t.requires_grad:
+                entry = _Out(name, not low, t.grad_fn)
+                self.outs[id(t)] = (weakref.ref(t), entry)
+                self.entries.append(entry)
+                if grad_i is not None:
+                    t.register_hook(self._grad_hook(grad_i, entry))
+
+    def _grad_hook(self, i: int, entry: _Out):
+        rec = self.recorder
+
+        def hook(grad: torch.Tensor) -> None:
+            if rec.enabled and not (entry.fp32 and not entry.exposed):
+                rec.record(ACTIVATION_GRAD, i, grad)
+
+        return hook
+
+    def end_forward(self) -> None:
+        """Settle which outputs stay fp32 under autocast; mark their nodes for the ceiling."""
+        for o in self.entries:
+            if o.fp32 and not o.exposed:
+                self.fp32_only.add(o.name)
+                try:
+                    o.node.metadata[FP32_ONLY] = True
+                except Exception:  # a node without metadata: it simply counts
+                    pass
+            else:
+                self.fp16_rows.add(o.name)
+        self.low.clear()
+        self.outs.clear()
+        self.entries = []
+
+    @property
+    def autocast_fp32_rows(self) -> list[str]:
+        """Rows whose gradient stays fp32 under autocast in every forward seen."""
+        return sorted(self.fp32_only - self.fp16_rows)
 
 
-def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder) -> list[Any]:
+def _copy_args(obj: Any, float_dtype: torch.dtype) -> Any:
+    """Copies of the tensors in ``obj`` (floats cast to ``float_dtype``): the op may write to its inputs."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to(float_dtype, copy=True) if t.is_floating_point() else t.clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_args(v, float_dtype) for v in obj) if not hasattr(obj, "_fields") else obj
+    if isinstance(obj, dict):
+        return {k: _copy_args(v, float_dtype) for k, v in obj.items()}
+    return obj
+
+
+def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.device, fp32_run: bool) -> str:
+    """Run ``func`` on copies of its inputs under fp16 autocast and read the class off the output dtype.
+
+    ``fp32_run=False``: fp16 inputs; an fp32 output means autocast runs the op in fp32.
+    ``fp32_run=True``: fp32 inputs; an fp16 output means autocast lowers the op.
+    Runs once per op and device, on copies (nothing of the model changes) with the RNG
+    state restored. An op that cannot be asked (in place, fails on copies) counts as
+    lowered: its gradient is then judged as fp16, the safe side.
+    """
+    name = op_name(func)
+    if name.endswith("_") or "out" in kwargs:  # in place: never run twice
+        return _LOW
+    try:
+        dtype = torch.float32 if fp32_run else torch.float16
+        a, k = _copy_args(tuple(args), dtype), _copy_args(dict(kwargs), dtype)
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, dtype=torch.float16):
+            got = func(*a, **k)
+        first = next((t for t in iter_tensors(got) if t.is_floating_point()), None)
+    except Exception:
+        return _LOW
+    if first is None:
+        return _LOW
+    if fp32_run:
+        return _LOW if first.dtype == torch.float16 else _PASS
+    return _FP32 if first.dtype == torch.float32 else _PASS
+
+
+def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, on_capture: Any = None) -> list[Any]:
     """Register the hooks that run op capture on ``model``, feeding ``recorder``; return their handles.
+
+    ``on_capture``, when given, receives the capture object once (the Probe reads its
+    ``autocast_fp32_rows`` for the report).
 
     ``selected`` are the module names (``""`` for the root) whose ops are recorded; an op
     is recorded when the innermost selected module on the call stack is one of them,
@@ -106,6 +319,8 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder) -> lis
     """
     chosen = set(selected)
     mode = _OpCapture(recorder)
+    if on_capture is not None:
+        on_capture(mode)
     handles: list[Any] = []
     depth = [0]
 
@@ -140,6 +355,7 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder) -> lis
         if depth[0] == 0:
             mode.__exit__(None, None, None)
             mode.stack.clear()
+            mode.end_forward()
 
     handles.append(model.register_forward_pre_hook(root_pre))
     for name, module in model.named_modules():

@@ -133,6 +133,7 @@ class Probe:
             else None
         )
         self._handles: list[Any] = []
+        self._op_captures: list[Any] = []  # op capture objects (granularity="op"), for the report
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
@@ -210,7 +211,7 @@ class Probe:
             if self.granularity == "op" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
                 from fp16probe.capture import ops
 
-                self._handles.extend(ops.attach(self.model, self._hooked, rec))
+                self._handles.extend(ops.attach(self.model, self._hooked, rec, on_capture=self._set_op_capture))
             if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
                 modules = dict(self.model.named_modules())
                 for name in self._hooked:
@@ -230,6 +231,9 @@ class Probe:
         except BaseException:
             self._detach()
             raise
+
+    def _set_op_capture(self, capture: Any) -> None:
+        self._op_captures.append(capture)
 
     def _detach(self) -> None:
         handles, self._handles = self._handles, []
@@ -296,6 +300,9 @@ class Probe:
         silent = self._silent_modules(got.modules, len(trace))
         if silent:
             extra_meta["unrecorded_modules"] = silent
+        fp32_rows = sorted({r for c in self._op_captures for r in c.autocast_fp32_rows})
+        if fp32_rows:
+            extra_meta["autocast_fp32_ops"] = fp32_rows
         if self.recorder.sharded_weight_grads:
             extra_meta["weight_grad_sharding"] = "sharded"
         if self.recorder.scale_source is not None:
@@ -324,7 +331,18 @@ class Probe:
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             extra=extra_meta,
         )
-        return Report(metadata=metadata, modules=got.modules, trace=trace)
+        modules = got.modules
+        if fp32_rows:  # rows made at forward time for gradients that turned out to stay fp32
+            drop = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.name in fp32_rows
+                    and m.histogram.total == 0}
+            modules = tuple(m for m in modules if not (m.kind == ACTIVATION_GRAD and m.name in drop))
+            module_max = dict(trace.module_max)
+            if ACTIVATION_GRAD in module_max:
+                module_max[ACTIVATION_GRAD] = {
+                    n: v for n, v in module_max[ACTIVATION_GRAD].items() if n not in drop
+                }
+            trace = dataclasses.replace(trace, module_max=module_max)
+        return Report(metadata=metadata, modules=modules, trace=trace)
 
     def _silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> list[str]:
         """Hooked modules whose output never carried a gradient (e.g. a forward bypassed by its parent)."""

@@ -446,6 +446,7 @@ def run_profile(
                         "check that the model's parameters require grad"
                     )
                 what = "backward"
+                probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
                 (scaler.scale(value) if scaler is not None else value).backward()
                 if optimizer is not None:
                     what = "optimizer step"
