@@ -20,6 +20,8 @@ from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
 from fp16probe.presentation.trackers import export
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.running.profile import profile
+from fp16probe.running.verify import verify
+from fp16probe.verification import Verification
 
 __all__ = [
     "AnalysisError",
@@ -41,6 +43,7 @@ __all__ = [
     "ReportFieldError",
     "StepTrace",
     "UnknownFormatError",
+    "Verification",
     "Verdict",
     "WhatIfRow",
     "WhatIfTable",
@@ -51,6 +54,7 @@ __all__ = [
     "profile",
     "replay_scaler",
     "simulate",
+    "verify",
     "weight_update_loss",
     "what_if",
 ]

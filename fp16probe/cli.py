@@ -282,7 +282,7 @@ def profile(
             _check_writable(plot, "--plot")
         opt = None if optimizer is OptimizerName.none else optimizer.value
         check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                       format=format.value, kind=kind.value)
+                       format=format.value, kind=kind.value, verify=verify)
         is_dist = distributed.init_from_env()
         rank = distributed.rank()
         dev = pick_device(device.value)
@@ -329,6 +329,8 @@ def profile(
             sys.stdout.write(report.to_json() + "\n")
         else:
             render.print_profile_summary(console, report, rec, fmt=format.value, kind=kind.value, out=str(out))
+            if report.verification is not None:
+                render.print_verification(console, report.verification)
     raise typer.Exit(_exit_code(report))
 
 
@@ -376,6 +378,8 @@ def show(
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
             render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
+            if r.verification is not None:
+                render.print_verification(console, r.verification)
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
@@ -411,6 +415,7 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
             for m in modules
         ],
         "recommendation": rec.to_dict(),
+        "verification": None if report.verification is None else report.verification.to_dict(),
     })
 
 

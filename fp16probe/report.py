@@ -17,6 +17,7 @@ from fp16probe import validation
 from fp16probe.errors import ReportError
 from fp16probe.histogram import Histogram
 from fp16probe.recommendation import Recommendation
+from fp16probe.verification import Verification
 
 __all__ = [
     "KINDS",
@@ -175,6 +176,7 @@ class Report:
     trace: StepTrace = field(default_factory=StepTrace)
     recommendation: Recommendation | None = None
     schema_version: int = SCHEMA_VERSION
+    verification: Verification | None = None  # the recommended setting run for real (profile --verify)
 
     # -- accessors -----------------------------------------------------------------
     @property
@@ -199,6 +201,10 @@ class Report:
     def with_recommendation(self, recommendation: Recommendation | None) -> "Report":
         """Return a copy of this report carrying ``recommendation``."""
         return replace(self, recommendation=recommendation)
+
+    def with_verification(self, verification: Verification | None) -> "Report":
+        """Return a copy of this report carrying ``verification``."""
+        return replace(self, verification=verification)
 
     # -- presentation (matplotlib and rich load only when these are called) ---------
     def plot(self, which: str = "all", **kwargs: Any) -> Any:
@@ -225,6 +231,7 @@ class Report:
             "modules": [m.to_dict() for m in self.modules],
             "trace": self.trace.to_dict(),
             "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
+            **({} if self.verification is None else {"verification": self.verification.to_dict()}),
         }
 
     @classmethod
@@ -248,6 +255,8 @@ class Report:
                 recommendation=(None if d.get("recommendation") is None
                                 else Recommendation.from_dict(d["recommendation"])),
                 schema_version=version,
+                verification=(None if d.get("verification") is None
+                              else Verification.from_dict(d["verification"])),
             )
         except ReportError as e:
             raise ReportError(f"{source}: {e}; the file is corrupt or was edited: re-create it with fp16probe profile") from e

@@ -339,3 +339,40 @@ def print_compare(console: Any, result: Any) -> None:
         console.print("[green]no regression[/green]")
     else:
         console.print(f"[bold red]regression: {len(result.failures)} check(s) failed[/bold red]")
+
+
+def print_verification(console: Any, v: Any) -> None:
+    """Print a Verification: the recommended setting run for real, predicted against measured."""
+    from rich.table import Table
+
+    scaler = ("no loss scaler" if not v.scaler_kwargs else
+              "GradScaler(" + ", ".join(f"{k}={val!r}" for k, val in v.scaler_kwargs.items()) + ")")
+    console.print(f"verification: the recommendation run for real: {v.precision} autocast on {v.device}, "
+                  f"{v.steps} steps on the profiled batches, {scaler}", markup=False, soft_wrap=True)
+    table = Table()
+    table.add_column("")
+    table.add_column("predicted", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_row("steps that overflowed", f"{v.predicted_overflow_steps} of {v.steps}",
+                  f"{v.measured_overflow_steps} of {v.steps}")
+    table.add_row(f"{v.kind} values zeroed", _percent(v.predicted_zeroed_fraction), _percent(v.measured_zeroed_fraction))
+    console.print(table)
+    console.print(
+        f"zeroed: of the fp32 run's {v.nonzero_values:,} nonzero {v.kind} values on the same batches, the "
+        f"{v.zeroed_values:,} that came out exactly 0 in the {v.precision} run; tolerance "
+        f"±{_percent(v.tolerance)}", markup=False, soft_wrap=True)
+    verdict = "held" if v.held else "did NOT hold"
+    console.print(f"prediction {verdict}: {v.measured_overflow_steps} overflowing step(s) against "
+                  f"{v.predicted_overflow_steps} predicted, zeroed share off by "
+                  f"{_percent(abs(v.measured_zeroed_fraction - v.predicted_zeroed_fraction))} "
+                  f"(this proves these {v.steps} steps on these batches, not a whole training run)",
+                  markup=False, soft_wrap=True, style=None if v.held else "bold red")
+    for note in v.notes:
+        console.print(f"note: {note}", markup=False, soft_wrap=True)
+
+
+def _percent(x: float) -> str:
+    """A share as a percentage with enough digits to tell small shares apart."""
+    if x == 0:
+        return "0%"
+    return f"{x:.3%}" if x >= 1e-3 else f"{x * 100:.3g}%"

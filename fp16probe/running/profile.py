@@ -8,6 +8,7 @@ parameters (``steps=...``); the command line maps parameter names to its flags.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 import signal
@@ -23,6 +24,7 @@ from fp16probe.errors import Fp16ProbeError, InputError, ModelError
 from fp16probe.report import ACTIVATION_GRAD, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
+from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
 
 __all__ = [
     "OPTIMIZERS",
@@ -38,7 +40,6 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 STOPPED_INTERRUPTED = "interrupted"  # Ctrl-C (KeyboardInterrupt)
 STOPPED_TERMINATED = "terminated"  # SIGTERM, as timeout, docker and Kubernetes send
 STOPPED_ERROR = "error"  # the model, the loss or the batches raised
@@ -92,6 +93,7 @@ def check_settings(
     lr: float = 1e-3,
     format: str = "fp16",
     kind: str = ACTIVATION_GRAD,
+    verify: bool = False,
 ) -> None:
     """Refuse, before anything runs, settings that cannot work; raise InputError naming the parameter."""
     from fp16probe.formats import get_format
@@ -118,6 +120,12 @@ def check_settings(
     get_format(format)  # raises UnknownFormatError naming the known formats
     if kind not in KINDS:
         raise InputError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
+    if verify and precision != "fp32":
+        raise InputError(f"verify= checks a prediction made from the fp32 reference; profile with precision='fp32', "
+                         f"not precision={precision!r}")
+    if verify and format not in ("fp16", "bf16"):
+        raise InputError(f"verify= runs the recommendation under torch.autocast, which computes in fp16 or bf16 "
+                         f"only, not format={format!r}")
 
 
 def _is_scaler_object(scaler: Any) -> bool:
@@ -182,7 +190,7 @@ def profile(
     report of the steps before it as the error's ``report``.
     """
     check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
-                   format=format, kind=kind)
+                   format=format, kind=kind, verify=verify)
     model, dev, notes = prepare_model(model, device)
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
@@ -192,6 +200,7 @@ def profile(
                            loss_scale=_scale_of(scaler), lr=lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
     runner = _distributed_runner(model)
+    initial = copy.deepcopy(model) if verify else None  # the weights before the run, for verify()
     with probe, _sigterm_as_interrupt():
         result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                              optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
@@ -210,10 +219,9 @@ def profile(
         result.error.report = report
         raise result.error
     if verify and report is not None and not report.metadata.partial:
-        from fp16probe.verification import verify as run_verification
+        from fp16probe.running.verify import verify as run_verification
 
-        report = run_verification(model, report, batches_seen=result.batches, loss_fn=loss,
-                                  device=dev, format=format, kind=kind)
+        report = report.with_verification(run_verification(initial, report, result.batches, loss, device=dev))
     return report
 
 
@@ -356,12 +364,6 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
         return contextlib.nullcontext()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    """Build the optimizer named ``name`` (``sgd``, ``adam``, ``adamw``) over the trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return OPTIMIZERS[name](params, lr=lr)
 
 
 # Messages of errors that say a batch does not fit the model (shape, dtype, arguments),

@@ -1,0 +1,249 @@
+"""``fp16probe.verify``: run the recommended setting for real and set it beside the prediction.
+
+After an fp32 profile and its recommendation, the same model (from the same weights) runs the
+same batches twice, step by step: once in fp32 (the reference) and once under autocast in the
+target format with the recommended ``torch.amp.GradScaler`` (CPU autocast where there is no
+GPU). Every gradient the loss scale multiplies is compared value by value: the output
+gradient of each module the profile hooked and every weight gradient. A value nonzero in the
+fp32 run and exactly zero in the scaled run was lost; a step whose scaled gradients held
+inf/NaN overflowed (the GradScaler backs off and skips it). This proves the recommendation for
+these steps on these batches, not for a whole training run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
+from fp16probe.running.inputs import call_model, move_to
+from fp16probe.running.losses import Loss, as_loss
+from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
+from fp16probe.verification import Verification, tolerance_for
+
+__all__ = ["VERIFIABLE_FORMATS", "verify"]
+
+VERIFIABLE_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}  # what autocast can compute in
+ALL_KINDS = "all"
+
+
+def verify(
+    model: nn.Module,
+    report: Report,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Loss | None = None,
+    *,
+    device: str | torch.device | None = None,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> Verification:
+    """Run ``report``'s recommendation for real on ``batches`` and return predicted against measured.
+
+    Args:
+        model: the model as it was before the profile (same weights); it is copied, never changed.
+        report: an fp32 profile with its recommendation (``fp16probe.profile``'s result).
+        batches: the batches the profile ran (one step each; as many steps as batches).
+        loss_fn: the profile's loss (default: as in :func:`fp16probe.profile`).
+        device: where to run (default: where the model's parameters are).
+        tolerance: how far the measured zeroed share may lie from the predicted one (default:
+            :func:`fp16probe.verification.tolerance_for` the prediction: 10% of it, at least 0.0001).
+        seed: seeds the random number generators identically for both runs of each step
+            (dropout draws the same masks in fp32 and in the target format).
+
+    The run uses the profile's optimizer (``metadata.extra["optimizer"]``) when it had one;
+    otherwise the weights stay as they are. It synchronises with the device once per step.
+    """
+    rec = report.recommendation
+    if rec is None:
+        raise InputError("report: it has no recommendation to verify; profile it with fp16probe.profile first")
+    dtype = VERIFIABLE_FORMATS.get(rec.format)
+    if dtype is None:
+        raise InputError(
+            f"format={rec.format!r}: verification runs the model under torch.autocast, which computes in "
+            f"{' or '.join(VERIFIABLE_FORMATS)} only"
+        )
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance <= 1):
+        raise InputError(f"tolerance={tolerance!r}: expected a fraction in [0, 1], e.g. 0.01")
+    loss = as_loss(loss_fn)
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    batch_list = [move_to(b, dev) for b in batches]
+    if not batch_list:
+        raise InputError("batches: no batch to verify on")
+    notes: list[str] = []
+    kwargs = dict(rec.grad_scaler_kwargs)
+    if rec.log2_scale is None:
+        notes.append(f"the verdict is {rec.verdict}: there is no recommended scale, so this ran without a loss scaler")
+    predicted_zeroed = rec.flushed_fraction_at_scale if rec.flushed_fraction_at_scale is not None else (
+        rec.flushed_fraction_at_1 or 0.0)
+    predicted_overflow = int(rec.overflow_steps_at_scale or 0)
+    if tolerance is None:
+        tolerance = tolerance_for(predicted_zeroed)
+
+    reference = copy.deepcopy(model).to(dev).float().train()
+    target = copy.deepcopy(model).to(dev).float().train()
+    scaler = torch.amp.GradScaler(dev.type, **kwargs) if kwargs else None
+    optimizer_spec = report.metadata.extra.get("optimizer")
+    ref_opt = _optimizer(reference, optimizer_spec)
+    # GradScaler.step needs an optimizer; without one in the profile, SGD at lr 0 leaves the weights as they are.
+    tgt_opt = _optimizer(target, optimizer_spec) or torch.optim.SGD(
+        [p for p in target.parameters() if p.requires_grad], lr=0.0)
+    names = [n for n in report.metadata.hooked_modules]
+    counts = {ACTIVATION_GRAD: [0, 0], WEIGHT_GRAD: [0, 0]}  # kind -> [nonzero in fp32, of those zero in target]
+    overflow_steps = 0
+    scales: list[float] = []
+    with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads:
+        for step, batch in enumerate(batch_list):
+            ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None, ref_opt)
+            scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
+            tgt_w = _run_step(target, batch, loss, step, seed, dev, dtype, scaler, None)
+            overflowed = _finish_target_step(target, scaler, tgt_opt)
+            overflow_steps += int(overflowed)
+            pairs = {
+                ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), notes, "module output gradients"),
+                WEIGHT_GRAD: _pair(ref_w, tgt_w, notes, "weight gradients"),
+            }
+            for kind, tensors in pairs.items():
+                nz, lost = _compare(tensors)
+                counts[kind][0] += nz
+                counts[kind][1] += lost
+            if ref_opt is not None:
+                ref_opt.step()
+            reference.zero_grad(set_to_none=True)
+            target.zero_grad(set_to_none=True)
+    by_kind = {k: {"nonzero_values": nz, "zeroed_values": z, "zeroed_fraction": z / nz if nz else 0.0}
+               for k, (nz, z) in counts.items()}
+    nz_all = sum(nz for nz, _ in counts.values())
+    z_all = sum(z for _, z in counts.values())
+    by_kind[ALL_KINDS] = {"nonzero_values": nz_all, "zeroed_values": z_all,
+                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0}
+    kind = rec.kind if rec.kind in counts else ALL_KINDS
+    measured = by_kind[kind]
+    if measured["nonzero_values"] == 0:
+        notes.append(f"the fp32 run had no nonzero {kind} values to compare")
+    held = rec.log2_scale is not None and Verification.judge(
+        predicted_overflow, overflow_steps, predicted_zeroed, measured["zeroed_fraction"], tolerance)
+    return Verification(
+        precision=rec.format, device=str(dev), steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
+        predicted_overflow_steps=predicted_overflow, measured_overflow_steps=overflow_steps,
+        predicted_zeroed_fraction=float(predicted_zeroed), measured_zeroed_fraction=measured["zeroed_fraction"],
+        tolerance=float(tolerance), held=held, nonzero_values=measured["nonzero_values"],
+        zeroed_values=measured["zeroed_values"], by_kind=by_kind, scales=tuple(scales), notes=tuple(notes),
+    )
+
+
+def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
+    if not isinstance(spec, Mapping) or spec.get("name") not in OPTIMIZERS:
+        return None
+    return make_optimizer(model, spec["name"], float(spec["lr"]))
+
+
+def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, device: torch.device,
+              dtype: torch.dtype | None, scaler: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """One forward and backward; return the weight gradients (scaled ones stay scaled: zeros are zeros)."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + step)
+        try:
+            if dtype is None:
+                value = loss.fn(call_model(model, batch), batch)
+            else:
+                with torch.autocast(device_type=device.type, dtype=dtype):
+                    value = loss.fn(call_model(model, batch), batch)
+            value = value.reshape(())
+            (scaler.scale(value) if scaler is not None else value).backward()
+        except Fp16ProbeError:
+            raise
+        except Exception as e:  # the profile ran these batches; a failure now is the model's
+            where = "fp32 reference" if dtype is None else f"{str(dtype).removeprefix('torch.')} run"
+            raise ModelError(f"verification step {step + 1} ({where}): {type(e).__name__}: {e}") from e
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _finish_target_step(model: nn.Module, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Step the target run through its scaler; return whether its gradients held inf/NaN."""
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skips the update on inf/NaN
+        scaler.update()
+        return scaler.get_scale() < before  # GradScaler backs off exactly when it found inf/NaN
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bad = bool(torch.stack([~torch.isfinite(g).all() for g in grads]).any()) if grads else False
+    if not bad:
+        optimizer.step()
+    return bad
+
+
+def _pair(ref: Mapping[str, Any], tgt: Mapping[str, Any], notes: list[str], what: str) -> list[tuple[Any, Any]]:
+    """Match the two runs' gradients by name (and call order); note what does not match."""
+    pairs = []
+    for name, r in ref.items():
+        t = tgt.get(name)
+        rs = r if isinstance(r, list) else [r]
+        ts = t if isinstance(t, list) else ([] if t is None else [t])
+        if len(rs) != len(ts) or any(a.shape != b.shape for a, b in zip(rs, ts)):
+            note = f"{what} of {name} differ in number or shape between the runs; left out"
+            if note not in notes:
+                notes.append(note)
+            continue
+        pairs.extend(zip(rs, ts))
+    return pairs
+
+
+def _compare(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+    """Count the fp32 nonzero values and, of those, the ones the target run made exactly zero."""
+    if not pairs:
+        return 0, 0
+    nonzero = torch.zeros((), dtype=torch.int64, device=pairs[0][0].device)
+    lost = torch.zeros_like(nonzero)
+    for r, t in pairs:
+        nz = (r != 0) & torch.isfinite(r)
+        nonzero += nz.sum()
+        lost += (nz & (t.to(r.device) == 0)).sum()
+    return int(nonzero), int(lost)  # one host sync per step
+
+
+class _OutputGrads:
+    """Collect the gradient of each named module's floating outputs, per forward call, until taken."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        modules = dict(model.named_modules())
+        self.modules = {n: modules[n] for n in names if n in modules}
+        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_OutputGrads":
+        for name, module in self.modules.items():
+            self.handles.append(module.register_forward_hook(self._forward_hook(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for t in _floating(output):
+                if t.requires_grad:
+                    t.register_hook(lambda g, name=name: self.grads.setdefault(name, []).append(g.detach()))
+        return hook
+
+    def take(self) -> dict[str, list[torch.Tensor]]:
+        """Return this step's gradients and start afresh."""
+        grads, self.grads = self.grads, {}
+        return grads
+
+
+def _floating(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _floating(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _floating(v)]
+    return []
+

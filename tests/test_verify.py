@@ -1,0 +1,122 @@
+"""fp16probe.verify / profile(verify=True) / profile --verify: the recommendation run for real."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from torch import nn
+from typer.testing import CliRunner
+
+import fp16probe
+from fp16probe import InputError, Report, ReportError, Verification
+from fp16probe.cli import EXIT_OK, EXIT_USAGE, app
+from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
+from fp16probe.verification import tolerance_for
+
+
+def small_gradient_model() -> nn.Module:
+    """A narrow version of the demo: 16 tanh layers whose gradients shrink towards the input."""
+    return DemoNet(depth=16, width=32)
+
+
+def small_batches(n: int = 3):
+    return [b for _, b in zip(range(n), demo_batches(width=32, batch=64))]
+
+
+mse = demo_loss
+
+
+@pytest.fixture(scope="module")
+def verified() -> Report:
+    return fp16probe.profile(small_gradient_model(), small_batches(), mse, steps=3, verify=True)
+
+
+def test_verify_runs_the_recommendation_and_the_prediction_holds(verified):
+    v = verified.verification
+    rec = verified.recommendation
+    assert v is not None and v.precision == "fp16" and v.device == "cpu" and v.steps == 3
+    assert v.scaler_kwargs == dict(rec.grad_scaler_kwargs)
+    assert v.scales[0] == rec.grad_scaler_kwargs.get("init_scale", 1.0)
+    assert v.predicted_zeroed_fraction == rec.flushed_fraction_at_scale
+    assert v.nonzero_values > 0 and v.measured_zeroed_fraction == v.zeroed_values / v.nonzero_values
+    assert v.measured_overflow_steps == 0
+    assert abs(v.measured_zeroed_fraction - v.predicted_zeroed_fraction) <= v.tolerance
+    assert v.held
+
+
+def test_at_scale_one_the_real_fp16_run_loses_what_the_profile_predicts(verified):
+    """Independent of the recommendation: with no scaler, fp16 autocast zeroes the share the histograms flush at S = 1."""
+    rec = dataclasses.replace(verified.recommendation, grad_scaler_kwargs={}, log2_scale=0,
+                              flushed_fraction_at_scale=verified.recommendation.flushed_fraction_at_1,
+                              overflow_steps_at_scale=0)
+    v = fp16probe.verify(small_gradient_model(), verified.with_recommendation(rec), small_batches(), mse)
+    assert rec.flushed_fraction_at_1 > 0.1  # the model does lose values at S = 1
+    assert v.measured_zeroed_fraction == pytest.approx(rec.flushed_fraction_at_1, rel=0.1)
+    assert v.held
+
+
+def test_a_scale_that_overflows_is_caught(verified):
+    """The check can fail: a doctored recommendation of S = 2^40 that claims no overflow does not hold."""
+    kwargs = dict(verified.recommendation.grad_scaler_kwargs, init_scale=2.0**40, growth_interval=2000)
+    rec = dataclasses.replace(verified.recommendation, grad_scaler_kwargs=kwargs, log2_scale=40,
+                              overflow_steps_at_scale=0)
+    v = fp16probe.verify(small_gradient_model(), verified.with_recommendation(rec), small_batches(), mse)
+    assert v.measured_overflow_steps > 0
+    assert v.scales[1] < v.scales[0]  # the real GradScaler backed off
+    assert not v.held
+
+
+def test_verification_round_trips_through_the_report_file(verified, tmp_path):
+    path = verified.save(tmp_path / "r.json")
+    loaded = Report.load(path)
+    assert loaded.verification == verified.verification
+    assert "verification" in json.loads(path.read_text())
+
+
+def test_a_report_without_verification_has_no_key(tmp_path):
+    report = fp16probe.profile(small_gradient_model(), small_batches(1), mse, steps=1)
+    assert report.verification is None and "verification" not in report.to_dict()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("held", "false"), ("measured_zeroed_fraction", -0.1), ("tolerance", float("nan")),
+    ("measured_overflow_steps", 1.5), ("scales", [0.0]), ("precision", 16),
+])
+def test_a_tampered_verification_is_refused(verified, field, value):
+    d = verified.verification.to_dict()
+    d[field] = value
+    with pytest.raises(ReportError, match=f"verification.{field}"):
+        Verification.from_dict(d)
+
+
+def test_tolerance_is_relative_with_a_floor():
+    assert tolerance_for(0.3) == pytest.approx(0.03)
+    assert tolerance_for(1e-6) == 1e-4
+    assert Verification.judge(0, 0, 0.01, 0.0109, 0.001) and not Verification.judge(0, 0, 0.01, 0.0111, 0.001)
+    assert not Verification.judge(0, 1, 0.01, 0.01, 0.001)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"precision": "fp16", "verify": True}, "verify= checks a prediction made from the fp32 reference"),
+    ({"format": "fp8_e4m3", "verify": True}, "verify= runs the recommendation under torch.autocast"),
+])
+def test_verify_settings_refused_before_the_run(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        fp16probe.profile(small_gradient_model(), small_batches(1), mse, steps=1, **kwargs)
+
+
+def test_cli_verify_stores_and_shows_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+    runner = CliRunner()
+    result = runner.invoke(app, ["profile", "--steps", "2", "--verify", "--out", "r.json"])
+    assert result.exit_code == EXIT_OK, result.output
+    assert Report.load("r.json").verification is not None
+    shown = runner.invoke(app, ["show", "r.json"])
+    assert "verification: the recommendation run for real: fp16 autocast on cpu, 2 steps" in shown.stderr
+    assert "prediction held" in shown.stderr
+    refused = runner.invoke(app, ["profile", "--steps", "2", "--verify", "--precision", "fp16", "--out", "f.json"])
+    assert refused.exit_code == EXIT_USAGE and "error: --verify checks a prediction" in refused.stderr
