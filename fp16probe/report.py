@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import threading
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -410,12 +412,34 @@ def _check_report_fields(d: Mapping[str, Any]) -> None:
         validation.check_recommendation(d["recommendation"])
 
 
+def _mode_for(path: Path) -> int:
+    """The permission bits ``open(path, "w")`` would leave: the replaced file's, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        pass
+    with _UMASK_LOCK:  # os.umask can only be read by setting it; restore it at once
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+_UMASK_LOCK = threading.Lock()
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    """Write ``text`` to ``path`` through a temporary file and a rename.
+
+    The file gets the mode an ordinary ``open(path, "w")`` would give it (the user's
+    umask, or the mode of the file it replaces), not the temporary file's private 0600.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

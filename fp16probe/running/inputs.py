@@ -14,20 +14,23 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from fp16probe.capture.probe import iter_tensors
-from fp16probe.errors import InputError
-from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
+from fp16probe.errors import InputError, ModelLoadError
+from fp16probe.running import families
+from fp16probe.running.loading import DEMO, HF, LoadedModel, read_hf_config, resolve_import
 
 __all__ = [
     "DTYPES",
     "Batches",
     "call_model",
+    "check_inputs_before_load",
     "describe_batch",
     "make_batches",
     "move_to",
@@ -47,11 +50,19 @@ MEMORY_SHARE = 0.5
 
 @dataclass(frozen=True)
 class Batches:
-    """An iterator of batches and how it was made (for the report's metadata)."""
+    """An iterator of batches and how it was made (for the report's metadata).
+
+    Synthetic batches made for a model family also say what their labels are
+    (``labels``), the model's own loss on them (``loss``), the family, and notes.
+    """
 
     iterator: Iterator[Any]
     description: str
     synthetic: bool
+    labels: str | None = None
+    loss: str | None = None
+    family: str | None = None
+    notes: tuple[str, ...] = field(default=())
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -136,21 +147,24 @@ def make_batches(
 
         return Batches(_to_device(demo_batches(seed=seed), device), "demo data (fp16probe.running.demo)", synthetic=False)
     gen = torch.Generator().manual_seed(seed)
-    vocab = vocab_size or loaded.vocab_size
     if input_shape is None and loaded.example_inputs is not None:
         args, kwargs = loaded.example_inputs
         desc = "synthetic: random values shaped like the archive's example inputs"
         return Batches(_to_device(_like_examples(args, kwargs, gen), device), desc, synthetic=True)
+    if loaded.kind == HF:
+        plan = families.hf_plan(type(loaded.model), hf_setting(loaded.model),
+                                shape=parse_shape(input_shape) if input_shape else None, vocab_size=vocab_size)
+        for key, value in plan.configure.items():
+            setattr(loaded.model.config, key, value)
+        return _from_plan(plan, device, seed)
+    vocab = vocab_size or loaded.vocab_size
     if vocab is not None and (input_shape is None or input_dtype in ("int64", "long", "int32")):
         shape = parse_shape(input_shape) if input_shape else DEFAULT_TOKEN_SHAPE
         _check_allocatable(shape, torch.int64, device)
         desc = f"synthetic: uniform random token ids in [0, {vocab}) of shape {list(shape)}"
         return Batches(_to_device(_token_batches(shape, vocab, gen, loaded.has_loss), device), desc, synthetic=True)
     if input_shape is None:
-        raise InputError(
-            "no inputs: pass input_shape= (e.g. 8,64) or batches= (package.module:function "
-            "that yields real batches)"
-        )
+        return _from_plan(families.module_plan(loaded.model), device, seed)
     shape = parse_shape(input_shape)
     dtype = DTYPES.get(input_dtype)
     if dtype is None:
@@ -167,6 +181,78 @@ def make_batches(
         desc = f"synthetic: uniform random ids in [0, {vocab}) of shape {list(shape)}"
         it = (torch.randint(0, vocab, shape, generator=gen, dtype=dtype) for _ in itertools.count())
     return Batches(_to_device(it, device), desc, synthetic=True)
+
+
+def check_inputs_before_load(
+    spec: str | None,
+    device: torch.device,
+    *,
+    input_shape: str | None = None,
+    input_dtype: str = "float32",
+    vocab_size: int | None = None,
+    batches: str | None = None,
+) -> None:
+    """Refuse, before a (possibly large) model is loaded, inputs that cannot work.
+
+    Checks what needs no model: the shape parses and fits in memory, the dtype is known,
+    and for a Hugging Face folder without batches, that its config says enough to draw
+    synthetic inputs for its class (or the error names what its forward() wants).
+    """
+    if batches is not None:
+        return
+    if input_shape is not None:
+        shape = parse_shape(input_shape)
+        dtype = DTYPES.get(input_dtype)
+        if dtype is None:
+            raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}")
+        _check_allocatable(shape, dtype if dtype.is_floating_point else torch.int64, device)
+    if not spec or not os.path.isdir(spec):
+        return
+    config_file = Path(spec) / "config.json"
+    if not config_file.is_file():
+        return  # load_model says what is missing
+    raw = read_hf_config(config_file)
+    archs = raw.get("architectures") or []
+    if not archs or raw.get("auto_map"):
+        return  # AutoModel or remote code: the class is known only once it is loaded
+    try:
+        import transformers
+    except ImportError:
+        return  # load_model says how to install it
+    cls = getattr(transformers, archs[0], None)
+    config_class = getattr(cls, "config_class", None)
+    if isinstance(cls, type) and isinstance(config_class, type):
+        try:  # the config alone, with its class's defaults: no weights are read
+            config = config_class.from_dict(dict(raw))
+        except Exception as e:
+            raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {_first_line(e)}") from e
+        plan = families.hf_plan(cls, _setting_of(config), shape=parse_shape(input_shape) if input_shape else None,
+                                vocab_size=vocab_size)
+        for shape_, dtype_ in plan.shapes:
+            _check_allocatable(shape_, dtype_, device)
+
+
+def hf_setting(model: nn.Module) -> Any:
+    """Read one setting of a Hugging Face model's config (None when it has none)."""
+    return _setting_of(getattr(model, "config", None))
+
+
+def _setting_of(config: Any) -> Any:
+    def get(key: str) -> Any:
+        try:
+            return getattr(config, key, None)
+        except Exception:  # a config property that cannot answer for this model
+            return None
+
+    return get
+
+
+def _from_plan(plan: families.Plan, device: torch.device, seed: int) -> Batches:
+    """Batches drawn by a family's plan, after checking that one of them fits in memory."""
+    for shape, dtype in plan.shapes:
+        _check_allocatable(shape, dtype, device)
+    return Batches(_to_device(families.iter_plan(plan, seed), device), plan.inputs, synthetic=True,
+                   labels=plan.labels, loss=plan.loss, family=plan.family, notes=plan.notes)
 
 
 def _token_batches(shape: tuple[int, ...], vocab: int, gen: torch.Generator, labels: bool) -> Iterator[dict]:
@@ -230,3 +316,8 @@ def describe_batch(batch: Any) -> str:
     """Name a batch's tensors by shape and dtype, for error messages."""
     shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in iter_tensors(batch)]
     return "inputs " + ", ".join(shapes[:4]) if shapes else type(batch).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,7 +1,8 @@
 """The loss a profile backpropagates: the caller's, the demo's, the model's own, or a default.
 
 A loss is a function ``(output, batch) -> scalar tensor``. Library code: errors name the
-parameter (``loss=...``); the command line maps parameter names to its flags.
+parameter (``loss=...``); the command line maps parameter names to its flags. Which loss
+a run without one gets, per model family, is :mod:`fp16probe.running.families`' business.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ import torch
 
 from fp16probe.capture.probe import iter_tensors
 from fp16probe.errors import InputError
+from fp16probe.running import families
 from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
 
-__all__ = ["DEFAULT_LOSS_TEXT", "Loss", "as_loss", "default_loss", "make_loss"]
+__all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "default_loss", "make_loss"]
 
-DEFAULT_LOSS_TEXT = "default: mean of squares of the model's floating-point outputs"
+DEFAULT_LOSS_TEXT = (
+    "default: the model's own .loss when the output has one, else cross-entropy against uniformly random "
+    "labels when the output is class logits [batch, classes], else the mean of squares of the outputs"
+)
+NAMED_LOSSES = families.NAMED_LOSSES
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,13 @@ class Loss:
     fn: Callable[[Any, Any], torch.Tensor]
     description: str
     synthetic: bool
+
+    def outcome(self) -> Loss:
+        """The loss as the run computed it: a loss that chooses at its first call says which way it went."""
+        decided = getattr(self.fn, "decided", None)
+        if isinstance(decided, tuple) and len(decided) == 2:
+            return Loss(self.fn, decided[0], synthetic=decided[1])
+        return self
 
 
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
@@ -44,9 +57,15 @@ def default_loss(output: Any, batch: Any) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-def make_loss(loaded: LoadedModel, loss: str | None) -> Loss:
-    """Choose the loss: ``loss`` (an import string), the demo's own, the model's ``.loss``, or the default."""
+def make_loss(loaded: LoadedModel, loss: str | None, batches: Any = None, *, seed: int = 0) -> Loss:
+    """Choose the loss: ``loss`` (a built-in name or an import string), the demo's, the family's, or the default.
+
+    ``batches`` (a :class:`~fp16probe.running.inputs.Batches`) tells whether the labels in
+    them were drawn for a model family, whose own loss then goes with them.
+    """
     if loss is not None:
+        if loss in NAMED_LOSSES:
+            return named(loss, seed)
         fn = resolve_import(loss, what="loss=")
         if not callable(fn):
             raise InputError(f"loss={loss!r} is a {type(fn).__name__}, expected a function (output, batch) -> loss")
@@ -55,17 +74,43 @@ def make_loss(loaded: LoadedModel, loss: str | None) -> Loss:
         from fp16probe.running.demo import demo_loss
 
         return Loss(demo_loss, "demo: mean squared error against the demo's targets", synthetic=False)
-    return as_loss(None, has_loss=loaded.has_loss)
+    family_loss = getattr(batches, "loss", None)
+    if family_loss:
+        # The model computes its own loss on labels fp16probe drew: the loss is the task's,
+        # the labels are invented, so the run records it as synthetic.
+        return Loss(_own_loss, f"{family_loss}, on invented labels: {batches.labels}", synthetic=True)
+    return as_loss(None, seed=seed)
 
 
-def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | None, *, has_loss: bool = False) -> Loss:
-    """Wrap a Python loss function (or None: the default) as a :class:`Loss`."""
+def named(name: str, seed: int = 0) -> Loss:
+    """The built-in loss ``name`` (cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1)."""
+    fn = families.named_loss(name, seed)
+    what, against = NAMED_LOSSES[name][1], NAMED_LOSSES[name][2]
+    return Loss(fn, f"--loss {name}: {what} against the batch's targets, else {against}", synthetic=False)
+
+
+def _own_loss(output: Any, batch: Any) -> torch.Tensor:
+    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not (isinstance(own, torch.Tensor) and own.numel() == 1):
+        raise InputError("the model returned no .loss although the batch carried labels; pass loss=")
+    return own.reshape(())
+
+
+def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_loss: bool = False, seed: int = 0) -> Loss:
+    """Wrap a Python loss function, a built-in loss's name, or None (the default) as a :class:`Loss`.
+
+    The default (``fn=None``) chooses at its first call, by the output: the model's own
+    ``.loss``, cross-entropy against random labels for class logits, or the mean of
+    squares; :meth:`Loss.outcome` then says which, and whether it was invented.
+    """
     if isinstance(fn, Loss):
         return fn
+    if isinstance(fn, str):
+        if fn not in NAMED_LOSSES:
+            raise InputError(f"loss_fn={fn!r}: expected a function or one of {', '.join(NAMED_LOSSES)}")
+        return named(fn, seed)
     if fn is not None:
         if not callable(fn):
             raise InputError(f"loss_fn={fn!r}: expected a function (output, batch) -> scalar loss")
         return Loss(fn, getattr(fn, "__qualname__", type(fn).__name__), synthetic=False)
-    if has_loss:
-        return Loss(default_loss, "the model's own output .loss", synthetic=False)
-    return Loss(default_loss, f"{DEFAULT_LOSS_TEXT} (unless the output has .loss)", synthetic=True)
+    return Loss(families.default_loss_for(seed), DEFAULT_LOSS_TEXT, synthetic=True)

@@ -1,0 +1,620 @@
+"""What a model is fed and trained on when the caller gives no batches: one plan per model family.
+
+A profile measures the gradients of *a* loss; which loss decides the answer, since every
+gradient is linear in the loss's gradient at the output. So the stand-in inputs and loss
+are chosen to be the ones the model's task trains with, and always recorded as invented:
+
+- Hugging Face models (``transformers``), by head: a causal LM trains on next-token
+  cross-entropy (labels = input_ids), a masked LM on 15% masked tokens, a seq2seq model
+  on target ids it is teacher-forced on, sequence and token classifiers, question
+  answering and image classifiers on labels drawn the way the task draws them (classes
+  uniform in ``[0, num_labels)``; regression targets standard normal). Each uses the
+  model's own loss. Image models get ``pixel_values`` shaped from the config's
+  ``num_channels`` and ``image_size``. A base model without a head (``BertModel``,
+  ``ViTModel``) keeps the documented default loss below.
+- Any other ``nn.Module``: inputs shaped from its first layer (``Linear``: features;
+  ``Conv1d/2d/3d``: channels; ``Embedding``: token ids), and the default loss.
+
+The default loss (:func:`default_loss_for`) decides at its first call: the model's own
+``.loss`` when the output has one (labels came with the batch), else cross-entropy against
+uniformly random labels when the output is class logits ``[batch, classes]`` (what
+classifiers train with, and the loss that puts realistic gradients at the output), else
+the mean of squares of the floating outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fp16probe.capture.probe import iter_tensors
+from fp16probe.errors import InputError
+
+__all__ = [
+    "BATCH",
+    "IMAGE_BATCH",
+    "IMAGE_SIZE",
+    "LABEL_KEYS",
+    "NAMED_LOSSES",
+    "SEQUENCE",
+    "DecidingLoss",
+    "Plan",
+    "forward_signature",
+    "hf_family",
+    "hf_plan",
+    "module_plan",
+    "named_loss",
+    "no_inputs_error",
+    "stand_in_line",
+]
+
+BATCH = 4  # sequences per synthetic batch of token ids
+SEQUENCE = 32  # tokens per sequence (fewer when the model's positions are fewer)
+IMAGE_BATCH = 4  # images (or rows) per synthetic batch
+IMAGE_SIZE = 224  # side of a synthetic image when the model does not say (the ImageNet convention)
+CONV_LENGTH = 256  # length of a synthetic Conv1d signal
+VOLUME_SIZE = 32  # side of a synthetic Conv3d volume
+MASK_SHARE = 0.15  # masked-LM share of masked positions (Devlin et al., BERT, arXiv:1810.04805)
+LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+
+# Hugging Face heads, by the class name's ending: family name, what its labels are.
+_HF_HEADS = (
+    ("ForCausalLM", "causal_lm"),
+    ("LMHeadModel", "causal_lm"),
+    ("ForMaskedLM", "masked_lm"),
+    ("ForConditionalGeneration", "seq2seq_lm"),
+    ("ForSeq2SeqLM", "seq2seq_lm"),
+    ("ForSequenceClassification", "sequence_classification"),
+    ("ForTokenClassification", "token_classification"),
+    ("ForQuestionAnswering", "question_answering"),
+    ("ForImageClassification", "image_classification"),
+)
+FAMILY_TITLES = {
+    "causal_lm": "Hugging Face causal LM",
+    "masked_lm": "Hugging Face masked LM",
+    "seq2seq_lm": "Hugging Face seq2seq LM",
+    "sequence_classification": "Hugging Face sequence classification",
+    "token_classification": "Hugging Face token classification",
+    "question_answering": "Hugging Face question answering",
+    "image_classification": "Hugging Face image classification",
+    "hf_base_text": "Hugging Face base model (text, no head)",
+    "hf_base_image": "Hugging Face base model (images, no head)",
+    "module": "nn.Module",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Synthetic batches for one model: how to draw one, and what they and their labels are.
+
+    ``loss`` describes the model's own loss on these labels (None: the default loss);
+    ``configure`` is applied to the loaded model before the run (a setting the task needs).
+    """
+
+    family: str
+    make: Callable[[torch.Generator], Any]
+    inputs: str
+    labels: str | None = None
+    loss: str | None = None
+    notes: tuple[str, ...] = ()
+    configure: Mapping[str, Any] = field(default_factory=dict)
+    shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # the big tensors, checked before drawing
+
+
+# -- the model's forward ---------------------------------------------------------------
+
+
+def forward_signature(model: nn.Module | type) -> str:
+    """Return ``Class.forward(a, b=None, ...)``: what the model says it takes."""
+    cls = model if isinstance(model, type) else type(model)
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return f"{cls.__name__}.forward(...)"
+    shown = []
+    for p in params[:6]:
+        if p.kind is p.VAR_POSITIONAL:
+            shown.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            shown.append(f"**{p.name}")
+        elif p.default is p.empty:
+            shown.append(p.name)
+        else:
+            shown.append(f"{p.name}={p.default!r}"[:40])
+    more = ", ..." if len(params) > 6 else ""
+    return f"{cls.__name__}.forward({', '.join(shown)}{more})"
+
+
+def _required_inputs(cls: type) -> list[str]:
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _parameters(cls: type) -> list[str]:
+    try:
+        return list(inspect.signature(cls.forward).parameters)[1:]
+    except (TypeError, ValueError, AttributeError):
+        return []
+
+
+def no_inputs_error(model: nn.Module | type, why: str) -> InputError:
+    """The error for a model fp16probe cannot feed by itself: what forward() wants and how to supply it."""
+    sig = forward_signature(model)
+    names = _required_inputs(model if isinstance(model, type) else type(model)) or ["x"]
+    example = ", ".join(f"'{n}': ..." for n in names[:3])
+    return InputError(
+        f"{why}; {sig} wants {', '.join(names)}: pass batches=package.module:function whose function "
+        f"returns an iterable of batches (a tensor, a tuple of positional inputs, or a dict such as "
+        f"{{{example}}}), or input_shape= for a single tensor input"
+    )
+
+
+# -- Hugging Face ----------------------------------------------------------------------
+
+
+def hf_family(class_name: str) -> str | None:
+    """The head family of a transformers class name (``GPT2LMHeadModel`` -> ``causal_lm``), or None."""
+    for ending, family in _HF_HEADS:
+        if class_name.endswith(ending):
+            return family
+    return None
+
+
+def hf_plan(
+    cls: type,
+    config: Callable[[str], Any],
+    *,
+    shape: tuple[int, ...] | None = None,
+    vocab_size: int | None = None,
+) -> Plan:
+    """Plan synthetic batches for a transformers class from its config (``config(key)`` reads one setting).
+
+    Works from ``config.json`` before the model is built (to refuse early) and from the
+    built model's config. ``shape`` overrides the batch shape: ``(batch, sequence)`` for
+    token models, ``(batch, channels, height, width)`` for image models.
+    """
+    name = cls.__name__
+    family = hf_family(name)
+    params = _parameters(cls)
+    if "input_ids" in params:
+        return _hf_text_plan(cls, family, config, shape, vocab_size)
+    if "pixel_values" in params:
+        return _hf_image_plan(cls, family, config, shape)
+    raise no_inputs_error(cls, f"fp16probe cannot make synthetic inputs for {name} (no input_ids or pixel_values)")
+
+
+def _positive(config: Callable[[str], Any], key: str) -> int | None:
+    value = config(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _num_labels(config: Callable[[str], Any]) -> int:
+    id2label = config("id2label")
+    if isinstance(id2label, Mapping) and id2label:
+        return len(id2label)
+    return _positive(config, "num_labels") or 2  # transformers' own default
+
+
+def _hf_text_plan(cls: type, family: str | None, config: Callable[[str], Any],
+                  shape: tuple[int, ...] | None, vocab_size: int | None) -> Plan:
+    name = cls.__name__
+    vocab = vocab_size or _positive(config, "vocab_size")
+    if vocab is None:
+        raise no_inputs_error(cls, f"{name}'s config has no vocab_size to draw token ids from; pass vocab_size=N")
+    positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config, k))),
+                     None)
+    if shape is not None:
+        if len(shape) != 2:
+            raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes token ids; expected batch,sequence")
+        batch, seq = shape
+    else:
+        batch, seq = BATCH, min(SEQUENCE, positions) if positions else SEQUENCE
+    notes: list[str] = []
+    configure: dict[str, Any] = {}
+    high = vocab
+    pad = config("pad_token_id")
+    if family == "sequence_classification" and pad is None:
+        # Decoder-style classifiers pool each row's last non-pad token and refuse a batch
+        # without a pad id; reserve the last id as pad and never draw it.
+        configure["pad_token_id"] = vocab - 1
+        high = vocab - 1
+        notes.append(f"config.pad_token_id was unset: set to {vocab - 1} (never drawn) so the classifier "
+                     "pools each row's last token")
+    ids_text = f"{batch} sequences of {seq} uniform random token ids in [0, {high})"
+    sized = ((batch, seq), torch.int64)
+    fam = family or "hf_base_text"
+
+    def ids(gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, high, (batch, seq), generator=gen)
+
+    if family == "causal_lm":
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            x = ids(gen)
+            return {"input_ids": x, "labels": x}
+
+        return Plan(fam, make, f"synthetic: {ids_text}", labels="labels = input_ids (the next tokens)",
+                    loss="the model's own loss: cross-entropy of each next token (labels = input_ids, "
+                         "shifted inside the model)", notes=tuple(notes), shapes=(sized,))
+    if family == "masked_lm":
+        mask_id = config("mask_token_id")
+        masked_with = f"mask_token_id {mask_id}" if isinstance(mask_id, int) else "random ids (no mask_token_id in the config)"
+
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            x = ids(gen)
+            chosen = torch.rand((batch, seq), generator=gen) < MASK_SHARE
+            chosen[:, 0] |= ~chosen.any(dim=1)  # at least one masked token per row
+            labels = torch.where(chosen, x, torch.full_like(x, -100))
+            fill = (torch.full_like(x, mask_id) if isinstance(mask_id, int) else ids(gen))
+            return {"input_ids": torch.where(chosen, fill, x), "labels": labels}
+
+        return Plan(fam, make, f"synthetic: {ids_text}, {MASK_SHARE:.0%} of positions replaced by {masked_with}",
+                    labels="the original ids at the masked positions",
+                    loss=f"the model's own loss: cross-entropy at the {MASK_SHARE:.0%} masked positions",
+                    notes=tuple(notes), shapes=(sized,))
+    if family == "seq2seq_lm":
+        target = max(1, seq // 2)
+        start = config("decoder_start_token_id")
+        shift = not isinstance(start, int)
+        if shift:
+            notes.append("the config has no decoder_start_token_id: decoder_input_ids are the labels shifted "
+                         f"right after a {pad if isinstance(pad, int) else 0}")
+
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            x = ids(gen)
+            y = torch.randint(0, high, (batch, target), generator=gen)
+            out = {"input_ids": x, "labels": y}
+            if shift:
+                first = torch.full((batch, 1), pad if isinstance(pad, int) else 0, dtype=y.dtype)
+                out["decoder_input_ids"] = torch.cat([first, y[:, :-1]], dim=1)
+            return out
+
+        return Plan(fam, make, f"synthetic: {ids_text}; {batch} target sequences of {target} random ids",
+                    labels=f"random target ids in [0, {high}), teacher-forced",
+                    loss="the model's own loss: cross-entropy of the decoder's tokens against the target ids",
+                    notes=tuple(notes), shapes=(sized,))
+    if family == "sequence_classification":
+        labels_of, labels_text, loss_text = _class_labels(config, (batch,), "sequence")
+
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            return {"input_ids": ids(gen), "labels": labels_of(gen)}
+
+        return Plan(fam, make, f"synthetic: {ids_text}", labels=labels_text, loss=loss_text,
+                    notes=tuple(notes), configure=configure, shapes=(sized,))
+    if family == "token_classification":
+        n = _num_labels(config)
+
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            return {"input_ids": ids(gen), "labels": torch.randint(0, n, (batch, seq), generator=gen)}
+
+        return Plan(fam, make, f"synthetic: {ids_text}", labels=f"a uniform random label in [0, {n}) per token",
+                    loss=f"the model's own loss: cross-entropy of each token's label over {n} labels",
+                    notes=tuple(notes), shapes=(sized,))
+    if family == "question_answering":
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            start = torch.randint(0, seq, (batch,), generator=gen)
+            end = torch.minimum(start + torch.randint(0, 4, (batch,), generator=gen), torch.tensor(seq - 1))
+            return {"input_ids": ids(gen), "start_positions": start, "end_positions": end}
+
+        return Plan(fam, make, f"synthetic: {ids_text}",
+                    labels="answer spans: a uniform random start, ending 0-3 tokens later",
+                    loss="the model's own loss: cross-entropy of the answer's start and end positions",
+                    notes=tuple(notes), shapes=(sized,))
+    return Plan(fam, lambda gen: {"input_ids": ids(gen)}, f"synthetic: {ids_text}", notes=tuple(notes), shapes=(sized,))
+
+
+def _class_labels(config: Callable[[str], Any], shape: tuple[int, ...],
+                  what: str) -> tuple[Callable[[torch.Generator], torch.Tensor], str, str]:
+    """Labels the way a classification config says its task draws them, and the loss that follows."""
+    n = _num_labels(config)
+    problem = config("problem_type")
+    if problem == "regression" or (problem is None and n == 1):
+        return (lambda gen: torch.randn((*shape, n), generator=gen).squeeze(-1),
+                f"standard normal regression targets ({n} per {what})",
+                "the model's own loss: mean squared error against the targets")
+    if problem == "multi_label_classification":
+        return (lambda gen: (torch.rand((*shape, n), generator=gen) < 0.5).float(),
+                f"random 0/1 targets for each of {n} labels",
+                "the model's own loss: binary cross-entropy with logits against the targets")
+    return (lambda gen: torch.randint(0, n, shape, generator=gen),
+            f"a uniform random class in [0, {n}) per {what}",
+            f"the model's own loss: cross-entropy over {n} classes")
+
+
+def _hf_image_plan(cls: type, family: str | None, config: Callable[[str], Any], shape: tuple[int, ...] | None) -> Plan:
+    name = cls.__name__
+    notes: list[str] = []
+    if shape is not None:
+        if len(shape) != 4:
+            raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes images; "
+                             "expected batch,channels,height,width")
+        batch, channels, height, width = shape
+    else:
+        batch = IMAGE_BATCH
+        channels = _positive(config, "num_channels")
+        if channels is None:
+            channels = 3
+            notes.append("the config does not say num_channels: 3 assumed")
+        size = config("image_size")
+        if isinstance(size, (list, tuple)) and len(size) == 2:
+            height, width = int(size[0]), int(size[1])
+        elif isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            height = width = size
+        else:
+            height = width = IMAGE_SIZE
+            notes.append(f"the config does not say image_size: {IMAGE_SIZE}x{IMAGE_SIZE} assumed (the ImageNet size)")
+    text = f"synthetic: {batch} standard normal images of {channels}x{height}x{width} (pixel_values)"
+
+    def pixels(gen: torch.Generator) -> torch.Tensor:
+        return torch.randn((batch, channels, height, width), generator=gen)
+
+    shapes = (((batch, channels, height, width), torch.float32),)
+    if family == "image_classification":
+        labels_of, labels_text, loss_text = _class_labels(config, (batch,), "image")
+
+        def make(gen: torch.Generator) -> dict[str, Any]:
+            return {"pixel_values": pixels(gen), "labels": labels_of(gen)}
+
+        return Plan(family, make, text, labels=labels_text, loss=loss_text, notes=tuple(notes), shapes=shapes)
+    return Plan(family or "hf_base_image", lambda gen: {"pixel_values": pixels(gen)}, text, notes=tuple(notes),
+                shapes=shapes)
+
+
+# -- any other module ------------------------------------------------------------------
+
+
+def module_plan(model: nn.Module) -> Plan:
+    """Plan synthetic inputs for a plain module from its first layer; raise InputError naming forward() if unclear."""
+    required = _required_inputs(type(model))
+    if len(required) > 1:
+        raise no_inputs_error(model, f"{type(model).__name__} takes {len(required)} inputs")
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    batch = IMAGE_BATCH * 2
+    if isinstance(first, nn.Linear):
+        shape: tuple[int, ...] = (batch, first.in_features)
+        why = f"its first layer is Linear({first.in_features}, ...)"
+    elif isinstance(first, nn.Conv2d):
+        shape = (IMAGE_BATCH, first.in_channels, IMAGE_SIZE, IMAGE_SIZE)
+        why = f"its first layer is Conv2d({first.in_channels}, ...); {IMAGE_SIZE}x{IMAGE_SIZE} is the ImageNet size"
+    elif isinstance(first, nn.Conv1d):
+        shape = (batch, first.in_channels, CONV_LENGTH)
+        why = f"its first layer is Conv1d({first.in_channels}, ...); length {CONV_LENGTH} assumed"
+    elif isinstance(first, nn.Conv3d):
+        shape = (IMAGE_BATCH, first.in_channels, VOLUME_SIZE, VOLUME_SIZE, VOLUME_SIZE)
+        why = f"its first layer is Conv3d({first.in_channels}, ...); {VOLUME_SIZE}^3 volumes assumed"
+    elif isinstance(first, nn.Embedding):
+        n = first.num_embeddings
+
+        def tokens(gen: torch.Generator) -> torch.Tensor:
+            return torch.randint(0, n, (BATCH, SEQUENCE), generator=gen)
+
+        return Plan("module", tokens,
+                    f"synthetic: {BATCH} sequences of {SEQUENCE} uniform random ids in [0, {n}) "
+                    f"(its first layer is Embedding({n}, ...))")
+    else:
+        what = type(first).__name__ if first is not None else "no layer with parameters"
+        raise no_inputs_error(model, f"fp16probe cannot tell {type(model).__name__}'s input shape (first layer: {what})")
+
+    def values(gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(shape, generator=gen)
+
+    return Plan("module", values, f"synthetic: standard normal float32 of shape {list(shape)} ({why})",
+                shapes=((shape, torch.float32),))
+
+
+# -- losses ----------------------------------------------------------------------------
+
+
+def _prediction(output: Any) -> torch.Tensor:
+    """The tensor a loss compares with targets: the output, its ``logits``, or its first floating tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    for t in iter_tensors(output):
+        if t.is_floating_point():
+            return t
+    raise InputError("the model's output holds no floating-point tensor to compute a loss from; pass loss=")
+
+
+def _targets(batch: Any) -> torch.Tensor | None:
+    """The targets a batch carries: a tuple's second element, or a dict's labels/targets entry."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
+    if isinstance(batch, Mapping):
+        for key in LABEL_KEYS:
+            if isinstance(batch.get(key), torch.Tensor):
+                return batch[key]
+    return None
+
+
+def _mean_of_squares(output: Any) -> torch.Tensor:
+    terms = [t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not terms:
+        raise InputError(
+            "the model's output holds no floating-point tensor that needs a gradient; pass loss= "
+            "(a function (output, batch) -> scalar loss, e.g. package.module:function)"
+        )
+    return torch.stack(terms).sum()
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor) and own.numel() == 1:
+        return own.reshape(())
+    return None
+
+
+def _is_class_logits(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.dim() == 2 and t.shape[0] >= 1 and t.shape[1] >= 2
+
+
+class _RandomLabels:
+    """Uniform random class labels (and 0/1 targets), seeded, drawn on the logits' device."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator for ``device`` (one per device, made on first use)."""
+        gen = self.generators.get(device)
+        if gen is None:
+            gen = self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Draw labels of ``shape`` for the classes of ``logits``' last dimension."""
+        return torch.randint(0, logits.shape[-1], shape, generator=self.generator(logits.device), device=logits.device)
+
+
+class DecidingLoss:
+    """A loss that decides at its first call which way it computes, and then keeps to it.
+
+    ``decided`` is None before the first call, then ``(description, synthetic)``: what
+    the report records. The choice depends on the output, which only the run shows.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.decided: tuple[str, bool] | None = None
+        self._way: str | None = None
+        self._labels = _RandomLabels(seed)
+
+    def __call__(self, output: Any, batch: Any) -> torch.Tensor:
+        """Compute the loss of one step."""
+        if self._way is None:
+            self._decide(output)
+        if self._way == "own":
+            own = _own_loss(output)
+            if own is None:
+                raise InputError("the model returned a .loss at the first step but not at this one; pass loss=")
+            return own
+        if self._way == "cross_entropy":
+            logits = _prediction(output)
+            return F.cross_entropy(logits.float(), self._labels(logits, (logits.shape[0],)))
+        return _mean_of_squares(output)
+
+    def _decide(self, output: Any) -> None:
+        if _own_loss(output) is not None:
+            self._way = "own"
+            self.decided = ("the model's own output .loss, on the labels the batches carry", False)
+            return
+        try:
+            pred = _prediction(output)
+        except InputError:
+            pred = None
+        plain = isinstance(output, torch.Tensor) or (pred is not None and not isinstance(output, (tuple, list)))
+        if pred is not None and plain and _is_class_logits(pred) and _counts_logits(output, pred):
+            self._way = "cross_entropy"
+            self.decided = (f"default for class logits [batch, {pred.shape[1]}]: cross-entropy against uniformly "
+                            f"random labels in [0, {pred.shape[1]})", True)
+            return
+        self._way = "mean_of_squares"
+        self.decided = ("default: mean of squares of the model's floating-point outputs", True)
+
+
+def _counts_logits(output: Any, pred: torch.Tensor) -> bool:
+    """Whether ``pred`` is the output itself or its named ``logits`` (not some other tensor in it)."""
+    if output is pred:
+        return True
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    return logits is pred
+
+
+def default_loss_for(seed: int = 0) -> DecidingLoss:
+    """The default loss (see the module docstring); its ``decided`` says which way it went."""
+    return DecidingLoss(seed)
+
+
+def _classes(pred: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Logits as [N, C] rows (a [batch, seq, C] sequence flattened)."""
+    if pred.dim() < 2:
+        raise InputError(f"loss=cross_entropy: the output has shape {list(pred.shape)}, expected logits [batch, classes]")
+    return pred.reshape(-1, pred.shape[-1]), pred.shape[-1]
+
+
+class NamedLoss:
+    """A built-in loss by name: against the batch's targets, or targets drawn the way the task would."""
+
+    def __init__(self, name: str, seed: int = 0) -> None:
+        self.name = name
+        self.decided: tuple[str, bool] | None = None
+        self._labels = _RandomLabels(seed)
+
+    def __call__(self, output: Any, batch: Any) -> torch.Tensor:
+        """Compute the loss of one step."""
+        pred = _prediction(output).float()
+        target = _targets(batch)
+        if self.decided is None:
+            base = NAMED_LOSSES[self.name][1]
+            self.decided = ((f"--loss {self.name}: {base} against the batch's targets", False) if target is not None
+                            else (f"--loss {self.name}: {base} against {NAMED_LOSSES[self.name][2]}", True))
+        name = self.name
+        if name in ("cross_entropy", "nll"):
+            rows, _ = _classes(pred)
+            if target is None:
+                target = self._labels(rows, (rows.shape[0],))
+            fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+            return fn(rows, target.reshape(-1).long().to(rows.device), ignore_index=-100)
+        if name == "bce_with_logits":
+            if target is None:
+                gen = self._labels.generator(pred.device)
+                target = (torch.rand(pred.shape, generator=gen, device=pred.device) < 0.5).float()
+            return F.binary_cross_entropy_with_logits(pred, target.float().reshape(pred.shape))
+        if target is None:
+            target = torch.zeros_like(pred)
+        fn = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}[name]
+        return fn(pred, target.float().reshape(pred.shape))
+
+
+# name: (what it computes, what it compares with when the batch has no targets)
+NAMED_LOSSES: dict[str, tuple[str, str, str]] = {
+    "cross_entropy": ("F.cross_entropy", "cross-entropy of the logits",
+                      "uniformly random class labels"),
+    "nll": ("F.nll_loss", "negative log-likelihood of log-probabilities", "uniformly random class labels"),
+    "bce_with_logits": ("F.binary_cross_entropy_with_logits", "binary cross-entropy of the logits",
+                        "random 0/1 targets"),
+    "mse": ("F.mse_loss", "mean squared error", "zeros (the mean of squares)"),
+    "l1": ("F.l1_loss", "mean absolute error", "zeros (the mean absolute value)"),
+    "smooth_l1": ("F.smooth_l1_loss", "smooth L1 (Huber) loss", "zeros"),
+}
+
+
+def named_loss(name: str, seed: int = 0) -> NamedLoss:
+    """The built-in loss ``name`` (a key of NAMED_LOSSES)."""
+    if name not in NAMED_LOSSES:
+        raise InputError(f"loss={name!r}: expected one of {', '.join(NAMED_LOSSES)} or package.module:function")
+    return NamedLoss(name, seed)
+
+
+# -- what the summary says -------------------------------------------------------------
+
+
+def stand_in_line(inputs_synthetic: bool, inputs: str, loss_synthetic: bool, loss: str) -> str:
+    """One line saying what was invented for the run and how much the answer depends on it ('' if nothing)."""
+    if not (inputs_synthetic or loss_synthetic):
+        return ""
+    made = []
+    if inputs_synthetic:
+        made.append("random inputs")
+    if loss_synthetic:
+        made.append(f"an invented loss ({loss})")
+    return (f"{' and '.join(made)}; every gradient is linear in the loss's gradient at the output, so a loss "
+            "2^k times steeper or flatter there (another loss, real labels, a mean over 2^k times more samples or "
+            "tokens) moves the answer by k powers of two: pass --batches (and --loss) for your own")
+
+
+def iter_plan(plan: Plan, seed: int) -> Iterator[Any]:
+    """Yield the plan's batches forever, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield plan.make(gen)
