@@ -599,18 +599,24 @@ def named_loss(name: str, seed: int = 0) -> NamedLoss:
 # -- what the summary says -------------------------------------------------------------
 
 
-def stand_in_line(inputs_synthetic: bool, inputs: str, loss_synthetic: bool, loss: str) -> str:
-    """One line saying what was invented for the run and how much the answer depends on it ('' if nothing)."""
-    if not (inputs_synthetic or loss_synthetic):
-        return ""
+def stand_in_line(*, inputs_synthetic: bool, loss: str, loss_synthetic: bool, labels: str | None = None) -> str:
+    """One line saying what was invented for the run and how much the answer depends on it ('' if nothing).
+
+    ``labels`` is set when fp16probe drew the labels for the model's own loss.
+    """
     made = []
     if inputs_synthetic:
         made.append("random inputs")
-    if loss_synthetic:
+    if loss_synthetic and labels:
+        made.append(f"invented labels ({labels})")
+    elif loss_synthetic:
         made.append(f"an invented loss ({loss})")
-    return (f"{' and '.join(made)}; every gradient is linear in the loss's gradient at the output, so a loss "
-            "2^k times steeper or flatter there (another loss, real labels, a mean over 2^k times more samples or "
-            "tokens) moves the answer by k powers of two: pass --batches (and --loss) for your own")
+    if not made:
+        return ""
+    return (f"this run used {' and '.join(made)}. Every gradient is linear in the loss's gradient at the "
+            "output: a loss 2^k times steeper or flatter there (another loss, real labels, a mean over 2^k "
+            "times more samples or tokens) moves the answer by k powers of two; pass --batches (and --loss) "
+            "to profile your own")
 
 
 def iter_plan(plan: Plan, seed: int) -> Iterator[Any]:
