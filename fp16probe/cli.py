@@ -259,9 +259,9 @@ def profile(
     from fp16probe.capture import distributed
     from fp16probe.presentation import figures
     from fp16probe.presentation import terminal as render
-    from fp16probe.running.inputs import make_batches, pick_device
+    from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
     from fp16probe.running.loading import load_model
-    from fp16probe.running.losses import make_loss
+    from fp16probe.running.losses import check_loss_spec, make_loss
     from fp16probe.running.profile import Terminated, check_settings
     from fp16probe.running.profile import profile as run
 
@@ -288,19 +288,29 @@ def profile(
         dev = pick_device(device.value)
         if is_dist and dev.type == "cuda":
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        check_loss_spec(loss)
+        check_inputs_before_load(model, dev, input_shape=input_shape, input_dtype=input_dtype.value,
+                                 vocab_size=vocab_size, batches=batches)
         loaded = load_model(model, weights=weights, trust_checkpoint=trust_checkpoint,
                             trust_remote_code=trust_remote_code)
         batch_src = make_batches(loaded, dev, input_shape=input_shape, input_dtype=input_dtype.value,
                                  vocab_size=vocab_size, batches=batches,
                                  seed=seed + rank)  # each rank draws its own synthetic batches
+        loss_src = make_loss(loaded, loss, batch_src, seed=seed + rank)
+        notes = [*loaded.notes, *batch_src.notes]
+        if not json_out and rank == 0:
+            for note in notes:  # what loading and the inputs changed: said now, and kept in the report
+                console.print(f"note: {note}", markup=False, highlight=False)
         extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source,
-                                 "notes": list(loaded.notes), **loaded.extra}
+                                 "notes": notes, **loaded.extra}
+        if batch_src.family is not None:
+            extra["family"] = batch_src.family
         if is_dist:
             extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
                                          else "each rank ran the batches it was given")
         try:
             with render.progress(console, steps, enabled=not json_out and rank == 0) as update:
-                report = run(loaded.model, batch_src, make_loss(loaded, loss), steps=steps,
+                report = run(loaded.model, batch_src, loss_src, steps=steps,
                              precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                              format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
                              extra=extra, modules=modules or None, granularity=granularity.value)

@@ -141,8 +141,9 @@ def test_huggingface_folder_token_ids(tmp_path):
     ok("profile", str(tmp_path / "bert"), "--input-shape", "2,8", "--input-dtype", "int64", "--steps", "1",
        "--out", "r.json")
     extra = Report.load("r.json").metadata.extra
-    assert "token ids in [0, 50)" in extra["inputs"]
-    assert extra["loss"] == "the model's own output .loss"
+    assert "2 sequences of 8 uniform random token ids in [0, 50)" in extra["inputs"]
+    assert extra["loss"].startswith("the model's own loss: cross-entropy at the 15% masked positions")
+    assert extra["loss_synthetic"] is True  # fp16probe drew the masked labels
 
 
 # -- profile: options ------------------------------------------------------------------
@@ -280,9 +281,11 @@ def test_github_step_summary_folder_is_usage_error(monkeypatch):
     (["cli_models:Nope", *TINY], EXIT_LOAD, "has no attribute"),
     (["no_such_pkg_q:Model", *TINY], EXIT_LOAD, "cannot import"),
     (["cli_models:broken_factory", *TINY], EXIT_LOAD, "factory failed on purpose"),
-    (["cli_models:TinyMLP", "--input-shape", "5,7", "--steps", "1"], EXIT_USAGE, "rejected the input"),
+    (["cli_models:TinyMLP", "--input-shape", "5,7", "--steps", "1"], EXIT_USAGE,
+     "TinyMLP.forward(x) is what it takes: pass --input-shape with a shape it accepts (--input-dtype for its dtype), "
+     "or --batches package.module:function"),
     (["cli_models:TinyMLP", "--input-shape", "5,x"], EXIT_USAGE, "--input-shape"),
-    (["cli_models:TinyMLP"], EXIT_USAGE, "no inputs: pass --input-shape"),
+    (["family_models:TwoInputs"], EXIT_USAGE, "TwoInputs.forward(x, mask) wants x, mask: pass --batches"),
     (["cli_models:make_frozen", *TINY], EXIT_USAGE, "no trainable parameters"),
     (["cli_models:TinyMLP", *TINY, "--modules", "nomatch*"], EXIT_USAGE, "no module name matches"),
     (["cli_models:TinyMLP", *TINY, "--loss-scale", "8"], EXIT_USAGE, "--loss-scale applies"),

@@ -82,7 +82,8 @@ def test_huggingface_gpt2_folder(tmp_path):
     assert run.returncode == 0, run.stderr
     extra = json.loads((tmp_path / "r.json").read_text())["metadata"]["extra"]
     assert "token ids in [0, 101)" in extra["inputs"]
-    assert extra["loss"] == "the model's own output .loss"
+    assert extra["loss"].startswith("the model's own loss: cross-entropy of each next token")
+    assert extra["family"] == "causal_lm" and extra["loss_synthetic"] is True
 
 
 def test_bad_usage_exit_2(tmp_path):

@@ -173,3 +173,15 @@ def test_the_answer_moves_with_the_loss_as_the_line_says():
     assert a.nonzero_finite == b.nonzero_finite > 0
     assert a.counts[:-3] == b.counts[3:] and not any(a.counts[-3:]) and not any(b.counts[:3])
     assert b.max_abs == 8 * a.max_abs
+
+
+def test_loading_notes_are_printed_not_only_saved():
+    from cli_models import TinyMLP
+
+    state = {f"model.{k}": v for k, v in TinyMLP().state_dict().items()}
+    torch.save({"state_dict": state, "epoch": 0}, "w.ckpt")
+    result = CliRunner().invoke(app, ["profile", "cli_models:TinyMLP", "--weights", "w.ckpt", "--steps", "1",
+                                      "--out", "r.json"])
+    assert result.exit_code == EXIT_OK, result.output
+    assert "note: stripped the key prefix 'model.' from w.ckpt" in result.stderr
+    assert "stripped the key prefix 'model.' from w.ckpt" in Report.load("r.json").metadata.extra["notes"]

@@ -548,6 +548,7 @@ class NamedLoss:
     def __init__(self, name: str, seed: int = 0) -> None:
         self.name = name
         self.decided: tuple[str, bool] | None = None
+        self.invented_targets: str | None = None  # set when the batches' labels were drawn by fp16probe
         self._labels = _RandomLabels(seed)
 
     def __call__(self, output: Any, batch: Any) -> torch.Tensor:
@@ -556,8 +557,13 @@ class NamedLoss:
         target = _targets(batch)
         if self.decided is None:
             base = NAMED_LOSSES[self.name][1]
-            self.decided = ((f"--loss {self.name}: {base} against the batch's targets", False) if target is not None
-                            else (f"--loss {self.name}: {base} against {NAMED_LOSSES[self.name][2]}", True))
+            if target is None:
+                self.decided = (f"--loss {self.name}: {base} against {NAMED_LOSSES[self.name][2]}", True)
+            elif self.invented_targets:
+                self.decided = (f"--loss {self.name}: {base} against the batch's invented targets "
+                                f"({self.invented_targets})", True)
+            else:
+                self.decided = (f"--loss {self.name}: {base} against the batch's targets", False)
         name = self.name
         if name in ("cross_entropy", "nll"):
             rows, _ = _classes(pred)

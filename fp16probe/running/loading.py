@@ -53,7 +53,8 @@ _UNSAFE_HINT = (
 class LoadedModel:
     """A model ready to profile, and what the command line needs to feed it.
 
-    ``example_inputs`` are ``(args, kwargs)`` that the source itself records (a
+    ``notes`` say what loading changed or assumed (a stripped key prefix, a program run as
+    exported); the command line prints them and the report keeps them. ``example_inputs`` are ``(args, kwargs)`` that the source itself records (a
     ``torch.export`` archive does); ``vocab_size`` is set for models that take token ids.
     """
 
@@ -85,7 +86,7 @@ def load_model(
             raise InputError("--weights needs a MODEL import string (package.module:factory) to build the model")
         from fp16probe.running.demo import DemoNet
 
-        return LoadedModel(DemoNet(), DEMO, "fp16probe.running.demo:DemoNet", notes=("the built-in demo model",))
+        return LoadedModel(DemoNet(), DEMO, "fp16probe.running.demo:DemoNet")
     if is_import_string(spec):
         return _load_import(spec, weights, trust_checkpoint)
     path = Path(spec)
@@ -351,7 +352,7 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
     has_loss = name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM"))
     return LoadedModel(
         model, HF, str(path), vocab_size=int(vocab) if vocab else None, has_loss=has_loss,
-        notes=(f"Hugging Face {name}",), extra={"hf_class": name},
+        extra={"hf_class": name},
     )
 
 

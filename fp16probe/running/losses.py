@@ -18,7 +18,7 @@ from fp16probe.errors import InputError
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
 
-__all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "default_loss", "make_loss"]
+__all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "check_loss_spec", "default_loss", "make_loss"]
 
 DEFAULT_LOSS_TEXT = (
     "default: the model's own .loss when the output has one, else cross-entropy against uniformly random "
@@ -57,6 +57,15 @@ def default_loss(output: Any, batch: Any) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
+def check_loss_spec(loss: str | None) -> None:
+    """Refuse, before anything loads, a ``loss`` that is neither a built-in name nor an import string."""
+    if loss is not None and loss not in NAMED_LOSSES and ":" not in loss:
+        raise InputError(
+            f"loss={loss!r}: expected a built-in loss ({', '.join(NAMED_LOSSES)}) or an import string "
+            "package.module:function for a function (output, batch) -> scalar loss"
+        )
+
+
 def make_loss(loaded: LoadedModel, loss: str | None, batches: Any = None, *, seed: int = 0) -> Loss:
     """Choose the loss: ``loss`` (a built-in name or an import string), the demo's, the family's, or the default.
 
@@ -64,8 +73,12 @@ def make_loss(loaded: LoadedModel, loss: str | None, batches: Any = None, *, see
     them were drawn for a model family, whose own loss then goes with them.
     """
     if loss is not None:
+        check_loss_spec(loss)
         if loss in NAMED_LOSSES:
-            return named(loss, seed)
+            chosen = named(loss, seed)
+            if getattr(batches, "synthetic", False):
+                chosen.fn.invented_targets = getattr(batches, "labels", None)
+            return chosen
         fn = resolve_import(loss, what="loss=")
         if not callable(fn):
             raise InputError(f"loss={loss!r} is a {type(fn).__name__}, expected a function (output, batch) -> loss")

@@ -135,7 +135,7 @@ def _is_scaler_object(scaler: Any) -> bool:
 def profile(
     model: nn.Module,
     batches: Iterable[Any] | Batches,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | Loss | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None = None,
     *,
     steps: int = 10,
     precision: str = "fp32",
@@ -159,9 +159,13 @@ def profile(
         batches: an iterable of batches: a tensor is the input, a mapping is keyword
             arguments, a tuple ``(inputs, targets...)`` as a DataLoader yields it. Each batch
             is moved to the model's device. Fewer batches than ``steps`` end the run early.
-        loss_fn: ``(output, batch) -> scalar tensor``; None uses the model's own ``.loss``
-            when the output has one, else the mean of squares of its floating outputs
-            (a synthetic loss, marked as such in the report).
+        loss_fn: ``(output, batch) -> scalar tensor``, or a built-in loss's name
+            (``"cross_entropy"``, ``"nll"``, ``"bce_with_logits"``, ``"mse"``, ``"l1"``,
+            ``"smooth_l1"``: against the batch's targets, else targets drawn as the task
+            would). None uses the model's own ``.loss`` when the output has one, else
+            cross-entropy against random labels when the output is class logits
+            ``[batch, classes]``, else the mean of squares of its floating outputs; the
+            report records which, and marks an invented loss or labels as synthetic.
         steps: forward+backward passes to profile.
         precision: ``"fp32"`` (the unscaled reference a recommendation needs), or
             ``"fp16"``/``"bf16"`` under autocast.
@@ -315,18 +319,27 @@ def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, setti
             format: str, kind: str, notes: list[str], extra: Mapping[str, Any]) -> Report | None:
     """Gather the report (every rank), add what the run knows, and analyse it."""
     from fp16probe.analysis.recommend import weight_update_loss
+    from fp16probe.running.families import stand_in_line
 
+    loss = loss.outcome()  # a default loss says now which way it went
+    labels = batch_src.labels if loss.synthetic and batch_src.loss else None
     meta: dict[str, Any] = {
         "inputs": batch_src.description,
         "inputs_synthetic": batch_src.synthetic,
         "loss": loss.description,
         "loss_synthetic": loss.synthetic,
+        "stand_in": stand_in_line(inputs_synthetic=batch_src.synthetic, loss=loss.description,
+                                  loss_synthetic=loss.synthetic, labels=labels),
         "optimizer": None if settings.optimizer is None else {"name": settings.optimizer, "lr": settings.lr},
         "loss_scale": settings.loss_scale,
         "nonfinite_loss_steps": list(result.nonfinite_loss_steps),
         "steps_requested": settings.steps,
         **extra,
     }
+    if labels:
+        meta["labels"] = labels
+    if not meta["stand_in"]:
+        del meta["stand_in"]
     meta["notes"] = list(extra.get("notes", ())) + notes
     if result.exhausted:
         meta["notes"] = meta["notes"] + [f"the batches ran out after {result.steps_done} step(s)"]
@@ -374,15 +387,27 @@ _MISMATCH = re.compile(
 )
 
 
-def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok: bool) -> Fp16ProbeError:
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside a DistributedDataParallel wrapper (whose forward says nothing)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(model, torch.nn.parallel.DistributedDataParallel) and inner is not None else model
+
+
+def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok: bool,
+                model: nn.Module | None = None) -> Fp16ProbeError:
     """Classify a failure at ``step`` (0-based): the input's only when the first batch does not fit."""
     name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
     message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {_first_line(e)}"
     if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
             and _MISMATCH.search(str(e))):
+        from fp16probe.running.families import forward_signature
+
+        wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""
         error: Fp16ProbeError = InputError(
             f"the model rejected the input ({describe_batch(batch)}) at step 1: {name}: {_first_line(e)}; "
-            "pass an input_shape=/input_dtype= that forward() accepts, or batches="
+            f"{wants}pass input_shape= with a shape it accepts (input_dtype= for its dtype), or "
+            "batches=package.module:function returning an iterable of batches (a tensor, a tuple of positional "
+            "inputs, or a dict of keyword arguments)"
         )
     else:
         error = ModelError(f"step {step + 1}: the {what} {message}")
@@ -466,7 +491,7 @@ def run_profile(
                     error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {_first_line(e)}")
                     error.__cause__ = e
                 else:
-                    error = _step_error(step, what, e, batch, first_ok=done > 0)
+                    error = _step_error(step, what, e, batch, first_ok=done > 0, model=_unwrapped(model))
                 stopped = STOPPED_ERROR
                 break
             losses.append(loss_val)
