@@ -12,7 +12,8 @@ flowing into it: one reduction per node, on the gradient's device, folded into o
 maximum per step (the Recorder's ``note_max``). Nothing here brings a value to the host.
 
 With op-level capture, nodes whose gradient stays fp32 under autocast (marked by
-:mod:`fp16probe.capture.ops`) are walked through but not counted. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
+:mod:`fp16probe.capture.ops`) are walked through but not counted. Scalar gradients are left out: they are the loss side's own arithmetic (the seed
+``d loss / d loss = 1``, ``loss * weight``), fp32 under autocast. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
 Function's backward (one node each: only what flows in and out), and the recomputed graph
 of activation checkpointing (built during backward, after the walk).
 
@@ -108,7 +109,10 @@ class Ceiling:
                         continue
                     if hasattr(g, "to_local"):  # a DTensor (FSDP2, tensor parallel): this rank's shard
                         g = g.to_local()
-                    if g.numel() == 0:
+                    if g.numel() <= 1:
+                        # Scalars are the loss side's own arithmetic (the seed d loss/d loss = 1,
+                        # loss * w, loss1 + loss2): fp32 under autocast, where losses and
+                        # reductions run in fp32; the scaled loss is kept finite by capping S.
                         continue
                     # One pass, no |g| copy, NaN propagates: 5-30x faster on the CPU than
                     # vector_norm(inf) or abs().amax(); max |g| = max(-min, max) at the fold.
