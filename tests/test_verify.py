@@ -120,3 +120,15 @@ def test_cli_verify_stores_and_shows_it(tmp_path, monkeypatch):
     assert "prediction held" in shown.stderr
     refused = runner.invoke(app, ["profile", "--steps", "2", "--verify", "--precision", "fp16", "--out", "f.json"])
     assert refused.exit_code == EXIT_USAGE and "error: --verify checks a prediction" in refused.stderr
+
+
+def test_a_verified_report_meets_the_published_schema(verified):
+    import jsonschema
+    from importlib import resources
+
+    schema = json.loads(resources.files("fp16probe").joinpath("schema/report.schema.json").read_text(encoding="utf-8"))
+    jsonschema.validate(json.loads(verified.to_json()), schema)
+    bad = json.loads(verified.to_json())
+    bad["verification"]["held"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
