@@ -140,12 +140,16 @@ PARAMETER_FLAGS = {
     "steps": "--steps", "trust_checkpoint": "--trust-checkpoint", "trust_remote_code": "--trust-remote-code",
     "verify": "--verify", "vocab_size": "--vocab-size", "weights": "--weights",
 }
-_PARAMETER_RE = re.compile(r"(?<![\w.-])(" + "|".join(PARAMETER_FLAGS) + r")= ?")
+_PARAMETER_RE = re.compile(r"(?<![\w.-])(" + "|".join(PARAMETER_FLAGS) + r")=(?: ?(?=[^\s,;:)])|(?=[\s,;:)]|$))")
 
 
 def as_flags(message: str) -> str:
     """Rewrite a library message's ``parameter=value`` as the command line's ``--flag value``."""
-    return _PARAMETER_RE.sub(lambda m: PARAMETER_FLAGS[m.group(1)] + " ", message)
+    def flag(m: re.Match[str]) -> str:
+        value_follows = m.end() < len(message) and message[m.end()] not in " ,;:)"
+        return PARAMETER_FLAGS[m.group(1)] + (" " if value_follows else "")
+
+    return _PARAMETER_RE.sub(flag, message)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,14 @@ class Verification:
         return (measured_overflow_steps <= predicted_overflow_steps
                 and abs(measured_zeroed_fraction - predicted_zeroed_fraction) <= tolerance)
 
+    @property
+    def summary(self) -> str:
+        """Return one line of predicted against measured, for gates and logs."""
+        return (f"{self.measured_overflow_steps} of {self.steps} steps overflowed "
+                f"({self.predicted_overflow_steps} predicted); {self.measured_zeroed_fraction * 100:.3g}% of "
+                f"{self.kind} values zeroed ({self.predicted_zeroed_fraction * 100:.3g}% predicted, tolerance "
+                f"±{self.tolerance * 100:.3g} percentage points), {self.precision} on {self.device}")
+
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -132,3 +132,8 @@ def test_a_verified_report_meets_the_published_schema(verified):
     bad["verification"]["held"] = "yes"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+def test_summary_states_both_sides(verified):
+    v = verified.verification
+    assert v.summary.startswith(f"0 of 3 steps overflowed (0 predicted); {v.measured_zeroed_fraction * 100:.3g}% of")

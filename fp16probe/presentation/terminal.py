@@ -356,6 +356,9 @@ def print_verification(console: Any, v: Any) -> None:
     table.add_row("steps that overflowed", f"{v.predicted_overflow_steps} of {v.steps}",
                   f"{v.measured_overflow_steps} of {v.steps}")
     table.add_row(f"{v.kind} values zeroed", _percent(v.predicted_zeroed_fraction), _percent(v.measured_zeroed_fraction))
+    for kind, counts in v.by_kind.items():  # the other kinds, measured only: the prediction judged v.kind
+        if kind != v.kind and kind != "all":
+            table.add_row(f"{kind} values zeroed", "not judged", _percent(counts.get("zeroed_fraction", 0.0)))
     console.print(table)
     console.print(
         f"zeroed: of the fp32 run's {v.nonzero_values:,} nonzero {v.kind} values on the same batches, the "
