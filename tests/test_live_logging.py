@@ -168,3 +168,60 @@ def test_hf_trackers_needs_a_supported_report_to(tmp_path):
 
     with pytest.raises(InputError, match="report_to"):
         hf_trackers(types.SimpleNamespace(report_to=["none"], output_dir=str(tmp_path)))
+
+
+# -- the trackers a trainer is configured with --------------------------------------------------
+
+def test_lightning_loggers_of_each_kind_are_written_to(tmp_path, monkeypatch):
+    pytest.importorskip("pytorch_lightning")
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    from fp16probe.errors import InputError
+    from fp16probe.integrations.live import lightning_trackers
+    from fp16probe.presentation.trackers import TrackerLog, sink_for
+    from tests.test_trackers import scaled_report
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    loggers = [TensorBoardLogger(str(tmp_path / "tb")), MLFlowLogger(tracking_uri=uri),
+               WandbLogger(save_dir=str(tmp_path), offline=True), CSVLogger(str(tmp_path))]
+    trainer = type("T", (), {"loggers": loggers})()
+    found = lightning_trackers(trainer)
+    assert found == loggers[:3]  # the CSV logger has nowhere to put a histogram
+    assert [sink_for(t).name for t in found] == ["tensorboard", "mlflow", "wandb"]
+    mlflow_log = TrackerLog(loggers[1], recommend=False)
+    assert mlflow_log.log(scaled_report()) == 6
+    history = mlflow.MlflowClient(tracking_uri=uri).get_metric_history(loggers[1].run_id, "fp16probe/loss_scale")
+    assert sorted((m.step, m.value) for m in history) == [(0, 256.0), (1, 256.0), (2, 256.0), (3, 128.0), (4, 128.0), (5, 100.0)]
+    loggers[2].experiment.finish()
+    with pytest.raises(InputError, match="CSVLogger"):
+        lightning_trackers(type("T", (), {"loggers": loggers[3:]})())
+
+
+def test_hf_report_to_finds_the_active_mlflow_and_wandb_runs(tmp_path, monkeypatch):
+    import types
+
+    mlflow = pytest.importorskip("mlflow")
+    wandb = pytest.importorskip("wandb")
+    from fp16probe.integrations.live import hf_trackers
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    args = types.SimpleNamespace(report_to=["tensorboard", "wandb", "mlflow", "codecarbon"], output_dir=str(tmp_path))
+    with mlflow.start_run() as active:
+        run = wandb.init(dir=str(tmp_path), project="t")
+        try:
+            writer, wandb_run, (client, run_id) = hf_trackers(args)
+        finally:
+            run.finish()
+    assert writer.log_dir == str(tmp_path / "tb") and writer._fp16probe_owned
+    writer.close()
+    assert wandb_run is run and run_id == active.info.run_id
+    assert client.get_run(run_id).info.run_id == run_id

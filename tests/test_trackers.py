@@ -62,7 +62,8 @@ def test_log_histogram_has_one_bucket_per_log2_bin_and_zeros_apart():
 
 
 def test_series_scalars_are_the_closed_form_shares():
-    series = tracker_series(scaled_report(), "fp16", recommendation={"log2_scale": 8, "text": "advice"})
+    series = tracker_series(scaled_report(), "fp16",
+                            recommendation={"log2_scale": 8, "text": "advice", "caveats": ["one", "two"]})
     by = {}
     for tag, step, value in series.scalars:
         by.setdefault(tag, {})[step] = value
@@ -79,7 +80,7 @@ def test_series_scalars_are_the_closed_form_shares():
     assert by["fp16probe/loss_scale"] == dict(enumerate(SCALES))
     assert by["fp16probe/skipped_steps"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
     assert by["fp16probe/recommended_log2_scale"][5] == 8
-    assert series.texts == (("fp16probe/recommendation", "advice"),)
+    assert series.texts == (("fp16probe/recommendation", "advice\n\ncaveat: one\ncaveat: two"),)
 
 
 def test_series_without_a_scaler_has_no_scale_or_skipped_steps():
