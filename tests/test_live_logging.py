@@ -225,3 +225,24 @@ def test_hf_report_to_finds_the_active_mlflow_and_wandb_runs(tmp_path, monkeypat
     writer.close()
     assert wandb_run is run and run_id == active.info.run_id
     assert client.get_run(run_id).info.run_id == run_id
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_log_the_merged_statistics(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fp16probe import Report
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "live_ddp_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = Report.load(tmp_path / "merged.json")
+    assert merged.metadata.world_size == 2
+    assert (tmp_path / "reports.txt").read_text() == "2"  # one merge at step 2, one at close()
+    _assert_events_match_trace(_events(tmp_path / "tb"), merged, 0)
