@@ -410,6 +410,8 @@ def _check_report_fields(d: Mapping[str, Any]) -> None:
     validation.check_modules(d["modules"])
     if d.get("recommendation") is not None:
         validation.check_recommendation(d["recommendation"])
+    if d.get("verification") is not None:
+        validation.check_depth(d["verification"], "verification")
 
 
 def _mode_for(path: Path) -> int:

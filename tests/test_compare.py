@@ -195,6 +195,30 @@ def test_verification_that_did_not_hold_fails():
     assert "did not hold: predicted 0.1% zeroed, measured 4%" in result.failures[0].message
 
 
+def _verified(report: Report, **changes) -> Report:
+    from fp16probe.verification import Verification
+
+    fields = dict(precision="fp16", device="cpu", steps=4, scaler_kwargs={"init_scale": 1024.0}, kind="activation_grad",
+                  predicted_overflow_steps=0, measured_overflow_steps=0, predicted_zeroed_fraction=0.001,
+                  measured_zeroed_fraction=0.0012, tolerance=0.0005, held=True)
+    fields.update(changes)
+    return report.with_verification(Verification(**fields))
+
+
+def test_a_real_verification_in_the_report(tmp_path):
+    """Report.verification, saved and loaded: held passes; not held fails; 'held' contradicted by its numbers fails."""
+    b = snap(BASE)
+    for changes, passed, words in [({}, True, "0.1% predicted, 0.12% measured"),
+                                   ({"measured_overflow_steps": 2, "held": False}, False, "2 measured"),
+                                   ({"measured_zeroed_fraction": 0.04}, False, "but its own numbers say")]:
+        path = tmp_path / "v.json"
+        _verified(BASE, **changes).save(path)
+        result = compare(b, snap(Report.load(path)))
+        check = next(x for x in result.checks if x.name == "verification")
+        assert check.passed is passed and result.passed is passed, check.message
+        assert words in check.message
+
+
 # -- the older checks ---------------------------------------------------------------------------
 
 def test_flushed_rise_at_s1_fails_beyond_threshold():

@@ -63,7 +63,8 @@ def real_reports(tmp_path_factory) -> dict[str, dict]:
     reports["cli demo"] = json.loads(cli.read_text())
     from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
 
-    api = fp16probe.profile(DemoNet(), demo_batches(), demo_loss, steps=2)
+    api = fp16probe.profile(DemoNet(), demo_batches(), demo_loss, steps=2, verify=True)
+    assert api.verification is not None
     reports["profile()"] = json.loads(api.to_json())
     op = _probe_report(granularity="op", activations=True)
     reports["op + activations"] = json.loads(op.to_json())
@@ -86,6 +87,7 @@ def test_real_reports_validate(validator, real_reports):
         assert errors == [], name
     assert any(r.get("recommendation") for r in real_reports.values())
     assert any(r["trace"].get("ceiling") for r in real_reports.values())
+    assert any(r.get("verification") for r in real_reports.values())
     assert any("activation" in r["trace"]["histograms"] for r in real_reports.values())
 
 

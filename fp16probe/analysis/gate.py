@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 from fp16probe.errors import ReportError
 from fp16probe.recommendation import Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
+from fp16probe.verification import Verification
 
 __all__ = [
     "Check",
@@ -310,14 +311,19 @@ def _workload(report: Report) -> dict[str, Any]:
 
 
 def _verification(report: Report) -> tuple[bool, str] | None:
-    v = getattr(report, "verification", None)
+    """``(held, summary)`` of the report's measured verification, re-judged from its own numbers."""
+    v = report.verification
     if v is None:
         return None
-    held = bool(getattr(v, "held", False))
-    notes = getattr(v, "notes", ())
-    notes = [notes] if isinstance(notes, str) else list(notes or ())
-    summary = "; ".join(str(n) for n in notes) if notes else ("it held" if held else "it did not hold")
-    return held, summary
+    judged = Verification.judge(v.predicted_overflow_steps, v.measured_overflow_steps,
+                                v.predicted_zeroed_fraction, v.measured_zeroed_fraction, v.tolerance)
+    summary = (f"{v.steps} step(s) in {v.precision} with the recommended scaler: zeroed "
+               f"{_pct(v.predicted_zeroed_fraction)} predicted, {_pct(v.measured_zeroed_fraction)} measured "
+               f"(tolerance {_pct(v.tolerance)}); overflow steps {v.predicted_overflow_steps} predicted, "
+               f"{v.measured_overflow_steps} measured")
+    if v.held and not judged:
+        summary += "; the report says it held, but its own numbers say it did not (edited?)"
+    return v.held and judged, summary
 
 
 # -- the checks -------------------------------------------------------------------------------
