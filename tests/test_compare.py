@@ -208,8 +208,8 @@ def _verified(report: Report, **changes) -> Report:
 def test_a_real_verification_in_the_report(tmp_path):
     """Report.verification, saved and loaded: held passes; not held fails; 'held' contradicted by its numbers fails."""
     b = snap(BASE)
-    for changes, passed, words in [({}, True, "0.1% predicted, 0.12% measured"),
-                                   ({"measured_overflow_steps": 2, "held": False}, False, "2 measured"),
+    for changes, passed, words in [({}, True, "0.12% of activation_grad values zeroed (0.1% predicted"),
+                                   ({"measured_overflow_steps": 2, "held": False}, False, "2 of 4 steps overflowed"),
                                    ({"measured_zeroed_fraction": 0.04}, False, "but its own numbers say")]:
         path = tmp_path / "v.json"
         _verified(BASE, **changes).save(path)

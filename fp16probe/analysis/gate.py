@@ -317,10 +317,7 @@ def _verification(report: Report) -> tuple[bool, str] | None:
         return None
     judged = Verification.judge(v.predicted_overflow_steps, v.measured_overflow_steps,
                                 v.predicted_zeroed_fraction, v.measured_zeroed_fraction, v.tolerance)
-    summary = (f"{v.steps} step(s) in {v.precision} with the recommended scaler: zeroed "
-               f"{_pct(v.predicted_zeroed_fraction)} predicted, {_pct(v.measured_zeroed_fraction)} measured "
-               f"(tolerance {_pct(v.tolerance)}); overflow steps {v.predicted_overflow_steps} predicted, "
-               f"{v.measured_overflow_steps} measured")
+    summary = v.summary
     if v.held and not judged:
         summary += "; the report says it held, but its own numbers say it did not (edited?)"
     return v.held and judged, summary
