@@ -251,3 +251,32 @@ def test_histogram_stays_on_device_and_merges_by_addition():
     assert ra.device == a.device and ra.dtype == torch.int64
     merged = histogram_from((ra + rb).tolist(), int(torch.maximum(ka, kb)))
     assert merged == histogram_of(torch.cat([a, b])) == histogram_of(a) + histogram_of(b)
+
+
+TRITON_CHECK = """
+import torch
+from fp16probe.capture import _triton_kernel as tk, engine
+bits = torch.randint(-(2**31), 2**31 - 1, (5000,), dtype=torch.int64).to(torch.int32)
+cases = [(bits.view(torch.float32), None), (torch.randn(3000).half(), None),
+         (torch.randn(3000).to(torch.bfloat16), None), (torch.randn(7000) * 1e-3, torch.tensor(2.0**-20))]
+for x, inv in cases:
+    c, k = engine.new_table(2)
+    tk.count_into(x, c, k, 1, False, inv)
+    rc, rk = engine.histogram(x.float() * inv if inv is not None else x)
+    assert torch.equal(c[1], rc) and int(k[1]) == int(rk) and c[0].sum() == 0
+print("ok")
+"""
+
+
+def test_triton_kernel_agrees_in_the_interpreter(engine):
+    """The CUDA kernel, run by Triton's CPU interpreter, counts like the CPU engines."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    if engine != "torch":
+        pytest.skip("one run is enough")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -39,6 +39,7 @@ Three implementations give identical counts (the tests run all three):
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -101,15 +102,29 @@ def _bin_index(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def count_into(
-    x: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor, row: int, *, replace: bool = False
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    keys: torch.Tensor,
+    row: int,
+    *,
+    replace: bool = False,
+    inv: torch.Tensor | None = None,
 ) -> None:
     """Add ``x``'s values into ``counts[row]`` and its key into ``keys[row]``, on the table's device.
 
     ``counts``/``keys`` come from :func:`new_table`. With ``replace`` the row is
     overwritten instead of added to (a parameter's gradient: the last value wins).
-    Non-fp32 inputs are converted to fp32 first (exact for fp16, bf16 and fp8; float64
-    rounds to fp32). No host synchronisation happens here.
+    ``inv`` (a device scalar) multiplies ``x`` in fp32 first, as ``GradScaler.unscale_``
+    does. Non-fp32 inputs are converted to fp32 first (exact for fp16, bf16 and fp8;
+    float64 rounds to fp32). No host synchronisation happens here.
     """
+    if x.device.type == "cuda" and counts.device == x.device and _triton_available():
+        from fp16probe.capture import _triton_kernel
+
+        _triton_kernel.count_into(x, counts, keys, row, replace, inv)
+        return
+    if inv is not None:
+        x = _unscaled(x, inv)
     bits = _bits_of(x)
     if bits.device != counts.device:  # a model split across devices: count at home, add here
         c, k = new_table(1, bits.device)
@@ -128,11 +143,6 @@ def count_into(
 
         _cpu_kernel.count_into(bits.numpy(), counts.numpy(), keys.numpy(), row, replace)
         return
-    if engine == "triton":
-        from fp16probe.capture import _triton_kernel
-
-        _triton_kernel.count_into(bits, counts, keys, row, replace)
-        return
     out, key_slot = counts[row], keys[row : row + 1]
     if replace:
         out.zero_()
@@ -147,6 +157,24 @@ def count_into(
     torch.maximum(key_slot, key, out=key_slot)
 
 
+def _unscaled(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 times ``inv``; on the CPU in a reused buffer (no allocation per tensor)."""
+    if inv.device != x.device:
+        inv = inv.to(x.device, non_blocking=True)
+    if x.device.type != "cpu":
+        return x.detach().float() * inv
+    ws = getattr(_workspace, "buf", None)
+    n = x.numel()
+    if ws is None or ws.numel() < n:
+        ws = _workspace.buf = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+    out = ws[:n].view(x.shape)
+    out.copy_(x.detach())
+    return out.mul_(inv)
+
+
+_workspace = threading.local()
+
+
 def histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count ``x`` into a fresh row; return ``(counts [NUM_BINS] int64, key int32 scalar)`` on x's device."""
     counts, keys = new_table(1, x.device)
@@ -156,7 +184,7 @@ def histogram(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _engine_for(device: torch.device) -> str:
     if device.type != "cpu":
-        return "triton" if device.type == "cuda" and _triton_available() else "device"
+        return "device"
     if CPU_ENGINE in ("torch", "device"):
         return CPU_ENGINE
     from fp16probe.capture import _cpu_kernel

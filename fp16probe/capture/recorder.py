@@ -291,15 +291,12 @@ class Recorder:
                     self.sharded_weight_grads = True
             with self.lock:
                 st = self._state
-                if kind != ACTIVATION:
-                    inv = self._inv_scale(st, t.device)
-                    if inv is not None:
-                        t = _unscaled(t, inv)
+                inv = self._inv_scale(st, t.device) if kind != ACTIVATION else None
                 table = st.open.get(kind)
                 if table is None:
                     st = self._allocate(kind, t.device)
                     table = st.open[kind]
-                engine.count_into(t, table[0], table[1], i, replace=replace)
+                engine.count_into(t, table[0], table[1], i, replace=replace, inv=inv)
                 st.dirty = True
         except Exception as e:
             self.note_error(e)
@@ -513,22 +510,6 @@ def _grown(table: Table, rows: int) -> Table:
     extra = rows - counts.shape[0]
     c, k = engine.new_table(extra, counts.device)
     return torch.cat([counts, c]), torch.cat([keys, k])
-
-
-def _unscaled(t: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32 times ``inv`` (as GradScaler.unscale_ multiplies), in a reused buffer on the CPU."""
-    if t.device.type != "cpu":
-        return t.detach().float() * inv
-    ws = getattr(_workspace, "buf", None)
-    n = t.numel()
-    if ws is None or ws.numel() < n:
-        ws = _workspace.buf = torch.empty(max(n, 1 << 16), dtype=torch.float32)
-    out = ws[:n].view(t.shape)
-    out.copy_(t.detach())
-    return out.mul_(inv)
-
-
-_workspace = threading.local()
 
 
 def _stack_trace(records: Sequence[_StepRecord], kind: str, rows: int,
