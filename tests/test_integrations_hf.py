@@ -64,18 +64,27 @@ def test_real_trainer_run_writes_report_and_recommendation(tmp_path):
     assert hasattr(trainer.accelerator, "scaler")  # ...but this is where it keeps one
 
 
-def test_callback_unscales_with_a_real_grad_scaler(tmp_path):
-    """Drive the callback's hooks as the Trainer does, loss scaled by a real GradScaler."""
+@pytest.mark.parametrize("via", ["optimizer", "trainer"])
+def test_callback_unscales_with_a_real_grad_scaler(tmp_path, via):
+    """Drive the callback's hooks as the Trainer does, loss scaled by a real GradScaler.
+
+    ``via="optimizer"`` is ``Trainer(callbacks=[Fp16ProbeCallback()])``: no attach(), the scaler
+    found on the optimizer every event receives, as accelerate's AcceleratedOptimizer carries it.
+    """
     data = _Data()
 
     def run(scaler):
         model = _tiny_gpt2()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(scaler=scaler))
-        args = types.SimpleNamespace(fp16=scaler is not None, output_dir=str(tmp_path))
+        args = types.SimpleNamespace(fp16=scaler is not None, output_dir=str(tmp_path), gradient_accumulation_steps=1)
         state = types.SimpleNamespace(global_step=0, is_world_process_zero=True)
-        cb = Fp16ProbeCallback(trainer=trainer)
-        cb.on_train_begin(args, state, None, model=model)
+        if via == "trainer":
+            cb = Fp16ProbeCallback(trainer=types.SimpleNamespace(accelerator=types.SimpleNamespace(scaler=scaler)))
+            cb.on_train_begin(args, state, None, model=model, optimizer=opt)
+        else:
+            cb = Fp16ProbeCallback()
+            wrapped = types.SimpleNamespace(optimizer=opt, scaler=scaler)  # what accelerate hands the events
+            cb.on_train_begin(args, state, None, model=model, optimizer=wrapped)
         for step in range(2):
             batch = {k: v[None] for k, v in data[step].items()}
             loss = model(**batch).loss
@@ -96,6 +105,10 @@ def test_callback_unscales_with_a_real_grad_scaler(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     scaled, plain = run(scaler), run(None)
     assert scaled.metadata.grad_scaler and scaled.trace.scale == (2.0**12, 2.0**12)
+    assert scaled.metadata.extra["loss_scaled"] is True and not plain.metadata.extra["loss_scaled"]
+    assert scaled.metadata.extra["grad_scaler_found_at"] == f"{via}.scaler" if via == "optimizer" else (
+        scaled.metadata.extra["grad_scaler_found_at"] == "trainer.accelerator.scaler")
+    assert scaled.metadata.extra["training_arguments"] == {"fp16": True, "gradient_accumulation_steps": 1}
     for kind in ("activation_grad", "weight_grad"):
         # a power-of-two scale and its reciprocal are exact: unscaled equals never scaled
         assert scaled.histogram(kind) == plain.histogram(kind)
@@ -104,9 +117,32 @@ def test_callback_unscales_with_a_real_grad_scaler(tmp_path):
 def test_fp16_without_the_trainer_is_refused_and_missing_framework_is_explained(monkeypatch):
     cb = Fp16ProbeCallback()
     args = types.SimpleNamespace(fp16=True, output_dir=".")
-    with pytest.raises(Fp16ProbeError, match="attach"):
-        cb.on_train_begin(args, None, None, model=_tiny_gpt2())
+    with pytest.raises(Fp16ProbeError, match=r"found no GradScaler.*SGD.*Fp16ProbeCallback\(scaler=...\)"):
+        cb.on_train_begin(args, None, None, model=_tiny_gpt2(),
+                          optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
     from fp16probe.integrations import require
 
     with pytest.raises(Fp16ProbeError, match=r"pip install 'fp16probe\[hf\]'"):
         require("transformers_not_installed_here", "hf", "fp16probe.integrations.huggingface")
+
+
+@pytest.mark.slow
+def test_fp16_trainer_on_a_cpu_runs_with_the_callback_in_callbacks(tmp_path):
+    """Trainer(fp16=True, callbacks=[Fp16ProbeCallback()]) on a CPU: accelerate scales no loss there, so it works.
+
+    Before, it was refused with an error asking for attach(trainer).
+    """
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, fp16=True,
+    )
+    callback = Fp16ProbeCallback()
+    trainer = transformers.Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Data(), callbacks=[callback])
+    trainer.train()
+    report = Report.load(tmp_path / REPORT_NAME)
+    assert REPORT_NAME == "fp16probe-report.json"  # the command line's default name too
+    assert report.metadata.steps_seen == 2 and report.metadata.extra["loss_scaled"] is False
+    assert not report.metadata.grad_scaler
+    recorded = report.metadata.extra["training_arguments"]
+    assert recorded["fp16"] is True and recorded["bf16"] is False and recorded["gradient_accumulation_steps"] == 2
+    assert report.histogram("activation_grad").nonzero_finite > 0

@@ -2,16 +2,18 @@
 
     from fp16probe.integrations.huggingface import Fp16ProbeCallback
 
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    Fp16ProbeCallback(every=10).attach(trainer)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Fp16ProbeCallback(every=10)])
     trainer.train()   # writes fp16probe-report.json and fp16probe-recommendation.txt to args.output_dir
 
-Under ``fp16=True`` the Trainer's backward runs on ``scale * loss`` (accelerate keeps the
-``torch.amp.GradScaler`` at ``trainer.accelerator.scaler``); the callback hands that scaler
-to the Probe so every histogram is of the unscaled gradients. A callback passed as
-``Trainer(callbacks=[...])`` never sees the Trainer object itself, so ``attach`` (or
-``trainer=``) is how it finds the scaler; under fp16 without it, training stops with an
-error rather than recording gradients 65536 times too large.
+Under ``fp16=True`` on a GPU the Trainer's backward runs on ``scale * loss``: accelerate
+keeps the ``torch.amp.GradScaler`` on the optimizer it hands every callback event
+(``AcceleratedOptimizer.scaler``, the same object as ``trainer.accelerator.scaler``). The
+callback finds it there and gives it to the Probe, so every histogram is of the unscaled
+gradients. Where accelerate made no scaler (fp32, bf16, or fp16 on a CPU, where it does not
+scale the loss) there is nothing to unscale. Only a run that scales the loss with a scaler
+the callback cannot find (fp16 without accelerate's optimizer) is refused, rather than
+recording gradients 65536 times too large; pass ``scaler=`` there. The report records the
+TrainingArguments that decide precision and steps (``metadata.extra["training_arguments"]``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,27 @@ from fp16probe.capture.probe import Probe  # noqa: E402
 __all__ = ["Fp16ProbeCallback", "trainer_scaler"]
 
 
+# The TrainingArguments that decide what the gradients are: precision, accumulation, clipping.
+TRAINING_ARGUMENTS = (
+    "fp16", "bf16", "half_precision_backend", "fp16_opt_level", "gradient_accumulation_steps",
+    "per_device_train_batch_size", "max_grad_norm", "learning_rate", "optim", "torch_compile",
+)
+
+
 def trainer_scaler(trainer: Any) -> Any:
-    """The GradScaler a Trainer scales its loss with, or None (fp32, bf16, or none made)."""
+    """Return the GradScaler a Trainer scales its loss with, or None (fp32, bf16, or none made)."""
     accelerator = getattr(trainer, "accelerator", None)
     return getattr(accelerator, "scaler", None)
+
+
+def training_arguments(args: Any) -> dict[str, Any]:
+    """Return the TrainingArguments that matter to gradients, as JSON-ready values."""
+    out: dict[str, Any] = {}
+    for name in TRAINING_ARGUMENTS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
 
 
 class Fp16ProbeCallback(transformers.TrainerCallback):
@@ -42,8 +61,8 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         every: sample every Nth optimizer step.
         format: the format the recommendation is for (``"fp16"``, ``"bf16"``, ...).
         output_dir: where to write (default: the Trainer's ``args.output_dir``).
-        trainer: the Trainer, to find its GradScaler (or call :meth:`attach`).
-        scaler: a GradScaler to unscale with, when it is not the Trainer's.
+        trainer: the Trainer (optional: the scaler is found on the optimizer every event receives).
+        scaler: a GradScaler (or any scale the Probe reads) to unscale with, when it is not the Trainer's.
         log_every: also log histograms and scalars every N optimizer steps to the trackers
             ``args.report_to`` names (tensorboard, wandb, mlflow); statistics reach the host
             only then (see :mod:`fp16probe.integrations.live`).
@@ -75,31 +94,40 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         self.report = None  # on the main process, once training ends: the report as written
         self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
         self.live: Any = None
+        self.extra: dict[str, Any] = {}  # what the report records of the run: TrainingArguments, scaler
 
     def attach(self, trainer: Any) -> "Fp16ProbeCallback":
-        """Add this callback to ``trainer`` (once) and remember the Trainer for its scaler."""
+        """Add this callback to ``trainer`` (once); ``Trainer(callbacks=[...])`` works as well."""
         self.trainer = trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         return self
 
-    def _scaler(self, args: Any) -> Any:
+    def _scaler(self, args: Any, optimizer: Any) -> tuple[Any, str | None]:
+        """Return the scaler the run multiplies its loss by, and where it was found."""
         if self.scaler is not None:
-            return self.scaler
+            return self.scaler, "scaler="
         if self.trainer is not None:
-            return trainer_scaler(self.trainer)
+            return trainer_scaler(self.trainer), "trainer.accelerator.scaler"
+        if optimizer is not None and hasattr(optimizer, "scaler"):
+            # accelerate's AcceleratedOptimizer: its GradScaler, or None where the loss is not scaled
+            return optimizer.scaler, "optimizer.scaler"
         if getattr(args, "fp16", False):
             raise Fp16ProbeError(
-                "TrainingArguments(fp16=True) scales the loss, and Fp16ProbeCallback cannot reach the "
-                "Trainer's GradScaler to unscale the gradients it records; add the callback with "
-                "Fp16ProbeCallback(...).attach(trainer), or pass trainer= or scaler="
+                "TrainingArguments(fp16=True) may scale the loss, and Fp16ProbeCallback found no GradScaler "
+                f"(the optimizer it was given, {type(optimizer).__name__}, carries none) to unscale the "
+                "gradients it records; pass Fp16ProbeCallback(scaler=...) or trainer="
             )
-        return None
+        return None, None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """Start probing the Trainer's model, unscaling with the scaler the run uses."""
         if model is None:
             raise Fp16ProbeError("the Trainer passed no model to on_train_begin; nothing to probe")
-        self.probe = Probe(model, every=self.every, scaler=self._scaler(args), **self.probe_options).start()
+        scaler, found_at = self._scaler(args, kwargs.get("optimizer"))
+        self.extra = {"training_arguments": training_arguments(args), "loss_scaled": scaler is not None,
+                      "grad_scaler_found_at": found_at if scaler is not None else None}
+        self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
         if self.log_every:
             from fp16probe.integrations.live import LiveLogger, hf_trackers
 
@@ -109,12 +137,14 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
                                    is_main=main, format=self.format, modules=self.log_modules)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Close the Probe's step: one per optimizer step (after gradient accumulation)."""
         if self.probe is not None:
             self.probe.step()
             if self.live is not None:
                 self.live.step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Stop probing; merge ranks, analyse and write the report on the main process."""
         live, self.live = self.live, None
         if live is not None:
             live.close()
@@ -123,4 +153,4 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
             return
         self.report = finish(probe, trainer="transformers", global_step=state.global_step,
                              is_main=state.is_world_process_zero, folder=self.output_dir or args.output_dir,
-                             format=self.format)
+                             format=self.format, extra=self.extra)

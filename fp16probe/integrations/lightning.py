@@ -63,6 +63,7 @@ class Fp16ProbeCallback(pl.Callback):
         self.live: Any = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start probing the LightningModule, unscaling with the precision plugin's scaler."""
         self.probe = Probe(
             pl_module, every=self.every, scaler=lightning_scaler(trainer), **self.probe_options
         ).start()
@@ -76,6 +77,7 @@ class Fp16ProbeCallback(pl.Callback):
                                    modules=self.log_modules)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Close the Probe's step: one per optimizer step (after accumulation)."""
         # Called once per optimizer step, after the (accumulated) backward passes of it.
         if self.probe is not None:
             self.probe.step()
@@ -83,6 +85,7 @@ class Fp16ProbeCallback(pl.Callback):
                 self.live.step()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Stop probing; merge ranks, analyse and write the report on global rank 0."""
         live, self.live = self.live, None
         if live is not None:
             live.close()
@@ -94,6 +97,7 @@ class Fp16ProbeCallback(pl.Callback):
                              format=self.format)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Stop probing and remove every hook when training fails."""
         self.live = None  # no final flush: it is a collective, and the run is failing
         if self.probe is not None:
             self.probe.stop()
