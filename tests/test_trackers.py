@@ -31,12 +31,13 @@ from tests.fixtures.reports import hand_report
 # At S = 2^8 only |x| <= 2^-33 flushes: bin -40, 250 values; at S = 2^7, |x| <= 2^-32: the same 250.
 SCALES = (256.0, 256.0, 256.0, 128.0, 128.0, 100.0)
 FOUND_INF = (False, False, False, True, False, False)
+CEILING = (0.5, 0.5, 0.5, math.inf, 2.0**10, 0.25)  # the largest unscaled |g| in backward, per step
 
 
 def scaled_report():
     """The hand report as if taken under a loss scaler that backed off once at step 3."""
     r = hand_report()
-    trace = dataclasses.replace(r.trace, scale=SCALES, found_inf=FOUND_INF)
+    trace = dataclasses.replace(r.trace, scale=SCALES, found_inf=FOUND_INF, ceiling=CEILING)
     return dataclasses.replace(r, trace=trace, metadata=dataclasses.replace(r.metadata, grad_scaler=True))
 
 
@@ -79,6 +80,7 @@ def test_series_scalars_are_the_closed_form_shares():
     assert by["fp16probe/activation_grad/zero_fraction"][0] == 1600 / 3600
     assert by["fp16probe/loss_scale"] == dict(enumerate(SCALES))
     assert by["fp16probe/skipped_steps"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    assert by["fp16probe/overflow_ceiling"] == {0: 0.5, 1: 0.5, 2: 0.5, 4: 2.0**10, 5: 0.25}  # not the inf
     assert by["fp16probe/recommended_log2_scale"][5] == 8
     assert series.texts == (("fp16probe/recommendation", "advice\n\ncaveat: one\ncaveat: two"),)
 

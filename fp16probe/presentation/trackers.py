@@ -17,7 +17,8 @@ figures and an HTML report as artifacts instead):
   nonzero values that become 0 when cast to the format unscaled), ``..._at_scale_in_force``
   (at the loss scale the run's scaler held that step, from the trace),
   ``..._at_recommended_scale``, ``max_abs`` (largest finite |x|), ``zero_fraction``; and
-  ``fp16probe/loss_scale`` (the scaler's scale), ``fp16probe/skipped_steps`` (steps so far
+  ``fp16probe/overflow_ceiling`` (the largest unscaled |g| anywhere in backward, where the
+  report has it; not logged on a step that held inf/NaN), ``fp16probe/loss_scale`` (the scaler's scale), ``fp16probe/skipped_steps`` (steps so far
   whose gradients held inf/NaN: a loss scaler skips them), ``fp16probe/recommended_log2_scale``.
 
 Every number comes from the report; the flushed fractions are exact sums of whole bins
@@ -223,6 +224,9 @@ def tracker_series(
             if rec_k is not None:
                 scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step,
                                 _fraction(h.flushed(fmt, int(rec_k)), n)))
+        ceiling = getattr(trace, "ceiling", None)
+        if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
+            scalars.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
         if scale is not None:
             scalars.append((f"{PREFIX}/loss_scale", step, float(scale)))
         if scaled:
