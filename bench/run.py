@@ -16,6 +16,8 @@ median over rounds, so a machine that other work slows down moves both sides tog
    (TensorBoard's ``add_histogram``) and ``torch.histc`` with ``.item()`` per tensor
    (wandb's ``log_tensor_stats``).
 4. Memory the Probe holds after 10, 100 and 1000 steps.
+5. End to end: ``fp16probe.profile()`` (the path the CLI, callbacks and notebooks take) on
+   the demo, against the same forward+backward loop without it; analysis included.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Sizes:
     step_rounds: int
     steps_per_round: int
     memory_steps: tuple[int, ...]
+    profile_steps: int = 10
 
 
 FULL = Sizes(
@@ -91,6 +94,7 @@ QUICK = Sizes(
     step_rounds=2,
     steps_per_round=1,
     memory_steps=(2, 4, 8),
+    profile_steps=2,
 )
 
 
@@ -446,7 +450,33 @@ def format_table(r: dict) -> str:
         )
     lines.append(f"  trace grows {mem['trace_bytes_per_step']:.0f} bytes per step; fixed part constant: "
                  f"{mem['fixed_bytes_constant']}")
+    prof = r.get("profile")
+    if prof is not None:
+        lines.append("")
+        lines.append(f"fp16probe.profile() on the {prof['model']}, {prof['steps']} steps, analysis included: "
+                     f"{prof['profile_s']:.2f} s vs {prof['plain_s']:.2f} s for the bare loop -> {prof['ratio']:.2f}x "
+                     f"(verdict {prof['verdict']})")
     return "\n".join(lines)
+
+
+def bench_profile(s: Sizes) -> dict:
+    """Time ``fp16probe.profile()`` on the demo against the same forward+backward steps without it."""
+    import fp16probe
+    from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
+
+    batches = [b for _, b in zip(range(s.profile_steps), demo_batches())]
+    model = DemoNet()
+    fp16probe.profile(model, batches[:1], demo_loss, steps=1)  # warm-up: first-call costs are not the path's
+    t0 = time.perf_counter()
+    report = fp16probe.profile(model, batches, demo_loss, steps=s.profile_steps)
+    profile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for batch in batches:
+        demo_loss(model(batch[0]), batch).backward()
+        model.zero_grad(set_to_none=True)
+    plain_s = time.perf_counter() - t0
+    return {"model": "demo", "steps": s.profile_steps, "profile_s": profile_s, "plain_s": plain_s,
+            "ratio": profile_s / plain_s, "verdict": str(report.recommendation.verdict)}
 
 
 def run(sizes: Sizes) -> dict:
@@ -455,6 +485,7 @@ def run(sizes: Sizes) -> dict:
     result["engine"] = _progress("engine", bench_engine, sizes)
     result["steps"] = [_progress(w.name, bench_steps, w, sizes) for w in make_workloads(sizes)]
     result["memory"] = _progress("memory", bench_memory, sizes)
+    result["profile"] = _progress("profile()", bench_profile, sizes)
     return result
 
 

@@ -36,6 +36,8 @@ def test_benchmark_runs_and_writes_json(
         assert all(v > 0 for v in m["step_ms"].values())
     table = bench.format_table(loaded)
     assert "probe/1" in table and "memory held by the Probe" in table
+    assert loaded["profile"]["steps"] == TINY.profile_steps and loaded["profile"]["ratio"] > 0
+    assert "fp16probe.profile() on the demo" in table
 
 
 def test_probe_memory_grows_only_by_the_trace() -> None:
