@@ -1,7 +1,15 @@
-"""fp16probe: measure whether FP16 training loses gradients to underflow, and what fixes it."""
+"""fp16probe: measure whether FP16 training loses gradients to underflow, and what fixes it.
+
+The public names load on first use (PEP 562 module ``__getattr__``): ``import fp16probe``
+and ``fp16probe --help`` do not import torch; ``fp16probe.Probe`` and friends do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fp16probe._version import __version__
-from fp16probe.analysis.recommend import WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
 from fp16probe.errors import (
     AnalysisError,
     Fp16ProbeError,
@@ -13,15 +21,49 @@ from fp16probe.errors import (
     ReportFieldError,
     UnknownFormatError,
 )
-from fp16probe.recommendation import Recommendation, Verdict
-from fp16probe.formats import FORMATS, Format, get_format
-from fp16probe.capture.probe import Probe
-from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
-from fp16probe.presentation.trackers import export
-from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
-from fp16probe.running.profile import profile
-from fp16probe.running.verify import verify
-from fp16probe.verification import Verification
+
+if TYPE_CHECKING:
+    from fp16probe.analysis.recommend import WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
+    from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
+    from fp16probe.capture.probe import Probe
+    from fp16probe.formats import FORMATS, Format, get_format
+    from fp16probe.presentation.trackers import export
+    from fp16probe.recommendation import Recommendation, Verdict
+    from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+    from fp16probe.running.profile import profile
+    from fp16probe.running.verify import verify
+    from fp16probe.verification import Verification
+
+# name -> the module that defines it (imported when the name is first used)
+_LAZY = {
+    **dict.fromkeys(("WhatIfRow", "WhatIfTable", "analyze", "weight_update_loss", "what_if"),
+                    "fp16probe.analysis.recommend"),
+    **dict.fromkeys(("ReplayResult", "replay_scaler", "simulate"), "fp16probe.analysis.replay"),
+    "Probe": "fp16probe.capture.probe",
+    **dict.fromkeys(("FORMATS", "Format", "get_format"), "fp16probe.formats"),
+    "export": "fp16probe.presentation.trackers",
+    **dict.fromkeys(("Recommendation", "Verdict"), "fp16probe.recommendation"),
+    **dict.fromkeys(("Histogram", "Metadata", "ModuleStats", "Report", "StepTrace"), "fp16probe.report"),
+    "profile": "fp16probe.running.profile",
+    "verify": "fp16probe.running.verify",
+    "Verification": "fp16probe.verification",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp16probe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """List the public names (loaded or not) beside the module's own."""
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "AnalysisError",

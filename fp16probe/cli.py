@@ -26,8 +26,38 @@ import typer
 import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError
-from fp16probe.formats import FORMATS
-from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report, atomic_write_text
+
+
+class _Deferred:
+    """A name of a module that imports torch, imported on first use, so --help starts fast.
+
+    ``fp16probe --help`` (and a usage error) then needs only typer; the report and the
+    number formats (whose bounds come from ``torch.finfo``) load when a command runs.
+    """
+
+    def __init__(self, module: str, name: str) -> None:
+        self._where = (module, name)
+
+    def _target(self) -> Any:
+        import importlib
+
+        module, name = self._where
+        return getattr(importlib.import_module(module), name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._target(), attr)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._target()(*args, **kwargs)
+
+
+Report: Any = _Deferred("fp16probe.report", "Report")
+atomic_write_text: Any = _Deferred("fp16probe.report", "atomic_write_text")
+# The choices --format and --kind offer, spelled here so that --help needs no torch;
+# tests/test_cli_help.py checks them against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
+FORMAT_NAMES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+ACTIVATION_GRAD = "activation_grad"
+WEIGHT_GRAD = "weight_grad"
 
 __all__ = [
     "EXIT_GATE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
@@ -81,9 +111,10 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
-FormatName = enum.Enum("FormatName", {name: name for name in FORMATS}, type=str)
+FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
 
 
 class Kind(str, enum.Enum):
@@ -230,8 +261,10 @@ def _refuse_overwrite(out: Path, inputs: list[Path], option: str) -> None:
 @app.command()
 def profile(
     model: Annotated[Optional[str], typer.Argument(
-        help="package.module:factory, a Hugging Face folder, a .pt2 archive, or a pickled module "
-             "(with --trust-checkpoint). Omit for the built-in demo.")] = None,
+        help="package.module:factory, a Hugging Face folder, a .pt2 archive, or a pickled module. "
+             "Omit for the built-in demo. Safe without flags (no code from the file runs): state_dicts, "
+             ".safetensors, Hugging Face folders, .pt2 archives of tensors and operators; a pickled module or "
+             "a .pt2 that needs pickle runs code and needs --trust-checkpoint, folder code --trust-remote-code.")] = None,
     weights: Annotated[Optional[Path], typer.Option(help="state_dict for an import-string MODEL: .pt/.pth, .safetensors or Lightning .ckpt.")] = None,
     trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help="Allow unpickling (runs code from the file).")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a Hugging Face folder's own model code.")] = False,
@@ -239,7 +272,7 @@ def profile(
     input_dtype: Annotated[InputDtype, typer.Option(help="dtype of synthetic inputs.")] = InputDtype.float32,
     vocab_size: Annotated[Optional[int], typer.Option(min=1, help="Range of synthetic integer ids (default: the model config's).")] = None,
     batches: Annotated[Optional[str], typer.Option(help="package.module:function returning an iterable of real batches.")] = None,
-    loss: Annotated[Optional[str], typer.Option(help="package.module:function(output, batch) -> scalar loss.")] = None,
+    loss: Annotated[Optional[str], typer.Option(help="A built-in loss (cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1: against the batch's targets, else random ones) or package.module:function(output, batch) returning a scalar. Default: the model family's own loss (see the README).")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Forward+backward passes to profile.")] = 10,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     precision: Annotated[Precision, typer.Option(help="fp32 reference, or autocast fp16/bf16.")] = Precision.fp32,
@@ -249,7 +282,7 @@ def profile(
     format: FormatOpt = FormatName["fp16"],
     kind: KindOpt = Kind.activation_grad,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
-    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
+    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs.")] = 0,
