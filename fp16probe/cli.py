@@ -371,7 +371,7 @@ def profile(
         rec = report.recommendation
         if plot is not None:
             with _writing(plot, "--plot"):
-                figures.save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
+                _save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
         else:
@@ -379,6 +379,19 @@ def profile(
             if report.verification is not None:
                 render.print_verification(console, report.verification)
     raise typer.Exit(_exit_code(report))
+
+
+def _save_figures(report: Report, path: Path, **options: Any) -> None:
+    """Draw the figures into a temporary file beside ``path``, then rename it: a full disk never truncates the old one."""
+    from fp16probe.presentation import figures
+
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # same extension: same file type
+    try:
+        figures.save_figures(report, tmp, **options)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _exit_code(report: Report) -> int:
@@ -498,7 +511,7 @@ def plot(
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
         with _writing(output, "--output"):
-            figures.save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+            _save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
         console.print(f"figures written to {output}")
 
 

@@ -105,9 +105,15 @@ class Verification:
         _expect(type(kw.get("held")) is bool, path, "held", "true or false", kw.get("held"))
         _expect(isinstance(kw.get("scaler_kwargs", {}), Mapping), path, "scaler_kwargs", "an object",
                 kw.get("scaler_kwargs"))
-        _expect(isinstance(kw.get("by_kind", {}), Mapping), path, "by_kind", "an object", kw.get("by_kind"))
+        by_kind = kw.get("by_kind", {})
+        _expect(isinstance(by_kind, Mapping) and all(
+            isinstance(v, Mapping) and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in v.values())
+            for v in by_kind.values()), path, "by_kind", "an object of per-kind counts and fractions", by_kind)
+        _expect(all(type(v) in (int, float, str, bool) for v in kw.get("scaler_kwargs", {}).values())
+                if isinstance(kw.get("scaler_kwargs", {}), Mapping) else True, path, "scaler_kwargs",
+                "an object of GradScaler arguments", kw.get("scaler_kwargs"))
         scales = kw.get("scales", [])
-        _expect(isinstance(scales, list) and all(type(s) in (int, float) and s > 0 for s in scales), path, "scales",
+        _expect(isinstance(scales, list) and all(type(s) in (int, float) and math.isfinite(s) and s > 0 for s in scales), path, "scales",
                 "a list of positive numbers", scales)
         notes = kw.get("notes", [])
         _expect(isinstance(notes, list) and all(isinstance(n, str) for n in notes), path, "notes",

@@ -98,3 +98,25 @@ def test_sigterm_writes_a_partial_report_and_exits_143(tmp_path):
     report = Report.load(tmp_path / "r.json")
     assert report.metadata.partial and report.metadata.steps_seen == 2
     assert report.metadata.extra["stopped"] == "terminated"
+
+
+def test_plot_that_fails_mid_write_keeps_the_old_figure(monkeypatch):
+    """A full disk while drawing: one line, exit 2, and the figure from before is untouched."""
+    import errno
+
+    from fp16probe.presentation import figures
+
+    assert run("profile", "cli_models:TinyMLP", *TINY, "--out", "r.json").exit_code == 0
+    assert run("plot", "r.json", "-o", "fig.png").exit_code == 0
+    before = Path("fig.png").read_bytes()
+
+    def full_disk(report, path, **kwargs):
+        Path(path).write_bytes(before[:100])  # what a write cut short leaves behind
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(figures, "save_figures", full_disk)
+    result = run("plot", "r.json", "-o", "fig.png")
+    assert result.exit_code == EXIT_USAGE
+    assert one_error_line(result).startswith("error: --output fig.png: cannot write it (No space left on device)")
+    assert Path("fig.png").read_bytes() == before
+    assert sorted(p.name for p in Path(".").iterdir()) == ["fig.png", "r.json"]

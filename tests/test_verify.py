@@ -82,7 +82,8 @@ def test_a_report_without_verification_has_no_key(tmp_path):
 
 @pytest.mark.parametrize("field,value", [
     ("held", "false"), ("measured_zeroed_fraction", -0.1), ("tolerance", float("nan")),
-    ("measured_overflow_steps", 1.5), ("scales", [0.0]), ("precision", 16),
+    ("measured_overflow_steps", 1.5), ("scales", [0.0]), ("scales", [float("inf")]), ("precision", 16),
+    ("by_kind", {"activation_grad": {"zeroed_values": -1}}), ("by_kind", {"x": [[[]]]}), ("scaler_kwargs", {"a": [1]}),
 ])
 def test_a_tampered_verification_is_refused(verified, field, value):
     d = verified.verification.to_dict()
