@@ -246,3 +246,25 @@ def test_ddp_two_ranks_log_the_merged_statistics(tmp_path):
     assert merged.metadata.world_size == 2
     assert (tmp_path / "reports.txt").read_text() == "2"  # one merge at step 2, one at close()
     _assert_events_match_trace(_events(tmp_path / "tb"), merged, 0)
+
+
+def test_live_logger_attaches_the_final_report_to_an_mlflow_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run_id = client.create_run(client.create_experiment("t")).info.run_id
+    model = _mlp()
+    probe = Probe(model).start()
+    live = LiveLogger(probe, (client, run_id), log_every=2, recommend=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        model.zero_grad()
+        probe.step()
+        live.step()
+    live.close()
+    history = client.get_metric_history(run_id, "fp16probe/activation_grad/flushed_fraction_at_1")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    names = {a.path for a in client.list_artifacts(run_id, "fp16probe")}
+    assert {"fp16probe/fp16probe-report.json", "fp16probe/fp16probe-figures.png", "fp16probe/fp16probe-report.html"} <= names
+    assert client.get_run(run_id).info.status == "RUNNING"  # the caller's run stays open

@@ -42,16 +42,19 @@ class LiveLogger:
         step_offset: added to the Probe's step numbers (0-based) so they match the trainer's
             global step; the callbacks pass ``global_step + 1`` at the start of training.
         is_main: whether this process logs (ranks other than the main one only merge).
+        artifacts: at :meth:`close`, attach the final report, its figures and an HTML report
+            to MLflow runs (the other trackers have histograms and need no files).
         **options: ``format``, ``kind``, ``modules``, ``axis``, ``recommend`` as for
             :class:`fp16probe.presentation.trackers.TrackerLog`. ``recommend=False`` skips
             the analysis each interval (no ``..._at_recommended_scale``).
     """
 
     def __init__(self, probe: Any, trackers: Any, *, log_every: int = 50, step_offset: int = 0,
-                 is_main: bool = True, **options: Any) -> None:
+                 is_main: bool = True, artifacts: bool = True, **options: Any) -> None:
         if isinstance(log_every, bool) or int(log_every) != log_every or log_every < 1:
             raise ProbeError(f"log_every must be a positive number of steps, got {log_every!r}")
         self.probe = probe
+        self.artifacts = artifacts
         self.log_every = int(log_every)
         self.is_main = is_main
         targets = list(trackers) if isinstance(trackers, (list, tuple)) and not _is_mlflow_pair(trackers) else [trackers]
@@ -68,21 +71,28 @@ class LiveLogger:
         self.flush()
         return True
 
-    def flush(self) -> None:
-        """Bring the statistics to the host now (a sync) and send the steps not sent yet."""
+    def flush(self) -> Any:
+        """Bring the statistics to the host now (a sync), send the steps not sent yet; return the report (None off the main rank)."""
         from fp16probe.capture import distributed
 
         report = distributed.gather_report(self.probe)  # every rank calls it; None off the main rank
         self.reports += 1
         if report is None or not self.is_main:
-            return
+            return None
         for log in self.logs:
             log.log(report)
+        return report
 
     def close(self) -> None:
-        """Send what is left and flush the trackers (writers and runs the caller made stay open)."""
+        """Send what is left, attach the final report's files to MLflow runs, flush the trackers.
+
+        Writers and runs the caller made stay open.
+        """
         try:
-            self.flush()
+            report = self.flush()
+            if report is not None and self.artifacts:
+                for log in self.logs:
+                    log.finish(report)
         finally:
             for log in self.logs:
                 log.close()

@@ -594,6 +594,17 @@ class TrackerLog:
         self.last_step = series.last_step
         return sent
 
+    def finish(self, report: Report) -> None:
+        """Attach the final report's files where the tracker keeps files (MLflow: JSON, figures, HTML)."""
+        if isinstance(self.sink, _MlflowSink):
+            from fp16probe.presentation.notebook import resolve_recommendation
+
+            try:
+                rec = resolve_recommendation(report, None, self.format, self.kind)
+            except Fp16ProbeError:
+                rec = None
+            self.sink.artifacts(report, self.format, self.kind, rec)
+
     def close(self) -> None:
         """Flush the tracker (a writer or run the caller passed in stays open)."""
         self.sink.close()
