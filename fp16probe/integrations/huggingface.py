@@ -134,7 +134,7 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
             main = state.is_world_process_zero
             trackers = (self.trackers or hf_trackers(args)) if main else []
             self.live = LiveLogger(self.probe, trackers, log_every=self.log_every, step_offset=state.global_step + 1,
-                                   is_main=main, format=self.format, modules=self.log_modules)
+                                   is_main=main, format=self.format, modules=self.log_modules, extra=self.extra)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Close the Probe's step: one per optimizer step (after gradient accumulation)."""

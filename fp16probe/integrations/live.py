@@ -44,17 +44,20 @@ class LiveLogger:
         is_main: whether this process logs (ranks other than the main one only merge).
         artifacts: at :meth:`close`, attach the final report, its figures and an HTML report
             to MLflow runs (the other trackers have histograms and need no files).
+        extra: metadata for the reports (``Report.metadata.extra``), as the callbacks record.
         **options: ``format``, ``kind``, ``modules``, ``axis``, ``recommend`` as for
             :class:`fp16probe.presentation.trackers.TrackerLog`. ``recommend=False`` skips
             the analysis each interval (no ``..._at_recommended_scale``).
     """
 
     def __init__(self, probe: Any, trackers: Any, *, log_every: int = 50, step_offset: int = 0,
-                 is_main: bool = True, artifacts: bool = True, **options: Any) -> None:
+                 is_main: bool = True, artifacts: bool = True, extra: dict[str, Any] | None = None,
+                 **options: Any) -> None:
         if isinstance(log_every, bool) or int(log_every) != log_every or log_every < 1:
             raise ProbeError(f"log_every must be a positive number of steps, got {log_every!r}")
         self.probe = probe
         self.artifacts = artifacts
+        self.extra = extra
         self.log_every = int(log_every)
         self.is_main = is_main
         targets = list(trackers) if isinstance(trackers, (list, tuple)) and not _is_mlflow_pair(trackers) else [trackers]
@@ -75,7 +78,8 @@ class LiveLogger:
         """Bring the statistics to the host now (a sync), send the steps not sent yet; return the report (None off the main rank)."""
         from fp16probe.capture import distributed
 
-        report = distributed.gather_report(self.probe)  # every rank calls it; None off the main rank
+        # every rank calls it; None off the main rank
+        report = distributed.gather_report(self.probe, extra=self.extra)
         self.reports += 1
         if report is None or not self.is_main:
             return None
