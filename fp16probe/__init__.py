@@ -23,7 +23,9 @@ from fp16probe.errors import (
 )
 
 if TYPE_CHECKING:
-    from fp16probe.analysis.recommend import WhatIfRow, WhatIfTable, analyze, weight_update_loss, what_if
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.analysis.weight_updates import weight_update_loss
+    from fp16probe.analysis.whatif import WhatIfRow, WhatIfTable, what_if
     from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
     from fp16probe.capture.probe import Probe
     from fp16probe.formats import FORMATS, Format, get_format
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 
 # name -> the module that defines it (imported when the name is first used)
 _LAZY = {
-    **dict.fromkeys(("WhatIfRow", "WhatIfTable", "analyze", "weight_update_loss", "what_if"),
-                    "fp16probe.analysis.recommend"),
+    "analyze": "fp16probe.analysis.recommend",
+    "weight_update_loss": "fp16probe.analysis.weight_updates",
+    **dict.fromkeys(("WhatIfRow", "WhatIfTable", "what_if"), "fp16probe.analysis.whatif"),
     **dict.fromkeys(("ReplayResult", "replay_scaler", "simulate"), "fp16probe.analysis.replay"),
     "Probe": "fp16probe.capture.probe",
     **dict.fromkeys(("FORMATS", "Format", "get_format"), "fp16probe.formats"),

@@ -118,6 +118,7 @@ FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type
 
 
 class Kind(str, enum.Enum):
+    all = "all"  # every gradient the loss scale multiplies
     activation_grad = ACTIVATION_GRAD
     weight_grad = WEIGHT_GRAD
 
@@ -280,7 +281,7 @@ def profile(
     optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
     format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    kind: KindOpt = Kind.all,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
@@ -421,7 +422,7 @@ def _check_writable(path: Path, option: str) -> None:
 def show(
     report: ReportArg,
     format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    kind: KindOpt = Kind.all,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -495,7 +496,7 @@ def plot(
     report: ReportArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
     format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    kind: KindOpt = Kind.all,
     debug: DebugOpt = False,
 ) -> None:
     """Draw the report: the Figure 3 view, per-module heatmap, what-if curve and scale timeline."""
@@ -519,7 +520,7 @@ def plot(
 def recommend(
     report: ReportArg,
     format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    kind: KindOpt = Kind.all,
     device: Annotated[str, typer.Option(help="Device string for the GradScaler line.")] = "cuda",
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -531,14 +532,12 @@ def recommend(
     with _errors(console, debug):
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
-        caveat = render.precision_caveat(r, kind.value)
         if json_out:
-            d = rec.to_dict()
+            d = rec.to_dict()  # its caveats come from the analysis
             d["grad_scaler_code"] = render.grad_scaler_code(rec, device)
-            d["caveats"] = [caveat] if caveat else []
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
-            if caveat:
+            for caveat in rec.caveats:
                 console.print(f"caveat: {caveat}", markup=False)
             render.print_recommendation(console, rec, device)
 
@@ -556,7 +555,7 @@ def compare(
     allow_worse_verdict: Annotated[bool, typer.Option("--allow-worse-verdict", help="Do not fail when the verdict got worse.")] = False,
     require_same_workload: Annotated[bool, typer.Option("--require-same-workload", help="Refuse (exit 2) reports that profiled different models, precisions, inputs or losses, instead of warning.")] = False,
     format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    kind: KindOpt = Kind.all,
     summary: Annotated[Optional[Path], typer.Option(help="Append the Markdown summary to this file (also to $GITHUB_STEP_SUMMARY when set).")] = None,
     junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here.")] = None,
     json_out: JsonOpt = False,

@@ -15,6 +15,7 @@ from typing import Any, Mapping, TypedDict, cast
 from fp16probe.errors import ReportError
 
 __all__ = [
+    "GRADSCALER_DEFAULTS",
     "Evidence",
     "GradScalerKwargs",
     "Recommendation",
@@ -63,6 +64,16 @@ class GradScalerKwargs(TypedDict):
     growth_factor: float
     backoff_factor: float
     growth_interval: int
+
+
+# torch.amp.GradScaler's defaults, stated once (torch/amp/grad_scaler.py). The factors and the
+# interval come from NVIDIA's mixed-precision guide: a validated setting, not a measured optimum.
+GRADSCALER_DEFAULTS: GradScalerKwargs = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+}
 
 
 class Thresholds(TypedDict, total=False):
@@ -128,8 +139,11 @@ class Evidence(TypedDict, total=False):
     scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1
     insufficient_reason: str
     # fp8 e4m3: per-tensor scaling from the measured maxima
-    per_tensor_scale_log2: int
-    saturated_fraction_at_scale: float
+    per_tensor_scale_log2: int  # one scale for every gradient, from the ceiling
+    per_tensor_scales: list[list[Any]]  # [tensor name, log2 scale, flushed fraction] per captured tensor
+    per_tensor_flushed_fraction: float  # flushed with one scale per tensor
+    saturated_fraction_at_scale: float  # saturated with one scale per tensor
+    single_scale_saturated_fraction: float
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from fp16probe.recommendation import Recommendation
 from fp16probe.verification import Verification
 
 __all__ = [
+    "ALL_GRADS",
+    "GRAD_KINDS",
     "KINDS",
     "SCHEMA_VERSION",
     "Histogram",
@@ -38,6 +40,13 @@ ACTIVATION_GRAD = "activation_grad"
 WEIGHT_GRAD = "weight_grad"
 ACTIVATION = "activation"
 KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD, ACTIVATION)
+GRAD_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
+ALL_GRADS = "all"  # activation and weight gradients together: every value the loss scale multiplies
+
+
+def kinds_named(kind: str) -> tuple[str, ...]:
+    """Return the record kinds ``kind`` names: itself, or both gradient kinds for ``all``."""
+    return GRAD_KINDS if kind == ALL_GRADS else (kind,)
 
 
 @dataclass(frozen=True)
@@ -187,8 +196,9 @@ class Report:
         return tuple(k for k in KINDS if k in present)
 
     def modules_of(self, kind: str = ACTIVATION_GRAD) -> tuple[ModuleStats, ...]:
-        """Module records of one kind, in forward (hook) order."""
-        return tuple(sorted((m for m in self.modules if m.kind == kind), key=lambda m: m.order))
+        """Return the module records of one kind (``all``: both gradient kinds), in forward (hook) order."""
+        kinds = kinds_named(kind)
+        return tuple(sorted((m for m in self.modules if m.kind in kinds), key=lambda m: m.order))
 
     def module(self, name: str, kind: str = ACTIVATION_GRAD) -> ModuleStats:
         for m in self.modules:
@@ -197,8 +207,9 @@ class Report:
         raise KeyError(f"no {kind} record for module {name!r}")
 
     def histogram(self, kind: str = ACTIVATION_GRAD) -> Histogram:
-        """All values of one kind, over every module and step."""
-        return Histogram.sum(m.histogram for m in self.modules if m.kind == kind)
+        """Return all values of one kind (``all``: both gradient kinds), over every module and step."""
+        kinds = kinds_named(kind)
+        return Histogram.sum(m.histogram for m in self.modules if m.kind in kinds)
 
     def with_recommendation(self, recommendation: Recommendation | None) -> "Report":
         """Return a copy of this report carrying ``recommendation``."""

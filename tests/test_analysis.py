@@ -8,15 +8,10 @@ import math
 import pytest
 import torch
 
-from fp16probe.analysis.recommend import (
-    VERDICTS,
-    Recommendation,
-    WhatIfTable,
-    analyze,
-    largest_safe_log2_scale,
-    weight_update_loss,
-    what_if,
-)
+from fp16probe.analysis.recommend import VERDICTS, analyze, largest_safe_log2_scale
+from fp16probe.analysis.weight_updates import weight_update_loss
+from fp16probe.analysis.whatif import WhatIfTable, what_if
+from fp16probe.recommendation import Recommendation
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
 from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
@@ -82,9 +77,13 @@ def test_what_if_for_weight_grads_all_and_other_formats():
     assert [r.flushed for r in w.rows] == [2, 0]
     both = what_if(report, "fp8_e5m2", kind="all", log2_scales=[0])
     assert both.nonzero == 8 and both.rows[0].flushed == 2
-    e4 = what_if(report, "fp8_e4m3", log2_scales=[0, 3])
+    e4 = what_if(report, "fp8_e4m3", kind="activation_grad", log2_scales=[0, 3])
     assert [r.flushed for r in e4.rows] == [4, 0]  # e4m3 flushes at or below 2^-10
     assert set(e4.modules) == {"m"}
+    # The default judges every gradient the loss scale multiplies: the weight gradients' bin -20
+    # still flushes at 2^3 (2^-17 <= 2^-10).
+    default = what_if(report, "fp8_e4m3", log2_scales=[0, 3])
+    assert [r.flushed for r in default.rows] == [6, 2] and set(default.modules) == {"m", "m.weight"}
 
 
 def test_what_if_without_a_trace_counts_the_profile_as_one_step():
@@ -207,18 +206,29 @@ def test_bf16_is_none_needed_as_measured_and_says_why():
     assert rec.verdict == "constant" and "Unexpected for bf16" in rec.text
 
 
-def test_fp8_formats():
+def test_fp8_e4m3_saturates_so_the_advice_is_per_tensor_scaling():
     report = make_report([{"m": H({-11: 100, 0: 1})}])  # e4m3 flushes at or below 2^-10
     e4 = analyze(report, "fp8_e4m3", **FAST)  # 1 * 2^8 = 256 < 464 <= 512: safe 8, S = 2^7
-    assert e4.verdict == "constant" and e4.log2_scale == 7
-    assert "saturated or NaN" in e4.text
-    wide = make_report([{"m": H({-20: 100, 0: 1})}])
-    assert analyze(wide, "fp8_e4m3", **FAST).verdict == "no_single_scale"
+    assert e4.verdict == "per_tensor_scaling" and e4.log2_scale == 7
+    assert e4.grad_scaler_kwargs == {} and "cannot back off" in e4.text and "448 / amax" in e4.text
+    assert e4.evidence["per_tensor_scales"] == [["m", 7, 0.0]]  # 2^-11 * 2^7 = 2^-4 survives
+    assert e4.evidence["saturated_fraction_at_scale"] == 0.0
+    assert any("Transformer Engine" in c for c in e4.citations)
+    # Two tensors far apart: one scale each recovers what one global scale cannot.
+    wide = make_report([{"small": H({-20: 100}), "big": H({0: 1})}])
+    rec = analyze(wide, "fp8_e4m3", **FAST)
+    assert rec.verdict == "per_tensor_scaling"
+    assert rec.evidence["flushed_fraction_at_scale"] == pytest.approx(100 / 101)  # 2^-20 * 2^7 flushes
+    assert rec.evidence["per_tensor_flushed_fraction"] == 0.0  # small gets 2^27: 2^-20 * 2^27 = 2^7 survives
+    e5 = analyze(make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2", **FAST)  # e5m2 has inf
+    assert e5.verdict in ("constant", "dynamic", "no_single_scale") and e5.grad_scaler_kwargs
 
 
-def test_nothing_but_zeros_needs_nothing():
+def test_nothing_but_zeros_is_insufficient_evidence_not_good_news():
     rec = analyze(make_report([{"m": H({}, zero=10)}]), **FAST)
-    assert rec.verdict == "none_needed" and rec.headroom_bits is None
+    assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_zero"
+    assert rec.log2_scale is None and rec.grad_scaler_kwargs == {} and rec.headroom_bits is None
+    assert "zero-initialised" in rec.text and "Train a step" in rec.text
 
 
 def test_no_trace_falls_back_honestly():
@@ -233,9 +243,11 @@ def test_every_verdict_is_reached_and_round_trips_through_json():
         "constant": make_report([{"m": H({-30: 1000, 0: 1})}]),
         "dynamic": two_step_report(),
         "no_single_scale": make_report([{"tiny": H({-45: 1000}), "big": H({4: 1})}]),
+        "insufficient_evidence": make_report([{"m": H({}, zero=10)}]),
+        "per_tensor_scaling": make_report([{"m": H({-11: 100, 0: 1})}]),
     }
     for verdict, report in reports.items():
-        rec = analyze(report, **FAST)
+        rec = analyze(report, "fp8_e4m3" if verdict == "per_tensor_scaling" else "fp16", **FAST)
         assert rec.verdict == verdict
         data = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
         assert Recommendation.from_dict(data) == rec
@@ -258,6 +270,7 @@ def all_texts():
         (make_report([{"m": H({-140: 10, 0: 1})}]), "bf16"),
         (make_report([{"m": H({-11: 100, 0: 1})}]), "fp8_e4m3"),
         (make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2"),
+        (make_report([{"m": H({}, zero=10)}]), "fp16"),
     ]
     return [analyze(r, f, **FAST) for r, f in cases]
 
@@ -267,9 +280,11 @@ def test_every_verdicts_wording_keeps_the_provenance_rules():
     for rec in all_texts():
         seen.add(rec.verdict)
         assert wording_problems(rec.text) == [], (rec.verdict, rec.text)
-        assert "1710.03740" in rec.text  # the underflow mechanism is LIT-011's
+        if rec.verdict != "insufficient_evidence":
+            assert "1710.03740" in rec.text  # the underflow mechanism is Micikevicius et al.'s
+        assert "LIT-" not in rec.text and not any("LIT-" in c for c in rec.citations + rec.caveats)
         assert "optimal" not in rec.text.lower()
-        if rec.verdict != "none_needed":
+        if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence"):
             # The schedule's constants are the guide's and GradScaler's defaults, said so.
             assert NVIDIA_GUIDE_URL in rec.text
             assert "many other settings are valid" in rec.text and "not a measured optimum" in rec.text
@@ -377,6 +392,7 @@ def test_all_nonfinite_gradients_are_not_called_fine():
         modules=(ModuleStats("m", "activation_grad", "Linear", 0, h),),
     )
     rec = analyze(report)
-    assert rec.text.startswith("No loss scale can be judged for fp16")
-    assert "7 inf/NaN values" in rec.text and "No loss scaling needed" not in rec.text
+    assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_nonfinite"
+    assert rec.text.startswith("No verdict for fp16")
+    assert "7 inf/NaN values" in rec.text and "divergence" in rec.text and rec.grad_scaler_kwargs == {}
     assert not wording_problems(rec.text)

@@ -175,16 +175,20 @@ def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
     args = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:small_loss",
             "--steps", "2"]
     result = ok("profile", *args, "--precision", "fp16", "--device", "cpu", "--out", "h.json")
-    zeros = Report.load("h.json").histogram("activation_grad").zero
+    zeros = Report.load("h.json").histogram("all").zero  # --kind all, the default: both gradient kinds
     assert zeros > 0
     assert "caveat: this run computed in fp16-autocast at S = 1" in " ".join(result.stderr.split())
     assert f"{zeros:,} of" in " ".join(result.stderr.split())
     assert "caveat:" in ok("show", "h.json").stderr
     assert "caveat:" in ok("recommend", "h.json").stderr
-    assert "--precision fp32" in json.loads(ok("recommend", "h.json", "--json").stdout)["caveats"][0]
+    recommended = json.loads(ok("recommend", "h.json", "--json").stdout)
+    assert "Profile in fp32" in recommended["caveats"][0]
+    # Every gradient flushed under fp16 autocast: not read as "no scaling needed".
+    assert recommended["verdict"] == "insufficient_evidence"
     ok("profile", *args, "--out", "f.json")
     assert "caveat" not in ok("show", "f.json").stderr
-    assert json.loads(ok("recommend", "f.json", "--json").stdout)["caveats"] == []
+    fp32_caveats = json.loads(ok("recommend", "f.json", "--json").stdout)["caveats"]
+    assert not any("autocast" in c or "Profile in fp32" in c for c in fp32_caveats)
 
 
 def test_optimizer_trains(tmp_path):

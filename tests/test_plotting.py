@@ -273,14 +273,14 @@ def test_report_plot_returns_a_figure_of_one_view(hand, hand_rec, tmp_path):
 def hand_rec(hand):
     from fp16probe.analysis.recommend import analyze
 
-    return analyze(hand, "fp16")
+    return analyze(hand, "fp16", kind="activation_grad")  # the kind the plots show by default
 
 
 @pytest.fixture(scope="module")
 def probed_rec(probed):
     from fp16probe.analysis.recommend import analyze
 
-    return analyze(probed, "fp16")
+    return analyze(probed, "fp16", kind="activation_grad")
 
 
 @pytest.mark.parametrize("which", ["hand", "probed"])
@@ -316,9 +316,9 @@ def test_stored_recommendation_dict_is_drawn(hand, hand_rec):
 
 
 def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
-    from fp16probe.analysis.recommend import what_if
+    from fp16probe.analysis.whatif import what_if
 
-    table = what_if(hand, "fp16")
+    table = what_if(hand, "fp16", kind="activation_grad")
     ax = plotting.plot_what_if(hand, "fp16", recommendation=hand_rec)
     (flushed,) = _by_gid(ax.lines, "what_if:flushed")
     assert list(flushed.get_xdata()) == [r.log2_scale for r in table.rows]
@@ -335,7 +335,7 @@ def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
 
 
 def test_what_if_accepts_a_table(hand):
-    from fp16probe.analysis.recommend import what_if
+    from fp16probe.analysis.whatif import what_if
 
     table = what_if(hand, "bf16", log2_scales=range(0, 5))
     ax = plotting.plot_what_if(table, "bf16")

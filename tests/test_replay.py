@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from fp16probe.formats import get_format
 from fp16probe.errors import AnalysisError, Fp16ProbeError
 from fp16probe.analysis.replay import (
     GRADSCALER_DEFAULTS,
@@ -237,9 +238,34 @@ def test_simulate_is_seeded_and_uses_weight_grads_for_overflow():
     b = simulate(trace, "fp16", {"init_scale": 2.0**10, "growth_interval": 100}, horizon=50, seed=5)
     assert a == b
     assert a.skipped[0] and a.scales[1] == 2.0**9 and not a.skipped[1]
-    only_act = simulate(trace, "fp16", {"init_scale": 2.0**10}, horizon=5, seed=5,
-                        overflow_kinds=("activation_grad",))
-    assert only_act.skipped_steps == 0
+
+
+def test_a_step_that_overflowed_at_the_scale_in_force_overflows_only_from_that_scale_up():
+    """Issue 11: a GradScaler's own overflow probe must not collapse the replayed scale."""
+    from fp16probe.analysis.ceiling import Ceiling
+
+    clean = Histogram.from_values({-20: 5, -2: 1})
+    probed = Histogram.from_values({-20: 5, -2: 1}, inf=1)  # the step held inf at S = 2^12
+    trace = StepTrace(steps=(0, 1, 2), histograms={"activation_grad": (clean, probed, clean)},
+                      scale=(2.0**12, 2.0**12, 2.0**11), found_inf=(False, True, False))
+    ceiling = Ceiling.from_trace(trace, "fp16-autocast")
+    assert ceiling.scale_induced_steps == (1,) and ceiling.intrinsic_steps == 0
+    # max|g| >= 65520 / 2^12 ~ 16: overflows fp16 from 2^12 on, not at 2^11.
+    assert ceiling.steps[1].overflows(get_format("fp16"), 12)
+    assert not ceiling.steps[1].overflows(get_format("fp16"), 11)
+    below = simulate(trace, "fp16", {"init_scale": 2.0**11, "growth_interval": 10**6}, horizon=300,
+                     seed=0, ceiling=ceiling)
+    assert below.skipped_steps == 0 and below.final_scale == 2.0**11
+    above = simulate(trace, "fp16", {"init_scale": 2.0**12, "growth_interval": 50}, horizon=2000,
+                     seed=0, ceiling=ceiling)
+    # It backs off once to 2^11 and then only re-probes 2^12 after each growth interval: the scale
+    # never falls below 2^11 (the fp32-run reading, inf at every scale, would drive it towards 0).
+    assert min(above.scales) == 2.0**11 and above.final_scale >= 2.0**11
+    assert 0 < above.skipped_steps <= 2000 // 50 + 1
+    # Read as an fp32 run without a scaler, the same inf is intrinsic: every scale overflows.
+    fp32 = Ceiling.from_trace(StepTrace(steps=(0, 1), histograms={"activation_grad": (clean, probed)},
+                                        scale=(None, None), found_inf=(False, True)))
+    assert fp32.intrinsic_steps == 1 and fp32.scale_induced_steps == ()
 
 
 def test_simulate_errors():

@@ -2,7 +2,7 @@
 
 Two sources, with a division of labour the text must respect:
 
-* LIT-011 (Micikevicius et al., *Mixed Precision Training*, arXiv 1710.03740) says *why*:
+* Micikevicius et al., *Mixed Precision Training*, arXiv:1710.03740, says *why*:
   FP16 gradients underflow, a constant loss scale S shifts them into range, and S can be
   picked so that S x max|g| stays below the format's max. It prescribes no schedule.
 * NVIDIA's *Train With Mixed Precision* guide supplies the dynamic-scaling constants
@@ -18,42 +18,47 @@ from __future__ import annotations
 
 import re
 
+from fp16probe.recommendation import GRADSCALER_DEFAULTS
+
 __all__ = [
     "BF16_NO_SCALER",
     "CITATION_GRADSCALER",
-    "CITATION_LIT011",
     "CITATION_NVIDIA_GUIDE",
+    "CITATION_PAPER",
+    "CITATION_TRANSFORMER_ENGINE",
     "CONSTANT_RULE",
     "DEFAULTS_STANDING",
     "GRADSCALER_DEFAULT_NOTE",
     "NVIDIA_GUIDE_URL",
+    "PAPER",
     "SIMULATION_CAVEAT",
     "UNDERFLOW_MECHANISM",
     "WEIGHT_UPDATE_RULE",
     "wording_problems",
 ]
 
-LIT011_ARXIV = "arXiv 1710.03740"
 NVIDIA_GUIDE_URL = (
     "https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html"
 )
 
-CITATION_LIT011 = (
-    "LIT-011: Micikevicius et al., Mixed Precision Training, arXiv 1710.03740 (ICLR 2018)"
+PAPER = 'Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740'
+CITATION_PAPER = f"{PAPER} (ICLR 2018)"
+CITATION_NVIDIA_GUIDE = f'NVIDIA, "Train With Mixed Precision" (living guide), {NVIDIA_GUIDE_URL}'
+CITATION_TRANSFORMER_ENGINE = (
+    "NVIDIA Transformer Engine, DelayedScaling recipe (scale = fp8 max / amax / 2^margin), "
+    "https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/api/common.html"
 )
-CITATION_NVIDIA_GUIDE = f"LIT-221: NVIDIA, Train With Mixed Precision (living guide), {NVIDIA_GUIDE_URL}"
-CITATION_GRADSCALER = (
-    "torch.amp.GradScaler defaults: init_scale=65536.0, growth_factor=2.0, "
-    "backoff_factor=0.5, growth_interval=2000"
+CITATION_GRADSCALER = "torch.amp.GradScaler defaults: " + ", ".join(
+    f"{k}={v}" for k, v in GRADSCALER_DEFAULTS.items()
 )
 
 UNDERFLOW_MECHANISM = (
     "Gradient values below half the format's smallest subnormal round to zero when cast, "
     "and that update information is lost; multiplying the loss by S shifts every gradient "
-    "by log2(S) bits before the cast (LIT-011, arXiv 1710.03740)."
+    f"by log2(S) bits before the cast ({PAPER})."
 )
 CONSTANT_RULE = (
-    "The constant-S rule is LIT-011's (arXiv 1710.03740): choose S so that S times the "
+    f"The constant-S rule is from {PAPER}: choose S so that S times the "
     "largest gradient magnitude seen stays below the format's max; here made exact as the "
     "largest power of two that does so, less a safety margin."
 )
@@ -79,7 +84,7 @@ SIMULATION_CAVEAT = (
 )
 WEIGHT_UPDATE_RULE = (
     "Without fp32 master weights an update is lost when it is below half an ulp of the "
-    "weight, i.e. when |w| is at least about 2^11 |update| in fp16 (LIT-011, arXiv 1710.03740)."
+    f"weight, i.e. when |w| is at least about 2^11 |update| in fp16 ({PAPER})."
 )
 
 _SENTENCE = re.compile(r"(?<=[.!?;])\s+")
@@ -91,7 +96,8 @@ def wording_problems(text: str) -> list[str]:
     Rules: nothing is called optimal; "optimum" appears only as "not a measured optimum";
     a sentence that mentions 2000 or the x2 / x0.5 factors does not cite the paper, and the
     text then cites NVIDIA's guide by URL; 65536 is only ever GradScaler's default; talk of
-    underflow or flushing cites LIT-011.
+    underflow or flushing cites the paper (arXiv:1710.03740); the project's own source
+    labels (LIT-...) never reach the reader.
     """
     problems: list[str] = []
     lower = text.lower()
@@ -111,5 +117,7 @@ def wording_problems(text: str) -> list[str]:
         if re.search(r"65536|65,536", sentence) and "GradScaler" not in sentence:
             problems.append(f"mentions 65536 without saying it is GradScaler's default: {sentence!r}")
     if re.search(r"underflow|flush", lower) and "1710.03740" not in text:
-        problems.append("talks of underflow without citing LIT-011 (arXiv 1710.03740)")
+        problems.append("talks of underflow without citing Micikevicius et al. (arXiv:1710.03740)")
+    if re.search(r"\bLIT-\d+", text):
+        problems.append("cites a source by the project's label (LIT-...) instead of authors, title and id")
     return problems

@@ -1,231 +1,67 @@
-"""From a Report to a loss-scale recommendation, with its evidence and honest provenance.
+"""From a Report to a loss-scale Recommendation, with its evidence, caveats and sources.
 
-Pure functions over report data: nothing here touches a model, hooks or a device,
-except :func:`weight_update_loss`, which takes weight and update tensors.
+Pure functions over report data: nothing here touches a model, hooks or a device.
+:func:`analyze` reads as its steps: check the parameters, measure what the profile holds,
+judge whether that evidence can carry a verdict, then decide (per-tensor scaling for
+formats whose casts saturate; no scaling; one scale; a schedule; no single scale), replay
+the schedule, and write the words.
 
 Everything rests on one exact fact: multiplying by S = 2^k moves a value from bin ``e`` to
 bin ``e + k`` without rounding, so the histograms answer "what flushes / overflows at S"
-for every k at once (``Histogram.flushed`` / ``Histogram.overflows``).
+for every k at once. Overflow is judged against one ceiling (:mod:`.ceiling`), flushing
+against the judged kinds (by default every gradient the loss scale multiplies).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
-import torch
-
-from fp16probe.errors import AnalysisError
-from fp16probe.formats import Format, get_format
+from fp16probe.analysis.ceiling import (
+    GRAD_KINDS,
+    Ceiling,
+    flushed_hidden_bound,
+    fp32_log2_cap,
+    largest_safe_log2_scale,
+    run_format,
+)
 from fp16probe.analysis.provenance import (
     BF16_NO_SCALER,
     CITATION_GRADSCALER,
-    CITATION_LIT011,
     CITATION_NVIDIA_GUIDE,
+    CITATION_PAPER,
+    CITATION_TRANSFORMER_ENGINE,
     CONSTANT_RULE,
     DEFAULTS_STANDING,
     SIMULATION_CAVEAT,
     UNDERFLOW_MECHANISM,
-    WEIGHT_UPDATE_RULE,
 )
-from fp16probe.analysis.replay import (
-    DEFAULT_GROWTH_INTERVALS,
-    GRAD_KINDS,
-    GRADSCALER_DEFAULTS,
-    GrowthIntervalTable,
-    score_growth_intervals,
-)
-from fp16probe.recommendation import Recommendation, Verdict
-from fp16probe.report import ACTIVATION_GRAD, KINDS, Histogram, Report
+from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
+from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
+from fp16probe.errors import AnalysisError
+from fp16probe.formats import Format, get_format
+from fp16probe.formatting import bits, count, magnitude, percent, power_of_two, scale as scale_words
+from fp16probe.histogram import Histogram
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Evidence, Recommendation, Thresholds, Verdict
+from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 
-__all__ = [
-    "ALL_GRADS",
-    "VERDICTS",
-    "ParameterUpdateLoss",
-    "Recommendation",
-    "WeightUpdateLoss",
-    "WhatIfRow",
-    "WhatIfTable",
-    "analyze",
-    "largest_safe_log2_scale",
-    "weight_update_loss",
-    "what_if",
-]
+__all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale"]
 
-NONE_NEEDED = Verdict.NONE_NEEDED
-CONSTANT = Verdict.CONSTANT
-DYNAMIC = Verdict.DYNAMIC
-NO_SINGLE_SCALE = Verdict.NO_SINGLE_SCALE
-VERDICTS = tuple(v.value for v in (NONE_NEEDED, CONSTANT, DYNAMIC, NO_SINGLE_SCALE))  # what analyze returns
-ALL_GRADS = "all"  # activation and weight gradients together: every value the loss scale multiplies
+VERDICTS = tuple(v.value for v in Verdict)
 
-
-# -- what-if tables --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WhatIfRow:
-    """What happens to the values at S = 2^log2_scale.
-
-    Fractions are of the nonzero finite values; ``overflow_steps`` counts profiled steps
-    in which some value lands past the format's max (or already was inf/NaN).
-    """
-
-    log2_scale: int
-    flushed_fraction: float
-    subnormal_fraction: float
-    overflow_steps: int
-    flushed: int = 0
-    subnormal: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "WhatIfRow":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
-
-@dataclass(frozen=True)
-class WhatIfTable:
-    """The what-if rows for one format and kind: globally (``rows``) and per module."""
-
-    format: str
-    kind: str
-    steps: int
-    nonzero: int
-    rows: tuple[WhatIfRow, ...]
-    modules: Mapping[str, tuple[WhatIfRow, ...]] = field(default_factory=dict)
-
-    def row(self, log2_scale: int) -> WhatIfRow:
-        for r in self.rows:
-            if r.log2_scale == log2_scale:
-                return r
-        raise KeyError(f"log2_scale {log2_scale} is not in this table")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "kind": self.kind,
-            "steps": self.steps,
-            "nonzero": self.nonzero,
-            "rows": [r.to_dict() for r in self.rows],
-            "modules": {n: [r.to_dict() for r in rs] for n, rs in self.modules.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "WhatIfTable":
-        return cls(
-            format=str(d["format"]),
-            kind=str(d["kind"]),
-            steps=int(d["steps"]),
-            nonzero=int(d["nonzero"]),
-            rows=tuple(WhatIfRow.from_dict(r) for r in d["rows"]),
-            modules={n: tuple(WhatIfRow.from_dict(r) for r in rs) for n, rs in d.get("modules", {}).items()},
-        )
-
-
-def _kinds_of(kind: str) -> tuple[str, ...]:
-    if kind == ALL_GRADS:
-        return GRAD_KINDS
-    if kind not in KINDS:
-        raise AnalysisError(f"unknown kind {kind!r}: expected one of {', '.join(KINDS + (ALL_GRADS,))}")
-    return (kind,)
-
-
-def _merged(report: Report, kinds: Sequence[str]) -> Histogram:
-    return Histogram.sum(report.histogram(k) for k in kinds)
-
-
-def _per_step(report: Report, kinds: Sequence[str]) -> list[Histogram] | None:
-    """Per-step histograms of ``kinds`` summed, or None when the trace has none."""
-    present = [report.trace.histograms[k] for k in kinds if report.trace.histograms.get(k)]
-    if not present:
-        return None
-    return [Histogram.sum(hs) for hs in zip(*present)]
-
-
-def _fraction(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
-
-
-def _rows(hist: Histogram, step_overflows, fmt: Format, log2_scales: Iterable[int]) -> tuple[WhatIfRow, ...]:
-    n = hist.nonzero_finite
-    out = []
-    for k in log2_scales:
-        flushed = hist.flushed(fmt, k)
-        sub = hist.subnormal(fmt, k)
-        out.append(WhatIfRow(int(k), _fraction(flushed, n), _fraction(sub, n), step_overflows(k), flushed, sub))
-    return tuple(out)
-
-
-def what_if(
-    report: Report,
-    format: str | Format = "fp16",
-    *,
-    kind: str = ACTIVATION_GRAD,
-    log2_scales: Iterable[int] = range(-8, 41),
-    modules: bool = True,
-) -> WhatIfTable:
-    """Tabulate flushed and subnormal fractions and overflowing steps for each S = 2^k.
-
-    Exact, from the histograms. Globally, overflow is counted per profiled step from the
-    trace (a report without a trace counts as one step). Per module, it counts the steps
-    in which the module's largest finite value overflows; a module whose histogram holds
-    inf/NaN counts at least one such step.
-    """
-    fmt = get_format(format)
-    kinds = _kinds_of(kind)
-    scales = [int(k) for k in log2_scales]
-    merged = _merged(report, kinds)
-    steps = _per_step(report, kinds) or [merged]
-
-    def global_overflows(k: int) -> int:
-        return sum(h.overflows(fmt, k) for h in steps)
-
-    table_modules: dict[str, tuple[WhatIfRow, ...]] = {}
-    if modules:
-        for k_ in kinds:
-            maxima = report.trace.module_max.get(k_, {})
-            for m in report.modules_of(k_):
-                per_step = maxima.get(m.name)
-                hist = m.histogram
-
-                def module_overflows(k: int, per_step=per_step, hist=hist) -> int:
-                    if per_step is None:
-                        return int(hist.overflows(fmt, k))
-                    n = sum(1 for v in per_step if v > 0.0 and fmt.overflows(math.ldexp(v, k)))
-                    return max(n, 1) if hist.nonfinite else n
-
-                table_modules[m.name] = _rows(hist, module_overflows, fmt, scales)
-    return WhatIfTable(fmt.name, kind, len(steps), merged.nonzero_finite,
-                       _rows(merged, global_overflows, fmt, scales), table_modules)
-
-
-# -- the recommendation ----------------------------------------------------------------------
-
-def largest_safe_log2_scale(fmt: str | Format, max_abs: float) -> int | None:
-    """The largest k with ``max_abs * 2^k`` still below the format's overflow threshold."""
-    fmt = get_format(fmt)
-    if not max_abs > 0.0:
-        return None
-    k = math.floor(math.log2(fmt.overflow_threshold) - math.log2(max_abs))
-    while fmt.overflows(math.ldexp(max_abs, k)):
-        k -= 1
-    while not fmt.overflows(math.ldexp(max_abs, k + 1)):
-        k += 1
-    return k
+_KIND_WORDS = {ACTIVATION_GRAD: "activation gradients", WEIGHT_GRAD: "weight gradients"}
 
 
 def analyze(
     report: Report,
     format: str | Format = "fp16",
     *,
-    kind: str = ACTIVATION_GRAD,
+    kind: str = ALL_GRADS,
     margin_bits: int = 1,
     max_flushed_fraction: float = 1e-3,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
+    growth_factor: float = GRADSCALER_DEFAULTS["growth_factor"],
+    backoff_factor: float = GRADSCALER_DEFAULTS["backoff_factor"],
     growth_intervals: Sequence[int] = DEFAULT_GROWTH_INTERVALS,
     horizon: int = 20000,
     seed: int = 0,
@@ -236,18 +72,18 @@ def analyze(
     """Decide whether and how to scale the loss for ``format``, from a profile.
 
     Args:
-        report: a Report from a Probe (fp32 or any precision; scaled runs are unscaled).
+        report: a Report from a Probe (fp32 is the reference; an fp16/bf16 autocast
+            profile is judged with what it hid in mind, see ``insufficient_evidence``).
         format: the target format: ``fp16`` (default), ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``.
-        kind: whose underflow counts: ``activation_grad`` (default), ``weight_grad`` or
-            ``all``. Overflow is always judged on every gradient the loss scale multiplies
-            (activation and weight gradients, as captured).
+        kind: whose flushing counts: ``all`` (default: activation and weight gradients,
+            everything the loss scale multiplies), ``activation_grad`` or ``weight_grad``.
+            Overflow is always judged on the overflow ceiling (every gradient captured,
+            and the trace's backward-wide ``StepTrace.ceiling`` where the report has it).
         margin_bits: safety margin below the overflow edge: S is the largest power of two
             with S x max|g| below the format's overflow threshold, divided by 2^margin_bits.
-            Default 1 (one doubling of the largest gradient is absorbed).
         max_flushed_fraction: the largest share of nonzero values allowed to flush for a
             scale to count as fitting. Default 1e-3 (0.1%).
-        growth_factor, backoff_factor: the schedule's factors; defaults 2.0 and 0.5, the
-            values of NVIDIA's guide that GradScaler ships (not measured here).
+        growth_factor, backoff_factor: the schedule's factors; defaults are GradScaler's.
         growth_intervals: candidates replayed to choose growth_interval.
         horizon, seed: length and seed of the long-horizon replay over resampled steps.
         hysteresis, min_scale: DeepSpeed/Megatron variants for the replay (1 and 0:
@@ -256,211 +92,464 @@ def analyze(
 
     Verdicts, in the order they are tried:
 
+    * ``insufficient_evidence``: nothing captured, every gradient zero, every gradient
+      inf/NaN, or an fp16 profile whose exact zeros may hide more flushed values than the
+      threshold allows. Never read as good news.
+    * ``per_tensor_scaling``: the format's casts saturate (fp8 e4m3), so no GradScaler can
+      see an overflow; scale each tensor from its measured maximum.
     * ``none_needed``: at S = 1 at most ``max_flushed_fraction`` flushes and the largest
       gradient keeps ``margin_bits`` of headroom.
-    * ``constant``: at S = 2^(k_max - margin_bits), where k_max is the largest k with
-      max|g| x 2^k below the overflow threshold (LIT-011's rule made exact), at most
-      ``max_flushed_fraction`` flushes.
-    * ``dynamic``: the constant S flushes too much, but a scale chosen per profiled step by
-      the same rule from that step's own max would not: the range moves over the profile
-      more than one constant can absorb.
+    * ``constant``: at S = 2^(k_max - margin_bits) at most ``max_flushed_fraction`` flushes.
+    * ``dynamic``: the constant S flushes too much, but a scale fitted to each profiled
+      step would not.
     * ``no_single_scale``: even per step, the values span more than the format holds.
+
+    Every verdict that advises a scale advises it through a scaler that backs off on
+    overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
     fmt = get_format(format)
-    kinds = _kinds_of(kind)
-    thresholds = {
-        "format": fmt.name, "kind": kind, "margin_bits": margin_bits,
-        "max_flushed_fraction": max_flushed_fraction, "growth_factor": growth_factor,
-        "backoff_factor": backoff_factor, "growth_intervals": list(growth_intervals),
-        "horizon": horizon, "seed": seed, "hysteresis": hysteresis, "min_scale": min_scale,
-        "worst": worst,
-    }
+    thresholds = _thresholds(fmt, kind, margin_bits, max_flushed_fraction, growth_factor, backoff_factor,
+                             growth_intervals, horizon, seed, hysteresis, min_scale, worst)
+    m = _measure(report, kind)
+    evidence = _base_evidence(m, fmt)
+    caveats = _caveats(report, m, fmt)
+    reason = _weak_evidence(report, m, fmt, max_flushed_fraction)
+    if reason is not None:
+        return _insufficient(m, fmt, evidence, thresholds, caveats, reason)
+    if not fmt.has_inf:
+        return _per_tensor(report, m, fmt, evidence, thresholds, caveats)
+    k_max = m.ceiling.largest_safe_log2_scale(fmt)
+    if k_max is None or (_flushed_at(m, fmt, 0) <= max_flushed_fraction and k_max - int(margin_bits) >= 0):
+        return _none_needed(report, m, fmt, evidence, thresholds, caveats, k_max)
+    return _scaled(report, m, fmt, evidence, thresholds, caveats, k_max)
+
+
+# -- step 1: the parameters ---------------------------------------------------------------
+
+def _thresholds(fmt: Format, kind: str, margin_bits: int, tau: float, growth_factor: float,
+                backoff_factor: float, growth_intervals: Sequence[int], horizon: int, seed: int,
+                hysteresis: int, min_scale: float, worst: int) -> Thresholds:
+    kinds_of(kind)  # an unknown kind is an error before anything else
     if isinstance(margin_bits, bool) or int(margin_bits) != margin_bits or margin_bits < 0:
         raise AnalysisError(f"margin_bits must be a non-negative integer, got {margin_bits!r}")
-    if not 0.0 <= max_flushed_fraction < 1.0:
-        raise AnalysisError(
-            f"max_flushed_fraction must be in [0, 1), got {max_flushed_fraction!r}: e.g. 1e-3 for 0.1%"
-        )
-    margin_bits = int(margin_bits)
+    if not 0.0 <= tau < 1.0:
+        raise AnalysisError(f"max_flushed_fraction must be in [0, 1), got {tau!r}: e.g. 1e-3 for 0.1%")
+    return {
+        "format": fmt.name, "kind": kind, "margin_bits": int(margin_bits), "max_flushed_fraction": tau,
+        "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+        "growth_intervals": list(growth_intervals), "horizon": horizon, "seed": seed,
+        "hysteresis": hysteresis, "min_scale": min_scale, "worst": worst,
+    }
 
-    hist = _merged(report, kinds)
-    if hist.total == 0:
+
+# -- step 2: what the profile holds ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Measured:
+    """The judged values and the overflow ceiling of one report."""
+
+    kind: str
+    kinds: tuple[str, ...]  # judged kinds
+    hist: Histogram  # every judged value
+    by_kind: Mapping[str, Histogram]  # judged kinds that hold values
+    kind_steps: list[Histogram] | None  # per-step judged values (None without a trace)
+    ceiling: Ceiling
+    scale_in_force: tuple[float, ...]  # distinct scales the trace recorded
+
+
+def _measure(report: Report, kind: str) -> _Measured:
+    kinds = kinds_of(kind)
+    hist = merged(report, kinds)
+    if kind != ALL_GRADS and hist.total == 0:
         raise AnalysisError(
             f"the report holds no {kind} values: profile with the Probe capturing them "
-            f"(captured: {', '.join(report.metadata.captured) or 'nothing'}), or pass kind=..."
+            f"(captured: {', '.join(report.metadata.captured) or 'nothing'}), or pass kind='all'"
         )
-    over_kinds = [k for k in GRAD_KINDS if report.histogram(k).total or report.trace.histograms.get(k)]
-    over_steps = _per_step(report, over_kinds) or [_merged(report, over_kinds)]
-    kind_steps = _per_step(report, kinds)
-    step_max = [h.max_abs for h in over_steps]
-    max_abs = max(step_max + [report.histogram(k).max_abs for k in over_kinds])
-    nonfinite_steps = sum(1 for h in over_steps if h.nonfinite)
-    n = hist.nonzero_finite
+    by_kind = {k: report.histogram(k) for k in kinds if report.histogram(k).total}
+    scales = sorted({float(s) for s in report.trace.scale if s is not None})
+    return _Measured(kind, kinds, hist, by_kind, per_step(report, kinds), Ceiling.of(report), tuple(scales))
 
-    def flushed_at(k: int) -> float:
-        return _fraction(hist.flushed(fmt, k), n)
 
-    def overflow_steps(k: int) -> int:
-        return sum(h.overflows(fmt, k) for h in over_steps)
+def _flushed_at(m: _Measured, fmt: Format, k: int) -> float:
+    return fraction(m.hist.flushed(fmt, k), m.hist.nonzero_finite)
 
-    k_max = largest_safe_log2_scale(fmt, max_abs)
-    evidence: dict[str, Any] = {
-        "nonzero_values": n,
+
+def _base_evidence(m: _Measured, fmt: Format) -> Evidence:
+    hist, ceiling = m.hist, m.ceiling
+    max_abs = ceiling.max_abs
+    k_max = ceiling.largest_safe_log2_scale(fmt)
+    ev: Evidence = {
+        "nonzero_values": hist.nonzero_finite,
         "zero_values": hist.zero,
         "nonfinite_values": hist.nonfinite,
-        "profiled_steps": len(over_steps),
-        "nonfinite_steps": nonfinite_steps,
+        "profiled_steps": len(ceiling.steps),
+        "nonfinite_steps": ceiling.intrinsic_steps,
         "max_abs": max_abs,
         "log2_max_abs": math.log2(max_abs) if max_abs > 0 else None,
+        "ceiling_source": _ceiling_source(ceiling),
         "largest_safe_log2_scale": k_max,
-        "flushed_fraction_at_1": flushed_at(0),
-        "subnormal_fraction_at_1": _fraction(hist.subnormal(fmt, 0), n),
-        "overflow_steps_at_1": overflow_steps(0),
+        "flushed_fraction_at_1": _flushed_at(m, fmt, 0),
+        "subnormal_fraction_at_1": fraction(hist.subnormal(fmt, 0), hist.nonzero_finite),
+        "overflow_steps_at_1": ceiling.overflow_steps(fmt, 0),
         "lowest_log2": hist.lowest_exp,
         "highest_log2": hist.highest_exp,
+        "scale_induced_overflow_steps": list(ceiling.scale_induced_steps),
+        "by_kind": {k: _kind_evidence(h, fmt, 0) for k, h in m.by_kind.items()},
     }
-    positive = [m for m in step_max if m > 0.0]
+    positive = [x for x in ceiling.per_step_max() if x > 0.0]
     if positive:
-        evidence["per_step_max_range_bits"] = math.log2(max(positive)) - math.log2(min(positive))
-    worst_modules = _worst_modules(report, kinds, fmt, 0, worst)
-    common = dict(format=fmt.name, kind=kind, thresholds=thresholds, worst_modules=worst_modules,
-                  flushed_fraction_at_1=flushed_at(0))
+        ev["per_step_max_range_bits"] = math.log2(max(positive)) - math.log2(min(positive))
+    return ev
 
-    if n == 0 or k_max is None or (flushed_at(0) <= max_flushed_fraction and k_max - margin_bits >= 0):
-        k = 0
-        evidence.update(_at_scale(hist, fmt, k, overflow_steps))
-        headroom = None if k_max is None else k_max
-        text = _text_none_needed(fmt, evidence, headroom, max_flushed_fraction)
-        return Recommendation(verdict=NONE_NEEDED, log2_scale=0, scale=1.0, grad_scaler_kwargs={},
-                              flushed_fraction_at_scale=flushed_at(0), overflow_steps_at_scale=overflow_steps(0),
-                              headroom_bits=headroom, evidence=evidence,
-                              citations=_citations(NONE_NEEDED), text=text, **common)
 
-    k_c = k_max - margin_bits
-    evidence.update(_at_scale(hist, fmt, k_c, overflow_steps))
-    oracle = _per_step_oracle(kind_steps, over_steps, fmt, margin_bits)
-    evidence["per_step_scale_flushed_fraction"] = oracle
-    needed, available = _spans(hist, fmt, max_abs, max_flushed_fraction, margin_bits)
-    evidence["needed_span_bits"] = needed
-    evidence["format_span_bits"] = available
+def _kind_evidence(h: Histogram, fmt: Format, k: int) -> dict[str, Any]:
+    n = h.nonzero_finite
+    return {"nonzero_values": n, "zero_values": h.zero, "nonfinite_values": h.nonfinite, "max_abs": h.max_abs,
+            "flushed_fraction_at_1": fraction(h.flushed(fmt, 0), n),
+            "flushed_fraction_at_scale": fraction(h.flushed(fmt, k), n)}
 
-    if flushed_at(k_c) <= max_flushed_fraction:
-        verdict = CONSTANT
-    elif oracle is not None and oracle <= max_flushed_fraction:
-        verdict = DYNAMIC
-    else:
-        verdict = NO_SINGLE_SCALE
-        evidence["limiting_modules"] = _limiting_modules(report, over_kinds, fmt, 3)
-        evidence["flushing_modules_at_scale"] = [
-            [name, frac] for name, frac in _worst_modules(report, kinds, fmt, k_c, worst)
-        ]
 
-    table: GrowthIntervalTable | None = None
-    if kind_steps is not None:
-        table = score_growth_intervals(
-            report.trace, fmt, init_scale=math.ldexp(1.0, k_c), candidates=growth_intervals,
-            horizon=horizon, seed=seed, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            hysteresis=hysteresis, min_scale=min_scale, kind=kind, overflow_kinds=over_kinds,
-            max_flushed_fraction=max_flushed_fraction,
+def _ceiling_source(ceiling: Ceiling) -> str:
+    if ceiling.measured:
+        return "measured over every gradient in backward"
+    return "seen in the hooked modules and parameters only"
+
+
+# -- step 3: the limits of this evidence ------------------------------------------------------
+
+def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
+    out: list[str] = []
+    precision = str(report.metadata.precision)
+    run = run_format(precision)
+    if run is not None:
+        out.append(
+            f"This profile was taken under {precision} at {_scale_in_force_words(m)}: gradients that "
+            f"flushed during the run are already exact zeros ({count(m.hist.zero)} of {count(m.hist.total)} "
+            f"judged values are zero, true zeros included), so flushed shares count only what survived and "
+            f"are lower bounds. Profile in fp32 (the default precision) to measure what flushes."
         )
-        chosen = table.chosen
-        growth_interval = chosen.growth_interval
-        evidence.update(
-            simulated_growth_interval=growth_interval,
-            simulated_skipped_steps=chosen.skipped_steps,
-            simulated_skipped_fraction=chosen.skipped_fraction,
-            simulated_mean_flushed_fraction=chosen.mean_flushed_fraction,
-            simulated_final_scale=chosen.final_scale,
-            simulated_meets_threshold=chosen.meets_threshold,
+    if not m.ceiling.measured:
+        out.append(
+            "The overflow ceiling comes from the hooked modules' and parameters' gradients only: this report "
+            "has no backward-wide ceiling, so gradients outside hooked modules (functional ops after the "
+            "last module, a temperature or gain before the loss, the loss side) are not seen and a larger "
+            "one may overflow before S does."
         )
-    else:
-        growth_interval = int(GRADSCALER_DEFAULTS["growth_interval"])
-    kwargs = {"init_scale": math.ldexp(1.0, k_c), "growth_factor": float(growth_factor),
-              "backoff_factor": float(backoff_factor), "growth_interval": int(growth_interval)}
-    text = _TEXTS[verdict](fmt, k_c, margin_bits, evidence, kwargs, table, max_flushed_fraction)
+    induced = m.ceiling.scale_induced_steps
+    if induced:
+        steps = [report.trace.steps[i] for i in induced] if len(report.trace) else []
+        out.append(
+            f"{len(induced)} profiled step(s) held inf/NaN at the scale in force ({_scale_in_force_words(m)}"
+            f"{'; steps ' + ', '.join(str(s) for s in steps[:10]) if steps else ''}): such a step says its "
+            "largest gradient was at least the format's max divided by that scale, so it counts as "
+            "overflowing at that scale and above, not at every scale."
+        )
+    if m.ceiling.intrinsic_steps:
+        out.append(
+            f"{m.ceiling.intrinsic_steps} profiled step(s) held inf/NaN in an fp32 run without a loss "
+            "scaler: no loss scale explains or fixes those; they are left out of the limit on S."
+        )
+    if m.kind != ALL_GRADS:
+        others = [k for k in GRAD_KINDS if k not in m.kinds and report.histogram(k).total]
+        if others:
+            out.append(
+                f"Only {_KIND_WORDS.get(m.kind, m.kind)} were judged for flushing (kind={m.kind!r}); "
+                f"the loss scale multiplies {', '.join(_KIND_WORDS[k] for k in others)} too."
+            )
+    silent = [x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0]
+    if silent and report.metadata.steps_seen:
+        out.append(
+            f"{len(silent)} hooked module(s) recorded no gradient ({', '.join(silent[:5])}"
+            f"{', ...' if len(silent) > 5 else ''}): their forward was bypassed (e.g. a parent that uses "
+            "their weights directly) or their output did not reach the loss."
+        )
+    if report.metadata.partial:
+        out.append(f"The run was interrupted: {report.metadata.steps_seen} of "
+                   f"{report.metadata.steps_total} requested steps were profiled.")
+    return tuple(out)
+
+
+def _scale_in_force_words(m: _Measured) -> str:
+    s = m.scale_in_force
+    if not s:
+        return "S = 1 (no loss scaler in the trace)"
+    if len(s) == 1:
+        return f"S = {scale_words(s[0])}"
+    return f"S from {scale_words(s[0])} to {scale_words(s[-1])}"
+
+
+def _hidden_flush_matters(report: Report, fmt: Format) -> bool:
+    """Whether values the run itself flushed could matter for ``fmt`` (fp16 run, non-bf16 target)."""
+    run = run_format(report.metadata.precision)
+    return run is not None and run.name != "bf16" and fmt.name != "bf16"
+
+
+def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tuple[str, str] | None:
+    """Return (reason, what to do) when the profile cannot carry a verdict, else None."""
+    h = m.hist
+    what = _KIND_WORDS.get(m.kind, "gradient values") if m.kind != ALL_GRADS else "gradient values"
+    if h.total == 0:
+        return ("nothing_captured",
+                f"the report holds no {what} (captured: {', '.join(report.metadata.captured) or 'nothing'}). "
+                "Profile with the Probe capturing activation and weight gradients over at least one backward pass.")
+    if _hidden_flush_matters(report, fmt):
+        hidden = flushed_hidden_bound([h])
+        if hidden > tau:
+            return ("autocast_zeros",
+                    f"this profile was computed in {report.metadata.precision} at {_scale_in_force_words(m)}, where "
+                    f"gradients that flushed became exact zeros; {percent(hidden)} of the judged values are zeros "
+                    f"(threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile in "
+                    "fp32 (the default precision) to measure what flushes.")
+    if h.nonzero_finite == 0 and h.nonfinite == 0:
+        return ("all_zero",
+                f"all {count(h.total)} captured {what} are exactly zero: a zero-initialised output "
+                "layer, a loss that does not depend on the parameters, or a graph cut by detach() gives this. "
+                "Train a step or a few first (or load trained weights), use the real loss, and profile again.")
+    if h.nonzero_finite == 0:
+        if m.ceiling.scale_induced_steps:
+            return ("all_nonfinite",
+                    f"the captured {what} are all zero, inf or NaN at {_scale_in_force_words(m)}: the "
+                    "run overflowed before anything could be measured. Profile in fp32 (the default precision), "
+                    "or at a lower loss scale.")
+        return ("all_nonfinite",
+                f"the captured {what} are all zero, inf or NaN ({count(h.nonfinite)} inf/NaN values): the run "
+                "diverged before any cast. Loss scaling cannot fix that: find the divergence (learning rate, "
+                "loss, inputs) and profile again.")
+    return None
+
+
+# -- step 4: the verdicts -------------------------------------------------------------------
+
+def _citations(verdict: Verdict) -> tuple[str, ...]:
+    if verdict in (Verdict.NONE_NEEDED, Verdict.INSUFFICIENT_EVIDENCE):
+        return (CITATION_PAPER,)
+    if verdict is Verdict.PER_TENSOR_SCALING:
+        return (CITATION_PAPER, CITATION_TRANSFORMER_ENGINE)
+    return (CITATION_PAPER, CITATION_NVIDIA_GUIDE, CITATION_GRADSCALER)
+
+
+def _worst(report: Report, m: _Measured, fmt: Format, k: int, n: int) -> tuple[tuple[str, float], ...]:
+    return tuple((w.name, w.fraction) for w in worst_modules(report, fmt, log2_scale=k, kind=m.kind, count=n))
+
+
+def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, caveats: tuple[str, ...],
+                  reason: tuple[str, str]) -> Recommendation:
+    ev["insufficient_reason"] = reason[0]
+    text = f"No verdict for {fmt.name}: {reason[1]}"
+    if "flush" in text:
+        text += " " + UNDERFLOW_MECHANISM
     return Recommendation(
-        verdict=verdict, log2_scale=k_c, scale=math.ldexp(1.0, k_c), grad_scaler_kwargs=kwargs,
-        flushed_fraction_at_scale=flushed_at(k_c), overflow_steps_at_scale=overflow_steps(k_c),
-        headroom_bits=k_max - k_c, evidence=evidence, citations=_citations(verdict), text=text,
-        growth_interval_table=None if table is None else table.to_dict(), **common,
+        verdict=Verdict.INSUFFICIENT_EVIDENCE, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
+        flushed_fraction_at_1=ev["flushed_fraction_at_1"] if m.hist.nonzero_finite else None,
+        flushed_fraction_at_scale=None, overflow_steps_at_scale=None, headroom_bits=None, worst_modules=(),
+        evidence=ev, thresholds=th, citations=_citations(Verdict.INSUFFICIENT_EVIDENCE), text=text,
+        kind=m.kind, caveats=caveats,
     )
 
 
-def _at_scale(hist: Histogram, fmt: Format, k: int, overflow_steps) -> dict[str, Any]:
-    n = hist.nonzero_finite
+def _none_needed(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
+                 caveats: tuple[str, ...], k_max: int | None) -> Recommendation:
+    ev.update(_at_scale(m, fmt, 0))
+    tau = th["max_flushed_fraction"]
+    parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {percent(ev['flushed_fraction_at_1'])} of the "
+             f"nonzero gradient values flush to zero (threshold {percent(tau)}{_by_kind_words(ev, 0, '; ', ')')}"]
+    if k_max is None:
+        parts[0] += " and there are no nonzero gradient values to overflow."
+    else:
+        parts[0] += (f" and the largest gradient ({magnitude(ev['max_abs'])}) sits {k_max} bit(s) below where "
+                     f"values would {_overflow_words(fmt)}.")
+    if fmt.name == "bf16":
+        parts.append(BF16_NO_SCALER + " This was measured on the profile, not assumed.")
+    parts.append(UNDERFLOW_MECHANISM)
+    return Recommendation(
+        verdict=Verdict.NONE_NEEDED, format=fmt.name, log2_scale=0, scale=1.0, grad_scaler_kwargs={},
+        flushed_fraction_at_1=ev["flushed_fraction_at_1"], flushed_fraction_at_scale=ev["flushed_fraction_at_1"],
+        overflow_steps_at_scale=ev["overflow_steps_at_1"], headroom_bits=k_max,
+        worst_modules=_worst(report, m, fmt, 0, th["worst"]), evidence=ev, thresholds=th,
+        citations=_citations(Verdict.NONE_NEEDED), text=" ".join(parts), kind=m.kind, caveats=caveats,
+    )
+
+
+def _at_scale(m: _Measured, fmt: Format, k: int) -> dict[str, Any]:
+    n = m.hist.nonzero_finite
+    by_kind = {name: _kind_evidence(h, fmt, k) for name, h in m.by_kind.items()}
     return {
         "log2_scale": k,
-        "flushed_fraction_at_scale": _fraction(hist.flushed(fmt, k), n),
-        "subnormal_fraction_at_scale": _fraction(hist.subnormal(fmt, k), n),
-        "overflow_steps_at_scale": overflow_steps(k),
+        "flushed_fraction_at_scale": fraction(m.hist.flushed(fmt, k), n),
+        "subnormal_fraction_at_scale": fraction(m.hist.subnormal(fmt, k), n),
+        "overflow_steps_at_scale": m.ceiling.overflow_steps(fmt, k),
+        "by_kind": by_kind,
     }
 
 
-def _per_step_oracle(kind_steps, over_steps, fmt: Format, margin_bits: int) -> float | None:
+def _capped(k: int, max_abs: float, margin_bits: int) -> tuple[int, bool]:
+    cap = fp32_log2_cap(max_abs, margin_bits)
+    return (cap, True) if k > cap else (k, False)
+
+
+def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
+            caveats: tuple[str, ...], k_max: int) -> Recommendation:
+    tau, margin = th["max_flushed_fraction"], th["margin_bits"]
+    k, capped = _capped(k_max - margin, m.ceiling.max_abs, margin)
+    ev.update(_at_scale(m, fmt, k))
+    oracle = _per_step_oracle(m, fmt, margin)
+    ev["per_step_scale_flushed_fraction"] = oracle
+    needed, available = _spans(m.hist, fmt, m.ceiling.max_abs, tau, margin)
+    ev["needed_span_bits"] = needed
+    ev["format_span_bits"] = available
+
+    if _flushed_at(m, fmt, k) <= tau:
+        verdict = Verdict.CONSTANT
+    elif oracle is not None and oracle <= tau:
+        verdict = Verdict.DYNAMIC
+    else:
+        verdict = Verdict.NO_SINGLE_SCALE
+        ev["limiting_modules"] = _limiting_modules(report, fmt, 3)
+        ev["flushing_modules_at_scale"] = [[n, f] for n, f in _worst(report, m, fmt, k, th["worst"])]
+
+    table = _replay(report, m, fmt, k, th)
+    if table is not None:
+        c = table.chosen
+        ev.update(simulated_growth_interval=c.growth_interval, simulated_skipped_steps=c.skipped_steps,
+                  simulated_skipped_fraction=c.skipped_fraction,
+                  simulated_mean_flushed_fraction=c.mean_flushed_fraction, simulated_final_scale=c.final_scale,
+                  simulated_meets_threshold=c.meets_threshold)
+        growth_interval = c.growth_interval
+    else:
+        growth_interval = GRADSCALER_DEFAULTS["growth_interval"]
+    kwargs = {"init_scale": math.ldexp(1.0, k), "growth_factor": float(th["growth_factor"]),
+              "backoff_factor": float(th["backoff_factor"]), "growth_interval": int(growth_interval)}
+    text = _TEXTS[verdict](fmt, k, margin, ev, kwargs, table, tau)
+    if capped:
+        text += (f" S is capped at 2^{k}, below the largest safe scale for {fmt.name} (2^{k_max - margin} with "
+                 "the margin), so that GradScaler accepts it (its scale is an fp32 number) and the scaled loss "
+                 "and gradients stay finite in fp32.")
+    return Recommendation(
+        verdict=verdict, format=fmt.name, log2_scale=k, scale=math.ldexp(1.0, k), grad_scaler_kwargs=kwargs,
+        flushed_fraction_at_1=ev["flushed_fraction_at_1"], flushed_fraction_at_scale=ev["flushed_fraction_at_scale"],
+        overflow_steps_at_scale=ev["overflow_steps_at_scale"], headroom_bits=k_max - k,
+        worst_modules=_worst(report, m, fmt, 0, th["worst"]), evidence=ev, thresholds=th,
+        citations=_citations(verdict), text=text, kind=m.kind,
+        growth_interval_table=None if table is None else table.to_dict(), caveats=caveats,
+    )
+
+
+def _replay(report: Report, m: _Measured, fmt: Format, k: int, th: Thresholds) -> GrowthIntervalTable | None:
+    if m.kind_steps is None:
+        return None
+    return score_growth_intervals(
+        report.trace, fmt, init_scale=math.ldexp(1.0, k), candidates=th["growth_intervals"],
+        horizon=th["horizon"], seed=th["seed"], growth_factor=th["growth_factor"],
+        backoff_factor=th["backoff_factor"], hysteresis=th["hysteresis"], min_scale=th["min_scale"],
+        kind=m.kind, ceiling=m.ceiling, max_flushed_fraction=th["max_flushed_fraction"],
+    )
+
+
+def _per_step_oracle(m: _Measured, fmt: Format, margin_bits: int) -> float | None:
     """Flushed fraction if every step had its own S = 2^(k_max(step) - margin_bits).
 
     A bound on what any schedule of one scale per step can reach; None without a trace.
     """
-    if kind_steps is None or len(kind_steps) != len(over_steps):
+    steps = m.kind_steps
+    if steps is None or len(steps) != len(m.ceiling.steps):
         return None
     flushed = total = 0
-    for h, o in zip(kind_steps, over_steps):
-        k = largest_safe_log2_scale(fmt, o.max_abs)
-        total += h.nonzero_finite
-        if k is None:
+    for h, c in zip(steps, m.ceiling.steps):
+        if c.intrinsic:
             continue
-        flushed += h.flushed(fmt, k - margin_bits)
-    return _fraction(flushed, total)
+        k = largest_safe_log2_scale(fmt, c.effective_max)
+        total += h.nonzero_finite
+        if k is not None:
+            flushed += h.flushed(fmt, k - margin_bits)
+    return fraction(flushed, total)
 
 
-def _spans(hist: Histogram, fmt: Format, max_abs: float, tau: float, margin_bits: int):
+def _spans(hist: Histogram, fmt: Format, max_abs: float, tau: float,
+           margin_bits: int) -> tuple[float | None, float]:
     """Bits from the smallest value that must survive to the largest, and bits the format holds."""
     available = math.log2(fmt.overflow_threshold) - fmt.log2_flush_threshold - margin_bits
     n = hist.nonzero_finite
-    if n == 0 or max_abs <= 0:
+    lowest, highest = hist.lowest_exp, hist.highest_exp
+    if n == 0 or max_abs <= 0 or lowest is None or highest is None:
         return None, available
     # Largest e with at most tau*n values at or below 2^e: everything above 2^e must survive.
-    e = hist.lowest_exp - 1
-    while hist.at_most(e + 1) <= tau * n and e + 1 < hist.highest_exp:
+    e = lowest - 1
+    while hist.at_most(e + 1) <= tau * n and e + 1 < highest:
         e += 1
     return math.log2(max_abs) - e, available
 
 
-def _worst_modules(report: Report, kinds, fmt: Format, k: int, count: int) -> tuple[tuple[str, float], ...]:
-    scored = []
-    for kd in kinds:
-        for m in report.modules_of(kd):
-            nz = m.histogram.nonzero_finite
-            if nz:
-                frac = m.histogram.flushed(fmt, k) / nz
-                if frac > 0:
-                    scored.append((m.name, frac))
-    scored.sort(key=lambda x: -x[1])
-    return tuple(scored[: max(int(count), 0)])
-
-
-def _limiting_modules(report: Report, kinds, fmt: Format, count: int) -> list[list[Any]]:
+def _limiting_modules(report: Report, fmt: Format, n: int) -> list[list[Any]]:
     """The modules whose largest gradients set the ceiling on S: [name, log2 max, largest safe k]."""
-    rows = []
-    for kd in kinds:
-        for m in report.modules_of(kd):
-            if m.histogram.max_abs > 0:
-                rows.append([m.name, math.log2(m.histogram.max_abs), largest_safe_log2_scale(fmt, m.histogram.max_abs)])
+    rows: list[list[Any]] = []
+    for kd in GRAD_KINDS:
+        for mod in report.modules_of(kd):
+            if mod.histogram.max_abs > 0:
+                rows.append([mod.name, math.log2(mod.histogram.max_abs),
+                             largest_safe_log2_scale(fmt, mod.histogram.max_abs)])
     rows.sort(key=lambda r: -r[1])
-    return rows[:count]
+    return rows[:n]
 
 
-def _citations(verdict: str) -> tuple[str, ...]:
-    if verdict == NONE_NEEDED:
-        return (CITATION_LIT011,)
-    return (CITATION_LIT011, CITATION_NVIDIA_GUIDE, CITATION_GRADSCALER)
+def _per_tensor(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
+                caveats: tuple[str, ...]) -> Recommendation:
+    """Saturating casts: one scale per tensor from its measured max, as FP8 recipes do."""
+    margin = th["margin_bits"]
+    flushed = nonzero = saturated = 0
+    per_tensor = []
+    for kd in m.kinds:
+        for mod in report.modules_of(kd):
+            h = mod.histogram
+            k_t = largest_safe_log2_scale(fmt, h.max_abs)
+            if k_t is None or not h.nonzero_finite:
+                continue
+            k_t -= margin
+            f = h.flushed(fmt, k_t)
+            flushed += f
+            nonzero += h.nonzero_finite
+            saturated += _saturated(h, fmt, k_t)
+            per_tensor.append([mod.name, k_t, fraction(f, h.nonzero_finite)])
+    k_max = m.ceiling.largest_safe_log2_scale(fmt)
+    k = 0 if k_max is None else k_max - margin
+    ev.update(_at_scale(m, fmt, k))
+    ev["per_tensor_scale_log2"] = k
+    ev["per_tensor_scales"] = per_tensor
+    ev["per_tensor_flushed_fraction"] = fraction(flushed, nonzero)
+    ev["saturated_fraction_at_scale"] = fraction(saturated, nonzero)
+    ev["single_scale_saturated_fraction"] = fraction(_saturated(m.hist, fmt, k), m.hist.nonzero_finite)
+    max_words = magnitude(fmt.max)
+    text = (
+        f"Use per-tensor scaling for {fmt.name}, not a loss scaler: its casts saturate (a value past {max_words}, "
+        f"inf included, becomes {max_words} or NaN depending on the cast), so a GradScaler never sees an "
+        f"overflow there and cannot back off. Scale each tensor from its measured maximum, "
+        f"scale = {max_words} / amax / 2^{margin} (a margin of {margin} bit(s)), as NVIDIA Transformer Engine's "
+        f"DelayedScaling recipe does. With one such scale per captured tensor, from its largest |g| over the "
+        f"{ev['profiled_steps']} profiled step(s), {percent(ev['per_tensor_flushed_fraction'])} of the nonzero "
+        f"gradient values flush to zero and {percent(ev['saturated_fraction_at_scale'])} saturate (threshold "
+        f"{percent(th['max_flushed_fraction'])}); the per-tensor scales are in the evidence. One scale for every "
+        f"gradient, S = 2^{k} from the largest gradient ({magnitude(ev['max_abs'])}), would leave "
+        f"{percent(ev['flushed_fraction_at_scale'])} flushed; at S = 1, {percent(ev['flushed_fraction_at_1'])} "
+        f"flush. A later step whose amax exceeds the profiled one saturates: take amax from a rolling history "
+        f"of recent steps, as the recipe does. {UNDERFLOW_MECHANISM}"
+    )
+    return Recommendation(
+        verdict=Verdict.PER_TENSOR_SCALING, format=fmt.name, log2_scale=k, scale=math.ldexp(1.0, k),
+        grad_scaler_kwargs={}, flushed_fraction_at_1=ev["flushed_fraction_at_1"],
+        flushed_fraction_at_scale=ev["flushed_fraction_at_scale"], overflow_steps_at_scale=ev["overflow_steps_at_scale"],
+        headroom_bits=None if k_max is None else k_max - k, worst_modules=_worst(report, m, fmt, 0, th["worst"]),
+        evidence=ev, thresholds=th, citations=_citations(Verdict.PER_TENSOR_SCALING), text=text, kind=m.kind,
+        caveats=caveats,
+    )
 
 
-# -- the words -------------------------------------------------------------------------------
+def _saturated(h: Histogram, fmt: Format, k: int) -> int:
+    """Values beyond the format's max at S = 2^k: exact from max_abs when none, else an upper bound by bins."""
+    if h.max_abs == 0.0 or not fmt.overflows(math.ldexp(h.max_abs, k)):
+        return 0
+    return h.nonzero_finite - h.at_most(math.floor(math.log2(fmt.overflow_threshold)) - k - 1)
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.3g}%"
 
+# -- step 5: the words ----------------------------------------------------------------------
 
 def _overflow_words(fmt: Format) -> str:
     if fmt.has_inf:
@@ -468,33 +557,22 @@ def _overflow_words(fmt: Format) -> str:
     return "land beyond the max finite value (saturated or NaN, depending on the cast)"
 
 
-def _nonfinite_note(evidence: Mapping[str, Any]) -> str:
-    n = evidence["nonfinite_steps"]
+def _by_kind_words(ev: Mapping[str, Any], k: int, lead: str = " (", close: str = ")") -> str:
+    """Return the flushed share per gradient kind at S = 2^k, wrapped in lead/close ("" for one kind)."""
+    by_kind = ev.get("by_kind", {})
+    if len(by_kind) < 2:
+        return "" if close == ")" else close
+    key = "flushed_fraction_at_1" if k == 0 else "flushed_fraction_at_scale"
+    parts = [f"{_KIND_WORDS.get(name, name)} {percent(d[key])}" for name, d in by_kind.items()]
+    return lead + ", ".join(parts) + close
+
+
+def _nonfinite_note(ev: Mapping[str, Any]) -> str:
+    n = ev.get("nonfinite_steps", 0)
     if not n:
         return ""
-    return (f" {n} profiled step(s) already held inf/NaN gradients; no scale fixes those, and they "
-            "count as overflowing at every S.")
-
-
-def _text_none_needed(fmt: Format, ev: Mapping[str, Any], headroom: int | None, tau: float) -> str:
-    if ev["nonzero_values"] == 0 and ev["nonfinite_values"]:
-        return (f"No loss scale can be judged for {fmt.name}: every captured gradient value was zero, inf or "
-                f"NaN ({ev['nonfinite_values']} inf/NaN values in {ev['nonfinite_steps']} of "
-                f"{ev['profiled_steps']} step(s)), so the profiled run overflowed before any cast to "
-                f"{fmt.name}. Loss scaling cannot fix that: find the divergence (learning rate, loss, "
-                "inputs) and profile again.")
-    flushed = ev["flushed_fraction_at_1"]
-    parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {_pct(flushed)} of the nonzero "
-             f"gradient values flush to zero (threshold {_pct(tau)})"]
-    if headroom is None:
-        parts[0] += " and there are no nonzero gradient values to overflow."
-    else:
-        parts[0] += (f" and the largest gradient ({ev['max_abs']:.4g}) sits {headroom} bit(s) below "
-                     f"where values would {_overflow_words(fmt)}.")
-    if fmt.name == "bf16":
-        parts.append(BF16_NO_SCALER + " This was measured on the profile, not assumed.")
-    parts.append(UNDERFLOW_MECHANISM)
-    return " ".join(parts) + _nonfinite_note(ev)
+    return (f" {n} profiled step(s) held inf/NaN gradients in an fp32 run without a loss scaler; no scale "
+            "fixes those, and they are left out of the limit on S.")
 
 
 def _bf16_surprise(fmt: Format) -> str:
@@ -504,14 +582,14 @@ def _bf16_surprise(fmt: Format) -> str:
             "fp32's own limits, so look for a bug or a loss that is far too small.")
 
 
-def _schedule_words(kwargs: Mapping[str, Any], table: GrowthIntervalTable | None, ev: Mapping[str, Any]) -> str:
+def _schedule_words(kwargs: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
     if table is None:
         return (f" growth_interval={kwargs['growth_interval']} is GradScaler's default, not chosen from "
                 "data: this report has no per-step trace to replay.")
     c = table.chosen
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
             f"{[r.growth_interval for r in table.rows]} over {table.horizon} simulated steps: it skipped "
-            f"{c.skipped_steps} step(s) ({_pct(c.skipped_fraction)}) and left {_pct(c.mean_flushed_fraction)} "
+            f"{c.skipped_steps} step(s) ({percent(c.skipped_fraction)}) and left {percent(c.mean_flushed_fraction)} "
             f"of values flushed, the fewest skipped steps among candidates within the threshold (or the "
             f"least underflow when none is). {SIMULATION_CAVEAT}")
 
@@ -522,180 +600,70 @@ def _kwargs_words(kwargs: Mapping[str, Any]) -> str:
             f"backoff_factor={kwargs['backoff_factor']}, growth_interval={kwargs['growth_interval']})")
 
 
-def _text_constant(fmt, k, margin, ev, kwargs, table, tau) -> str:
+_BACKOFF = ("If a later step overflows anyway, the scaler skips that one step and halves S, so training "
+            "cannot stall at a scale that overflows; do not hold S fixed by skipping steps without backing off.")
+
+
+def _limit_words(fmt: Format, ev: Mapping[str, Any], margin: int) -> str:
+    return (f"The largest gradient the loss scale multiplies ({magnitude(ev['max_abs'])}, "
+            f"{ev['ceiling_source']}) allows up to S = {power_of_two(ev['largest_safe_log2_scale'])}; S keeps "
+            f"{margin} bit(s) of headroom below that.")
+
+
+def _text_constant(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
+                   table: GrowthIntervalTable | None, tau: float) -> str:
     return (
-        f"Use a constant loss scale S = 2^{k} for {fmt.name}. At S = 1, {_pct(ev['flushed_fraction_at_1'])} "
-        f"of the nonzero gradient values flush to zero; at S = 2^{k}, {_pct(ev['flushed_fraction_at_scale'])} "
-        f"do (threshold {_pct(tau)}) and {ev['overflow_steps_at_scale']} of {ev['profiled_steps']} profiled "
-        f"steps {_overflow_words(fmt)}. The largest gradient seen ({ev['max_abs']:.4g}) allows up to "
-        f"S = 2^{ev['largest_safe_log2_scale']}; S keeps {margin} bit(s) of headroom below that. "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} "
-        f"To hold S fixed, multiply the loss by S, divide the gradients by S before clipping or the "
-        f"optimizer, and skip any step whose gradients hold inf/NaN. With GradScaler, which cannot hold a "
-        f"scale fixed (it requires growth_factor > 1), use {_kwargs_words(kwargs)}: it starts at S and "
-        f"probes upward only every growth_interval steps.{_schedule_words(kwargs, table, ev)} "
+        f"Use a loss scale of S = 2^{k} for {fmt.name}, applied through a scaler that backs off: "
+        f"{_kwargs_words(kwargs)}. At S = 1, {percent(ev['flushed_fraction_at_1'])} of the nonzero gradient "
+        f"values flush to zero{_by_kind_words(ev, 0)}; at S = 2^{k}, {percent(ev['flushed_fraction_at_scale'])} "
+        f"do (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')} and {ev['overflow_steps_at_scale']} of "
+        f"{ev['profiled_steps']} profiled steps {_overflow_words(fmt)}. {_limit_words(fmt, ev, margin)} "
+        f"{_BACKOFF} GradScaler starts at S and probes upward only every growth_interval steps."
+        f"{_schedule_words(kwargs, table)} {CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} "
         f"{DEFAULTS_STANDING}{_nonfinite_note(ev)}"
     )
 
 
-def _text_dynamic(fmt, k, margin, ev, kwargs, table, tau) -> str:
+def _text_dynamic(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
+                  table: GrowthIntervalTable | None, tau: float) -> str:
     caveat = ""
     if ev.get("simulated_meets_threshold") is False:
-        caveat = (f" In the replay no candidate schedule got the flushed share down to {_pct(tau)}: "
+        caveat = (f" In the replay no candidate schedule got the flushed share down to {percent(tau)}: "
                   "with the profiled steps in random order, a scale that follows the range only "
                   "catches slow drift, not jumps from one step to the next; if your range jumps "
                   "like this, per-tensor scaling or bf16 is the sturdier fix.")
     return (
         f"Use a dynamic loss-scale schedule for {fmt.name}: {_kwargs_words(kwargs)}. The largest "
-        f"gradient moves over the profile by {ev.get('per_step_max_range_bits', 0.0):.3g} bits from step to "
+        f"gradient moves over the profile by {bits(ev.get('per_step_max_range_bits', 0.0))} bits from step to "
         f"step, more than one constant scale absorbs: the constant S = 2^{k} that no profiled step "
-        f"overflows at (with {margin} bit(s) of margin) leaves {_pct(ev['flushed_fraction_at_scale'])} of "
-        f"the nonzero values flushed (threshold {_pct(tau)}), while a scale fitted to each step leaves "
-        f"{_pct(ev['per_step_scale_flushed_fraction'])}. At S = 1, {_pct(ev['flushed_fraction_at_1'])} flush. "
-        f"init_scale = 2^{k} comes from the data: the largest power of two, less the margin, at which no "
-        f"profiled step overflows, so the schedule starts without skipped steps.{_schedule_words(kwargs, table, ev)}"
-        f"{caveat} "
+        f"overflows at (with {margin} bit(s) of margin) leaves {percent(ev['flushed_fraction_at_scale'])} of "
+        f"the nonzero values flushed (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')}, while a scale fitted to "
+        f"each step leaves {percent(ev['per_step_scale_flushed_fraction'])}. At S = 1, "
+        f"{percent(ev['flushed_fraction_at_1'])} flush. init_scale = 2^{k} comes from the data: the largest power "
+        f"of two, less the margin, at which no profiled step overflows, so the schedule starts without skipped "
+        f"steps. {_BACKOFF}{_schedule_words(kwargs, table)}{caveat} "
         f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
     )
 
 
-def _text_no_single_scale(fmt, k, margin, ev, kwargs, table, tau) -> str:
+def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
+                          table: GrowthIntervalTable | None, tau: float) -> str:
     limiting = ", ".join(f"{n} (max 2^{lg:.1f})" for n, lg, _ in ev.get("limiting_modules", [])) or "none"
-    flushing = ", ".join(f"{n} ({_pct(f)})" for n, f in ev.get("flushing_modules_at_scale", [])) or "none"
+    flushing = ", ".join(f"{n} ({percent(f)})" for n, f in ev.get("flushing_modules_at_scale", [])) or "none"
     needed = ev.get("needed_span_bits")
-    needed_words = "" if needed is None else f" The values that matter span {needed:.3g} bits;"
+    needed_words = "" if needed is None else f" The values that matter span {bits(needed)} bits;"
     return (
         f"No single loss scale fits {fmt.name}.{needed_words} {fmt.name} holds about "
-        f"{ev['format_span_bits']:.3g} bits between its flush threshold and its max (less {margin} bit(s) of "
-        f"margin). The best constant, S = 2^{k}, still leaves {_pct(ev['flushed_fraction_at_scale'])} of the "
-        f"nonzero values flushed (threshold {_pct(tau)}), and even a scale fitted to each profiled step "
-        f"leaves {_pct(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: {limiting}. "
-        f"The most values flush in: {flushing}. Options: train in bf16 (fp32's exponent range); scale per "
-        f"layer or per tensor, as FP8 recipes do; keep the responsible layers in fp32. If you keep one "
-        f"scale, the least bad is {_kwargs_words(kwargs)}.{_schedule_words(kwargs, table, ev)} "
+        f"{bits(ev['format_span_bits'])} bits between its flush threshold and its max (less {margin} bit(s) of "
+        f"margin). The best constant, S = 2^{k}, still leaves {percent(ev['flushed_fraction_at_scale'])} of the "
+        f"nonzero values flushed (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')}, and even a scale fitted to "
+        f"each profiled step leaves {percent(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: "
+        f"{limiting}. The most values flush in: {flushing}. Options: train in bf16 (fp32's exponent range); "
+        f"scale per layer or per tensor, as FP8 recipes do; keep the responsible layers in fp32. If you keep one "
+        f"scale, the least bad is {_kwargs_words(kwargs)}. {_BACKOFF}{_schedule_words(kwargs, table)} "
         f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
     )
 
 
-_TEXTS = {CONSTANT: _text_constant, DYNAMIC: _text_dynamic, NO_SINGLE_SCALE: _text_no_single_scale}
-
-
-# -- weight updates without fp32 master weights -----------------------------------------------
-
-@dataclass(frozen=True)
-class ParameterUpdateLoss:
-    """One parameter: how many of its nonzero updates vanish when added in the format."""
-
-    name: str
-    elements: int
-    nonzero_updates: int
-    lost: int
-    rule_lost: int
-
-    @property
-    def lost_fraction(self) -> float:
-        return _fraction(self.lost, self.nonzero_updates)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["lost_fraction"] = self.lost_fraction
-        return d
-
-
-@dataclass(frozen=True)
-class WeightUpdateLoss:
-    """Updates lost when weights are kept in ``format`` without fp32 master copies.
-
-    ``lost`` counts elements with a nonzero update u where ``fmt(fmt(w) + fmt(u)) == fmt(w)``,
-    measured by casting; ``rule_lost`` counts LIT-011's rule of thumb,
-    ``|w| >= 2^(mantissa bits + 1) |u|`` (2^11 for fp16), for comparison.
-    """
-
-    format: str
-    parameters: tuple[ParameterUpdateLoss, ...]
-    text: str = ""
-
-    @property
-    def elements(self) -> int:
-        return sum(p.elements for p in self.parameters)
-
-    @property
-    def nonzero_updates(self) -> int:
-        return sum(p.nonzero_updates for p in self.parameters)
-
-    @property
-    def lost(self) -> int:
-        return sum(p.lost for p in self.parameters)
-
-    @property
-    def rule_lost(self) -> int:
-        return sum(p.rule_lost for p in self.parameters)
-
-    @property
-    def lost_fraction(self) -> float:
-        return _fraction(self.lost, self.nonzero_updates)
-
-    @property
-    def rule_lost_fraction(self) -> float:
-        return _fraction(self.rule_lost, self.nonzero_updates)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "elements": self.elements,
-            "nonzero_updates": self.nonzero_updates,
-            "lost": self.lost,
-            "lost_fraction": self.lost_fraction,
-            "rule_lost": self.rule_lost,
-            "rule_lost_fraction": self.rule_lost_fraction,
-            "parameters": [p.to_dict() for p in self.parameters],
-            "text": self.text,
-        }
-
-
-def weight_update_loss(
-    weights: torch.nn.Module | Mapping[str, torch.Tensor],
-    updates: Mapping[str, torch.Tensor] | None = None,
-    *,
-    lr: float | None = None,
-    format: str | Format = "fp16",
-) -> WeightUpdateLoss:
-    """Count the parameter elements whose update would vanish in ``format`` without fp32 master weights.
-
-    ``updates`` maps parameter names to the optimizer's update tensors (new minus old
-    weight). Without it, the update is plain SGD's ``-lr * grad`` from each parameter's
-    ``.grad`` (a Module is required then); parameters without a gradient are left out.
-    This reads tensors (one host sync per parameter); call it outside the training loop.
-    """
-    fmt = get_format(format)
-    if isinstance(weights, torch.nn.Module):
-        named = {n: p for n, p in weights.named_parameters() if p.requires_grad}
-    else:
-        named = dict(weights)
-    if updates is None:
-        if lr is None:
-            raise AnalysisError("give the optimizer's updates or a learning rate (lr=...) to derive SGD's -lr*grad")
-        updates = {n: -float(lr) * p.grad for n, p in named.items() if getattr(p, "grad", None) is not None}
-        if not updates:
-            raise AnalysisError("no parameter has a .grad: run a backward pass first, or pass updates=...")
-    ratio = math.ldexp(1.0, fmt.mantissa_bits + 1)
-    rows = []
-    for name, u in updates.items():
-        if name not in named:
-            raise AnalysisError(f"update for {name!r} has no matching weight: expected names from {sorted(named)[:5]}...")
-        w = named[name].detach().float()
-        u = u.detach().float()
-        if u.shape != w.shape:
-            raise AnalysisError(f"update for {name!r} has shape {tuple(u.shape)}, weight has {tuple(w.shape)}")
-        w_low = w.to(fmt.dtype)
-        summed = (w_low.float() + u.to(fmt.dtype).float()).to(fmt.dtype)
-        moved = u != 0
-        lost = moved & (summed.float() == w_low.float())
-        rule = moved & (w.abs() >= ratio * u.abs())
-        rows.append(ParameterUpdateLoss(name, w.numel(), int(moved.sum()), int(lost.sum()), int(rule.sum())))
-    result = WeightUpdateLoss(fmt.name, tuple(rows))
-    text = (f"Without fp32 master weights, {_pct(result.lost_fraction)} of the {result.nonzero_updates} nonzero "
-            f"parameter updates would be lost when added to {fmt.name} weights (measured by casting); the "
-            f"|w| >= 2^{fmt.mantissa_bits + 1} |update| rule predicts {_pct(result.rule_lost_fraction)}. "
-            f"{WEIGHT_UPDATE_RULE}")
-    return WeightUpdateLoss(fmt.name, tuple(rows), text)
+_TEXTS = {Verdict.CONSTANT: _text_constant, Verdict.DYNAMIC: _text_dynamic,
+          Verdict.NO_SINGLE_SCALE: _text_no_single_scale}

@@ -30,12 +30,13 @@ import numpy as np
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MAX_EXP, MIN_EXP
+from fp16probe.analysis.ceiling import GRAD_KINDS, Ceiling
 from fp16probe.analysis.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
-from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, StepTrace
+from fp16probe.recommendation import GRADSCALER_DEFAULTS
+from fp16probe.report import StepTrace
 
 __all__ = [
     "DEFAULT_GROWTH_INTERVALS",
-    "GRADSCALER_DEFAULTS",
     "GrowthIntervalRow",
     "GrowthIntervalTable",
     "ReplayResult",
@@ -45,14 +46,7 @@ __all__ = [
     "simulate",
 ]
 
-GRADSCALER_DEFAULTS: Mapping[str, float] = {
-    "init_scale": 2.0**16,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-}
 DEFAULT_GROWTH_INTERVALS = (100, 200, 500, 1000, 2000, 5000, 10000)
-GRAD_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
 
 
 @dataclass(frozen=True)
@@ -63,10 +57,10 @@ class ScalerRule:
     clean step instead of only at growth.
     """
 
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    init_scale: float = GRADSCALER_DEFAULTS["init_scale"]
+    growth_factor: float = GRADSCALER_DEFAULTS["growth_factor"]
+    backoff_factor: float = GRADSCALER_DEFAULTS["backoff_factor"]
+    growth_interval: int = GRADSCALER_DEFAULTS["growth_interval"]
     hysteresis: int = 1
     min_scale: float = 0.0
     consecutive_hysteresis: bool = False
@@ -208,10 +202,10 @@ class _ScalerState:
 def replay_scaler(
     overflow: Sequence[bool],
     *,
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
+    init_scale: float = GRADSCALER_DEFAULTS["init_scale"],
+    growth_factor: float = GRADSCALER_DEFAULTS["growth_factor"],
+    backoff_factor: float = GRADSCALER_DEFAULTS["backoff_factor"],
+    growth_interval: int = GRADSCALER_DEFAULTS["growth_interval"],
     hysteresis: int = 1,
     min_scale: float = 0.0,
     consecutive_hysteresis: bool = False,
@@ -240,10 +234,10 @@ def replay_scaler(
 
 @dataclass(frozen=True)
 class _StepModel:
-    """Per profiled step: the largest gradient the scale multiplies, and what could flush."""
+    """Per profiled step: the overflow ceiling the scale multiplies, and what could flush."""
 
-    step_max: np.ndarray  # float64 [T]: largest finite |g| over the overflow kinds
-    nonfinite: np.ndarray  # bool [T]: the step already held inf/NaN
+    step_max: np.ndarray  # float64 [T]: the step's overflow ceiling (analysis.ceiling)
+    nonfinite: np.ndarray  # bool [T]: inf/NaN that no scale explains (overflows at every scale)
     cumulative: np.ndarray  # int64 [T, bins]: counts of `kind` at or below each bin
     nonzero: np.ndarray  # int64 [T]
 
@@ -266,7 +260,7 @@ class _StepModel:
         return m > 0.0 and fmt.overflows(m * scale)
 
 
-def _step_model(trace: StepTrace, kind: str, overflow_kinds: Sequence[str] | None) -> _StepModel:
+def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepModel:
     kinds = _kinds_of(kind)
     hists = [trace.histograms.get(k) for k in kinds]
     hists = [h for h in hists if h]
@@ -278,13 +272,12 @@ def _step_model(trace: StepTrace, kind: str, overflow_kinds: Sequence[str] | Non
     n = len(hists[0])
     if n == 0:
         raise AnalysisError("the report's trace has no profiled steps: call probe.step() once per step")
-    over = [k for k in (overflow_kinds or GRAD_KINDS) if trace.histograms.get(k)]
-    step_max = np.zeros(n)
-    nonfinite = np.zeros(n, dtype=bool)
-    for k in over:
-        for t, h in enumerate(trace.histograms[k]):
-            step_max[t] = max(step_max[t], h.max_abs)
-            nonfinite[t] |= h.nonfinite > 0
+    if ceiling is None:
+        ceiling = Ceiling.from_trace(trace)
+    if len(ceiling.steps) != n:
+        raise AnalysisError(f"the ceiling has {len(ceiling.steps)} steps for a trace of {n}: build it from this trace")
+    step_max = np.asarray([s.effective_max for s in ceiling.steps], dtype=np.float64)
+    nonfinite = np.asarray([s.intrinsic for s in ceiling.steps], dtype=bool)
     counts = np.zeros((n, len(hists[0][0].counts)), dtype=np.int64)
     for hs in hists:
         counts += np.asarray([h.counts for h in hs], dtype=np.int64)
@@ -304,18 +297,20 @@ def simulate(
     *,
     horizon: int = 20000,
     seed: int = 0,
-    kind: str = ACTIVATION_GRAD,
-    overflow_kinds: Sequence[str] | None = None,
+    kind: str = "all",
+    ceiling: Ceiling | None = None,
     hysteresis: int | None = None,
     min_scale: float | None = None,
 ) -> ReplayResult:
     """Run a scaling rule for ``horizon`` steps over steps resampled from a profile.
 
     Each simulated step draws one profiled step uniformly with replacement (numpy's
-    PCG64 seeded with ``seed``): it overflows when that step's largest gradient of
-    ``overflow_kinds`` (default: activation and weight gradients, all that the loss scale
-    multiplies) times the scale lands past the format's max, or when it already held
-    inf/NaN; its flushed fraction is the share of its nonzero ``kind`` values at or below
+    PCG64 seeded with ``seed``): it overflows when that step's overflow ceiling
+    (``analysis.ceiling.Ceiling``: every gradient the loss scale multiplies; built from the
+    trace when not given) times the scale lands past the format's max, or when it held
+    inf/NaN that no scale explains; a step that overflowed only at the scale in force while
+    profiling overflows here only at that scale and above. Its flushed fraction is the share
+    of its nonzero ``kind`` values (default: activation and weight gradients) at or below
     the flush threshold at that scale. This assumes future steps look like the profiled
     ones; a profile cannot see the drift that training brings.
     """
@@ -328,7 +323,7 @@ def simulate(
     rule = ScalerRule.from_kwargs({**GRADSCALER_DEFAULTS, **(grad_scaler_kwargs or {})}, **overrides)
     if int(horizon) < 1:
         raise AnalysisError(f"horizon must be a positive number of steps, got {horizon!r}")
-    model = _step_model(trace, kind, overflow_kinds)
+    model = _step_model(trace, kind, ceiling)
     draws = np.random.default_rng(seed).integers(0, model.steps, size=int(horizon))
     return _run(model, fmt, rule, draws)
 
@@ -434,12 +429,12 @@ def score_growth_intervals(
     candidates: Sequence[int] = DEFAULT_GROWTH_INTERVALS,
     horizon: int = 20000,
     seed: int = 0,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
+    growth_factor: float = GRADSCALER_DEFAULTS["growth_factor"],
+    backoff_factor: float = GRADSCALER_DEFAULTS["backoff_factor"],
     hysteresis: int = 1,
     min_scale: float = 0.0,
-    kind: str = ACTIVATION_GRAD,
-    overflow_kinds: Sequence[str] | None = None,
+    kind: str = "all",
+    ceiling: Ceiling | None = None,
     max_flushed_fraction: float = 1e-3,
 ) -> GrowthIntervalTable:
     """Simulate each candidate growth_interval on the same resampled steps and score it.
@@ -454,7 +449,7 @@ def score_growth_intervals(
         raise AnalysisError(f"growth_interval candidates must be positive integers, got {list(candidates)!r}")
     if int(horizon) < 1:
         raise AnalysisError(f"horizon must be a positive number of steps, got {horizon!r}")
-    model = _step_model(trace, kind, overflow_kinds)
+    model = _step_model(trace, kind, ceiling)
     draws = np.random.default_rng(seed).integers(0, model.steps, size=int(horizon))
     rows = []
     for g in cands:

@@ -323,7 +323,7 @@ def plot_what_if(
     """
     fmt = get_format(format)
     if isinstance(report, Report):
-        from fp16probe.analysis.recommend import what_if
+        from fp16probe.analysis.whatif import what_if
 
         table = what_if(report, fmt.name, kind=kind)
         recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
@@ -379,7 +379,8 @@ def plot_scale_timeline(
     skipped steps (an overflow threw the step away) are marked with crosses.
     A scale the run itself recorded (it had a GradScaler) is drawn too.
     """
-    from fp16probe.analysis.replay import GRADSCALER_DEFAULTS, simulate
+    from fp16probe.analysis.replay import simulate
+    from fp16probe.recommendation import GRADSCALER_DEFAULTS
 
     fmt = get_format(format)
     recommendation = _resolve_recommendation(report, recommendation, fmt, kind)

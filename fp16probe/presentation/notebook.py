@@ -35,9 +35,11 @@ _VERDICT_WORDS = {
     "constant": "a constant loss scale is enough",
     "dynamic": "use dynamic loss scaling",
     "no_single_scale": "no single loss scale fits",
+    "per_tensor_scaling": "scale per tensor, not with a loss scaler",
+    "insufficient_evidence": "not enough evidence for a verdict",
 }
 _VERDICT_COLORS = {"none_needed": "#2e7d32", "constant": "#1565c0", "dynamic": "#ef6c00",
-                   "no_single_scale": "#c62828"}
+                   "no_single_scale": "#c62828", "per_tensor_scaling": "#6a1b9a", "insufficient_evidence": "#616161"}
 
 
 # -- shared look-ups ---------------------------------------------------------------------

@@ -46,8 +46,10 @@ def grad_scaler_code(rec: Any, device: str = "cuda") -> str:
     """Ready-to-paste Python for the recommended GradScaler (or why none is needed)."""
     verdict = _get(rec, "verdict")
     kwargs = dict(_get(rec, "grad_scaler_kwargs") or {})
-    if verdict == "none_needed" or not kwargs:
+    if verdict == "none_needed":
         return f'scaler = torch.amp.GradScaler("{device}", enabled=False)  # no loss scaling needed'
+    if not kwargs:
+        return f"# no GradScaler to paste: the verdict is {verdict}; follow the text above"
     args = ", ".join(f"{k}={_py(v)}" for k, v in kwargs.items())
     return f'scaler = torch.amp.GradScaler("{device}", {args})'
 
