@@ -119,7 +119,7 @@ class Ceiling:
         """Build the ceiling from a trace alone; ``floor`` is a known lower bound on every step's max."""
         run_fmt = run_format(precision)
         kinds = [k for k in GRAD_KINDS if trace.histograms.get(k)]
-        recorded = getattr(trace, "ceiling", None)
+        recorded = trace.ceiling
         steps = []
         for i in range(len(trace)):
             finite = max([floor] + [trace.histograms[k][i].max_abs for k in kinds])

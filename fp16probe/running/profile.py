@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
-from fp16probe.report import ACTIVATION_GRAD, KINDS, Report
+from fp16probe.report import ALL_GRADS, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
@@ -92,7 +92,7 @@ def check_settings(
     optimizer: Any = None,
     lr: float = 1e-3,
     format: str = "fp16",
-    kind: str = ACTIVATION_GRAD,
+    kind: str = ALL_GRADS,
     verify: bool = False,
 ) -> None:
     """Refuse, before anything runs, settings that cannot work; raise InputError naming the parameter."""
@@ -118,8 +118,8 @@ def check_settings(
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
     get_format(format)  # raises UnknownFormatError naming the known formats
-    if kind not in KINDS:
-        raise InputError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
+    if kind not in (ALL_GRADS,) + KINDS:
+        raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}")
     if verify and precision != "fp32":
         raise InputError(f"verify= checks a prediction made from the fp32 reference; profile with precision='fp32', "
                          f"not precision={precision!r}")
@@ -143,7 +143,7 @@ def profile(
     optimizer: str | torch.optim.Optimizer | None = None,
     lr: float = 1e-3,
     format: str = "fp16",
-    kind: str = ACTIVATION_GRAD,
+    kind: str = ALL_GRADS,
     device: str | torch.device | None = None,
     on_step: Callable[[int], None] | None = None,
     verify: bool = False,
@@ -173,7 +173,7 @@ def profile(
             or a GradScaler of your own; the Probe records unscaled gradients either way.
         optimizer: None (weights unchanged), ``"sgd"``/``"adam"``/``"adamw"`` at ``lr``, or a
             torch optimizer over the model's parameters.
-        format, kind: what the recommendation is for (``"fp16"``, ``"activation_grad"``).
+        format, kind: what the recommendation is for (``"fp16"``; ``"all"`` gradients, the default).
         device: where to run (default: where the model's parameters are).
         on_step: called with the number of finished steps after each step (a progress bar).
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
@@ -318,7 +318,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, settings: RunSettings, *,
             format: str, kind: str, notes: list[str], extra: Mapping[str, Any]) -> Report | None:
     """Gather the report (every rank), add what the run knows, and analyse it."""
-    from fp16probe.analysis.recommend import weight_update_loss
+    from fp16probe.analysis.weight_updates import weight_update_loss
     from fp16probe.running.families import stand_in_line
 
     loss = loss.outcome()  # a default loss says now which way it went
@@ -357,7 +357,7 @@ def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, setti
 
 
 def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
-             format: str = "fp16", kind: str = ACTIVATION_GRAD) -> Report | None:
+             format: str = "fp16", kind: str = ALL_GRADS) -> Report | None:
     """Merge every rank's statistics and analyse them: the Report with its recommendation on rank 0, else None.
 
     The last step of :func:`profile`, and of the training-loop callbacks. Every rank must
