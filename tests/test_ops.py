@@ -209,8 +209,18 @@ def test_rmsnorm_internals_that_autocast_keeps_in_fp32_are_left_out():
     # remains (recorded ops and weight gradients), below the internals' own maximum
     rest = max(max(report.trace.global_max(k)) for k in ("activation_grad", "weight_grad"))
     assert report.trace.ceiling[0] == rest
+    # a module-level Probe works out the same dtypes for its ceiling (no op rows recorded)
     module_level = _run("module", model, x)
-    assert module_level.trace.ceiling[0] > rest  # without op capture the internals count (conservative)
+    assert module_level.trace.ceiling == report.trace.ceiling
+    assert "autocast_fp32_ops" not in module_level.metadata.extra
+    # the internals' gradients are larger: counting them would have capped S lower
+    model.zero_grad()
+    h = model.a(x)
+    h32 = h.to(torch.float32)
+    var = h32.pow(2).mean(-1, keepdim=True)
+    var.retain_grad()
+    model.b(model.norm.weight * (h32 * torch.rsqrt(var + model.norm.eps))).pow(2).mean().backward()
+    assert var.grad.abs().max().item() > rest
 
 
 def test_autocast_decides_from_its_own_behaviour_not_a_list():

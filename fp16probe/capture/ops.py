@@ -47,7 +47,7 @@ from fp16probe.capture.ceiling import FP32_ONLY
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
-__all__ = ["FP32_ONLY", "LAYOUT_OPS", "attach", "op_name"]
+__all__ = ["LAYOUT_OPS", "attach", "new_capture", "op_name"]
 
 # Ops that move, view or copy values without computing new ones.
 LAYOUT_OPS = frozenset(
@@ -101,9 +101,11 @@ class _Out:
 class _OpCapture(TorchFunctionMode):
     """Hook the gradient of every differentiable op output while a forward runs."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, record: bool = True) -> None:
         super().__init__()
         self.recorder = recorder
+        self.record = record  # False: only work out autocast dtypes, to mark nodes for the ceiling
+        self.depth = [0]  # nesting of the probed model's forward calls (the mode is on while > 0)
         self.stack: list[_Frame] = []
         self.classes: dict[tuple[Any, str, bool], str] = {}  # (op, device type, fp32 run) -> class
         # Per forward: the would-be-under-autocast dtype of tensors made in it, by id (a
@@ -170,7 +172,7 @@ class _OpCapture(TorchFunctionMode):
 
     def _output_low(self, op: str, func: Any, args: Sequence[Any], kwargs: Any, out: torch.Tensor,
                     inputs: list[torch.Tensor]) -> bool:
-        if torch.is_autocast_enabled(out.device.type):  # the profile runs under autocast: real dtypes
+        if _autocast_on(out.device.type):  # the profile runs under autocast: real dtypes
             return out.dtype in (torch.float16, torch.bfloat16)
         if op in _CASTS:
             low = self._cast_low(op, args, kwargs)
@@ -206,7 +208,7 @@ class _OpCapture(TorchFunctionMode):
                 entry = self.outs.get(id(t))
                 if entry is not None and entry[0]() is t:  # not a freed tensor's reused id
                     entry[1].exposed = True
-        if not frame.selected or op in LAYOUT_OPS:
+        if op in LAYOUT_OPS or not (frame.selected or not self.record):
             return
         input_ids = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
         tensors = [
@@ -217,6 +219,13 @@ class _OpCapture(TorchFunctionMode):
             and not (t._is_view() and id(t._base) in input_ids)
         ]
         if not tensors:
+            return
+        if not self.record:
+            for t in tensors:
+                if t.requires_grad:
+                    entry = _Out(op, not low, t.grad_fn)
+                    self.outs[id(t)] = (weakref.ref(t), entry)
+                    self.entries.append(entry)
             return
         n = frame.counts.get(op, 0)
         frame.counts[op] = n + 1
@@ -260,10 +269,35 @@ class _OpCapture(TorchFunctionMode):
         self.outs.clear()
         self.entries = []
 
+    def reset(self) -> None:
+        """Leave the mode if a forward was cut short (KeyboardInterrupt skips the closing hook).
+
+        Called between steps and when the hooks are removed, never while a forward runs.
+        """
+        if self.depth[0]:
+            self.depth[0] = 0
+            try:
+                self.__exit__(None, None, None)
+            except Exception:  # not on the mode stack any more
+                pass
+            self.stack.clear()
+            self.end_forward()
+
+    def remove(self) -> None:
+        """Handle protocol: removing the hooks also leaves the mode (see :meth:`reset`)."""
+        self.reset()
+
     @property
     def autocast_fp32_rows(self) -> list[str]:
         """Rows whose gradient stays fp32 under autocast in every forward seen."""
-        return sorted(self.fp32_only - self.fp16_rows)
+        return sorted(self.fp32_only - self.fp16_rows) if self.record else []
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
 
 
 def _copy_args(obj: Any, float_dtype: torch.dtype) -> Any:
@@ -306,11 +340,21 @@ def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.dev
     return _FP32 if first.dtype == torch.float32 else _PASS
 
 
-def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, on_capture: Any = None) -> list[Any]:
+def new_capture(recorder: Recorder, record: bool = True) -> _OpCapture:
+    """Make the capture object :func:`attach` uses; keep it to reuse its cache across attaches."""
+    return _OpCapture(recorder, record)
+
+
+def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, capture: Any = None,
+           record: bool = True) -> list[Any]:
     """Register the hooks that run op capture on ``model``, feeding ``recorder``; return their handles.
 
-    ``on_capture``, when given, receives the capture object once (the Probe reads its
-    ``autocast_fp32_rows`` for the report).
+    ``record=False`` records nothing: it only works out which ops' gradients stay fp32
+    under autocast and marks their autograd nodes, so that the overflow ceiling of a
+    module-granularity Probe leaves them out too.
+
+    ``capture``: an object from :func:`new_capture` to use (the Probe keeps one, so that
+    autocast is asked about each op once, and reads its ``autocast_fp32_rows``).
 
     ``selected`` are the module names (``""`` for the root) whose ops are recorded; an op
     is recorded when the innermost selected module on the call stack is one of them,
@@ -318,11 +362,9 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, on_
     for sampled steps.
     """
     chosen = set(selected)
-    mode = _OpCapture(recorder)
-    if on_capture is not None:
-        on_capture(mode)
+    mode = capture if capture is not None else _OpCapture(recorder, record)
     handles: list[Any] = []
-    depth = [0]
+    depth = mode.depth
 
     def push(name: str):
         display = name or ROOT_NAME
@@ -364,4 +406,5 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, on_
         handles.append(module.register_forward_pre_hook(push(name)))
         handles.append(module.register_forward_hook(pop, always_call=True))
     handles.append(model.register_forward_hook(root_post, always_call=True))
+    handles.append(mode)  # its remove() leaves the mode if an interrupted forward left it on
     return handles

@@ -133,7 +133,10 @@ class Probe:
             else None
         )
         self._handles: list[Any] = []
-        self._op_captures: list[Any] = []  # op capture objects (granularity="op"), for the report
+        # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
+        # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
+        self._autocast_dtypes = True
+        self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
@@ -211,7 +214,13 @@ class Probe:
             if self.granularity == "op" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
                 from fp16probe.capture import ops
 
-                self._handles.extend(ops.attach(self.model, self._hooked, rec, on_capture=self._set_op_capture))
+                self._handles.extend(ops.attach(self.model, self._hooked, rec, capture=self._op_capture(True)))
+            if self.granularity == "module" and self._ceiling is not None and self._autocast_dtypes:
+                # Dtype tracking only: marks the nodes whose gradient autocast keeps in fp32
+                # (norm internals) so the overflow ceiling leaves them out, as op capture does.
+                from fp16probe.capture import ops
+
+                self._handles.extend(ops.attach(self.model, (), rec, capture=self._op_capture(False)))
             if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
                 modules = dict(self.model.named_modules())
                 for name in self._hooked:
@@ -232,8 +241,13 @@ class Probe:
             self._detach()
             raise
 
-    def _set_op_capture(self, capture: Any) -> None:
-        self._op_captures.append(capture)
+    def _op_capture(self, record: bool) -> Any:
+        """The op capture object, one per Probe and mode (its autocast answers are cached)."""
+        from fp16probe.capture import ops
+
+        if record not in self._op_captures:
+            self._op_captures[record] = ops.new_capture(self.recorder, record)
+        return self._op_captures[record]
 
     def _detach(self) -> None:
         handles, self._handles = self._handles, []
@@ -250,6 +264,8 @@ class Probe:
         Closing the step is atomic: a KeyboardInterrupt anywhere in here leaves the
         step either open or closed, so a partial report is always consistent.
         """
+        for capture in self._op_captures.values():
+            capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
         self.recorder.close_step()
@@ -300,7 +316,7 @@ class Probe:
         silent = self._silent_modules(got.modules, len(trace))
         if silent:
             extra_meta["unrecorded_modules"] = silent
-        fp32_rows = sorted({r for c in self._op_captures for r in c.autocast_fp32_rows})
+        fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
         if self.recorder.sharded_weight_grads:
