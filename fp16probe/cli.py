@@ -396,9 +396,13 @@ def _save_figures(report: Report, path: Path, **options: Any) -> None:
 
 
 def _exit_code(report: Report) -> int:
-    """0 for a whole run; the interruption's code for a partial one."""
+    """0 for a whole run; the interruption's code for a partial one; 1 when a verification did not hold."""
     stopped = report.metadata.extra.get("stopped")
-    return {"interrupted": EXIT_INTERRUPTED, "terminated": EXIT_TERMINATED}.get(stopped, EXIT_OK)
+    if stopped in ("interrupted", "terminated"):
+        return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_TERMINATED
+    if report.verification is not None and not report.verification.held:
+        return EXIT_GATE
+    return EXIT_OK
 
 
 def _check_writable(path: Path, option: str) -> None:

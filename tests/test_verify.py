@@ -138,3 +138,19 @@ def test_a_verified_report_meets_the_published_schema(verified):
 def test_summary_states_both_sides(verified):
     v = verified.verification
     assert v.summary.startswith(f"0 of 3 steps overflowed (0 predicted); {v.measured_zeroed_fraction * 100:.3g}% of")
+
+
+def test_cli_verify_that_does_not_hold_exits_1_and_keeps_the_report(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from fp16probe.cli import EXIT_GATE
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setattr(Verification, "judge", staticmethod(lambda *a: False))  # as if the real run disagreed
+    result = CliRunner().invoke(app, ["profile", "cli_models:TinyMLP", "--input-shape", "5,8", "--steps", "2",
+                                      "--verify", "--out", "r.json"])
+    assert result.exit_code == EXIT_GATE, result.output
+    assert "prediction did NOT hold" in result.stderr
+    assert Report.load("r.json").verification.held is False
