@@ -241,3 +241,12 @@ def test_autocast_decides_from_its_own_behaviour_not_a_list():
         wrapped(x).backward()
         probe.step()
     assert "(model)/mse_loss" in probe.report().metadata.extra["autocast_fp32_ops"]
+
+
+def test_the_left_out_ops_are_a_caveat_of_the_recommendation():
+    from fp16probe.analysis.recommend import analyze
+
+    report = _run("op", NormNet(), torch.randn(2, 5, 16))
+    caveats = " ".join(analyze(report, "fp16").caveats)
+    assert "4 op(s) whose gradients stay fp32 under fp16 autocast" in caveats
+    assert "norm/rsqrt" in caveats

@@ -263,6 +263,14 @@ def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
             f"{', ...' if len(silent) > 5 else ''}): their forward was bypassed (e.g. a parent that uses "
             "their weights directly) or their output did not reach the loss."
         )
+    fp32_ops = list(report.metadata.extra.get("autocast_fp32_ops") or ())
+    if fp32_ops:
+        out.append(
+            f"{len(fp32_ops)} op(s) whose gradients stay fp32 under fp16 autocast were left out of the "
+            f"histograms and the overflow ceiling ({', '.join(fp32_ops[:5])}{', ...' if len(fp32_ops) > 5 else ''}): "
+            "autocast runs them in fp32 (or they take fp32 inputs) and only fp32 ops consume them. "
+            "This assumes training under autocast; a model converted with .half() computes them in fp16."
+        )
     if report.metadata.partial:
         out.append(f"The run was interrupted: {report.metadata.steps_seen} of "
                    f"{report.metadata.steps_total} requested steps were profiled.")
