@@ -185,3 +185,13 @@ def test_synthetic_inputs_that_cannot_be_made_are_refused(kwargs, match):
     loaded = LoadedModel(nn.Linear(8, 4), "import", "test")
     with pytest.raises(InputError, match=match):
         make_batches(loaded, torch.device("cpu"), **kwargs)
+
+
+def test_the_callers_optimizer_is_used_and_recorded():
+    model = nn.Linear(8, 4)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    report = profile(model, tiny_batches(2), mse, steps=2, optimizer=opt)
+    assert report.metadata.extra["optimizer"] == {"name": "sgd", "lr": 0.5}
+    assert not torch.equal(model.weight, before)
+    assert "weight_update_loss" in report.metadata.extra

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from torch import nn
 from typer.testing import CliRunner
 
@@ -154,3 +155,16 @@ def test_cli_verify_that_does_not_hold_exits_1_and_keeps_the_report(tmp_path, mo
     assert result.exit_code == EXIT_GATE, result.output
     assert "prediction did NOT hold" in result.stderr
     assert Report.load("r.json").verification.held is False
+
+
+def test_verify_with_an_optimizer_starts_from_the_weights_before_the_profile():
+    model = small_gradient_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    report = fp16probe.profile(model, small_batches(), mse, steps=3, optimizer="sgd", lr=0.1, verify=True)
+    assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())  # the profile trained it
+    v = report.verification
+    assert v.steps == 3 and v.notes == () and v.held
+    # verify() on a fresh model with the starting weights counts the same: the verification ran from the
+    # weights before the profile, not from the trained ones
+    again = fp16probe.verify(DemoNet(depth=16, width=32), report, small_batches(), mse)
+    assert again.by_kind == v.by_kind

@@ -217,8 +217,11 @@ def profile(
         if result.interrupted:
             raise KeyboardInterrupt()
         raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind,
-                     notes=notes, extra=extra or {})
+    extra = dict(extra or {})
+    if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
+        name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
+        extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra)
     if result.error is not None:
         result.error.report = report
         raise result.error

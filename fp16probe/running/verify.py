@@ -88,6 +88,9 @@ def verify(
     target = copy.deepcopy(model).to(dev).float().train()
     scaler = torch.amp.GradScaler(dev.type, **kwargs) if kwargs else None
     optimizer_spec = report.metadata.extra.get("optimizer")
+    if isinstance(optimizer_spec, Mapping) and optimizer_spec.get("name") not in OPTIMIZERS:
+        notes.append(f"the profile's optimizer {optimizer_spec.get('name')} is not rebuilt here; both runs kept "
+                     "the weights they started from")
     ref_opt = _optimizer(reference, optimizer_spec)
     # GradScaler.step needs an optimizer; without one in the profile, SGD at lr 0 leaves the weights as they are.
     tgt_opt = _optimizer(target, optimizer_spec) or torch.optim.SGD(
