@@ -147,19 +147,21 @@ def test_live_log_sends_each_step_once(tmp_path):
     report = scaled_report()
     first = dataclasses.replace(report, trace=_first_steps(report.trace, 3))
     writer = tensorboard.SummaryWriter(log_dir=str(tmp_path))
-    log = TrackerLog(writer, step_offset=1, recommend=False)
+    log = TrackerLog(writer, step_offset=1, recommend=False, modules=True)
     assert log.log(first) == 3
     assert log.log(first) == 0  # nothing new
     assert log.log(report) == 3
     writer.close()
     events = _accumulator(tmp_path).Histograms("fp16probe/activation_grad")
     assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in _accumulator(tmp_path).Histograms("fp16probe/activation_grad/deep")] == [3, 6]
     assert [list(e.histogram_value.bucket) for e in events] == [expected_buckets(h)[1] for h in report.trace.histograms[ACTIVATION_GRAD]]
 
 
 def _first_steps(trace, n):
     return dataclasses.replace(
         trace, steps=trace.steps[:n], scale=trace.scale[:n], found_inf=trace.found_inf[:n],
+        ceiling=None if trace.ceiling is None else trace.ceiling[:n],
         histograms={k: v[:n] for k, v in trace.histograms.items()},
         module_max={k: {m: v[:n] for m, v in mm.items()} for k, mm in trace.module_max.items()},
     )

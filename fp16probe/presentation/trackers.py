@@ -587,8 +587,8 @@ class TrackerLog:
         series = tracker_series(report, self.format, kind=self.kind, recommendation=rec,
                                 modules=self.modules, axis=self.axis, step_offset=self.step_offset,
                                 since_step=self.last_step)
-        if not series.scalars and not series.histograms:
-            return 0
+        if not series.steps() or (self.last_step is not None and max(series.steps()) <= self.last_step):
+            return 0  # no new step: module totals alone are not logged again
         self.sink.write(series)
         sent = len(series.steps())
         self.last_step = series.last_step
