@@ -8,6 +8,7 @@ statistics can answer "what flushes at S = 2^k" with integer arithmetic.
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,12 @@ class Format:
 
     @property
     def log2_min_normal(self) -> int:
+        """Return log2 of the smallest normal value."""
         return _exact_log2(self.min_normal)
 
     @property
     def log2_min_subnormal(self) -> int:
+        """Return log2 of the smallest subnormal value."""
         return _exact_log2(self.min_subnormal)
 
     @property
@@ -65,7 +68,8 @@ class Format:
             return magnitude >= self.overflow_threshold
         return magnitude > self.overflow_threshold
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """Return the format's limits as JSON-ready numbers."""
         return {
             "name": self.name,
             "dtype": str(self.dtype),

@@ -60,14 +60,17 @@ class Histogram:
     # -- totals --------------------------------------------------------------------
     @property
     def total(self) -> int:
+        """Return the number of values counted, zeros and inf/NaN included."""
         return sum(self.counts) + self.zero + self.inf + self.nan
 
     @property
     def nonzero_finite(self) -> int:
+        """Return the number of nonzero finite values."""
         return sum(self.counts)
 
     @property
     def nonfinite(self) -> int:
+        """Return the number of inf and NaN values."""
         return self.inf + self.nan
 
     def count(self, e: int) -> int:
@@ -99,6 +102,7 @@ class Histogram:
 
     @property
     def highest_exp(self) -> int | None:
+        """Return the highest occupied bin, or None when there are no nonzero finite values."""
         for i in range(NUM_EXP_BINS - 1, -1, -1):
             if self.counts[i]:
                 return MIN_EXP + i
@@ -151,6 +155,7 @@ class Histogram:
 
     @staticmethod
     def sum(histograms: Iterable["Histogram"]) -> "Histogram":
+        """Return the bin-wise sum of ``histograms`` (an empty Histogram for none)."""
         out = Histogram()
         for h in histograms:
             out = out + h
@@ -158,6 +163,7 @@ class Histogram:
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {
             "bins": {str(MIN_EXP + i): c for i, c in enumerate(self.counts) if c},
             "zero": self.zero,

@@ -60,6 +60,7 @@ class ModuleStats:
     histogram: Histogram
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {
             "name": self.name,
             "kind": self.kind,
@@ -111,6 +112,7 @@ class StepTrace:
         return tuple(h.max_abs for h in self.histograms.get(kind, ()))
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (the ceiling only when recorded)."""
         return {
             "steps": list(self.steps),
             "histograms": {k: [h.to_dict() for h in hs] for k, hs in self.histograms.items()},
@@ -161,6 +163,7 @@ class Metadata:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["captured"] = list(self.captured)
         d["hooked_modules"] = list(self.hooked_modules)
@@ -192,6 +195,7 @@ class Report:
     # -- accessors -----------------------------------------------------------------
     @property
     def kinds(self) -> tuple[str, ...]:
+        """Return the kinds that have module records, in KINDS order."""
         present = {m.kind for m in self.modules}
         return tuple(k for k in KINDS if k in present)
 
@@ -201,6 +205,7 @@ class Report:
         return tuple(sorted((m for m in self.modules if m.kind in kinds), key=lambda m: m.order))
 
     def module(self, name: str, kind: str = ACTIVATION_GRAD) -> ModuleStats:
+        """Return the record of module ``name`` for ``kind``; KeyError when there is none."""
         for m in self.modules:
             if m.name == name and m.kind == kind:
                 return m
@@ -238,6 +243,7 @@ class Report:
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {
             "schema_version": self.schema_version,
             "metadata": self.metadata.to_dict(),
@@ -249,6 +255,7 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "report") -> "Report":
+        """Build a Report from its JSON form; a bad field raises ReportError naming it."""
         if not isinstance(d, dict):
             raise ReportError(f"{source}: expected a JSON object at the top level, got {type(d).__name__}")
         version = d.get("schema_version")
@@ -281,6 +288,7 @@ class Report:
             raise ReportError(f"{source}: malformed report: {e}") from e
 
     def to_json(self, indent: int | None = None) -> str:
+        """Return the report as JSON text (strict: no NaN or Infinity)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -380,7 +388,8 @@ def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
             scale=tuple(s for t in traces for s in t.scale),
             found_inf=tuple(f for t in traces for f in t.found_inf),
             ceiling=(
-                None if any(t.ceiling is None for t in traces) else tuple(c for t in traces for c in t.ceiling)
+                None if any(t.ceiling is None for t in traces)
+                else tuple(c for t in traces for c in (t.ceiling or ()))
             ),
         )
     first = traces[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from fp16probe.errors import ReportFieldError
 
@@ -117,6 +117,7 @@ def check_depth(v: Any, path: str, limit: int = MAX_DEPTH) -> None:
     stack = [(v, 0)]
     while stack:
         node, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

@@ -100,7 +100,8 @@ class Verification:
             _expect(type(value) is int and 0 <= value < 2**63, path, name, "a non-negative integer", value)
         for name in ("predicted_zeroed_fraction", "measured_zeroed_fraction", "tolerance"):
             value = kw.get(name)
-            _expect(type(value) in (int, float) and math.isfinite(value) and 0 <= value <= 1, path, name,
+            _expect(isinstance(value, (int, float)) and type(value) is not bool and math.isfinite(value)
+                    and 0 <= value <= 1, path, name,
                     "a fraction in [0, 1]", value)
         _expect(type(kw.get("held")) is bool, path, "held", "true or false", kw.get("held"))
         _expect(isinstance(kw.get("scaler_kwargs", {}), Mapping), path, "scaler_kwargs", "an object",

@@ -17,6 +17,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from fp16probe import Probe, analyze
+from fp16probe.recommendation import Recommendation
 from fp16probe.analysis.gate import (
     Thresholds,
     canonical_module_names,
@@ -51,7 +52,17 @@ def gate(base: Report, cur: Report, thresholds: Thresholds = Thresholds()):
     return compare(snap(base, "base.json"), snap(cur, "cur.json"), thresholds)
 
 
-REC = {"verdict": "constant", "log2_scale": 10}
+def rec_of(verdict: str, log2_scale: int | None) -> Recommendation:
+    """A typed Recommendation carrying only what the gate reads."""
+    return Recommendation.from_dict({
+        "verdict": verdict, "format": "fp16", "log2_scale": log2_scale,
+        "scale": None if log2_scale is None else 2.0**log2_scale, "grad_scaler_kwargs": {},
+        "flushed_fraction_at_1": None, "flushed_fraction_at_scale": None, "overflow_steps_at_scale": None,
+        "headroom_bits": None, "worst_modules": [], "evidence": {}, "thresholds": {}, "citations": [], "text": "",
+    })
+
+
+REC = rec_of("constant", 10)
 BASE = make_report({"a": {-30: 10, -10: 990}, "b": {-10: 1000}, "c": {-5: 1000}})
 CHECKS = ["flushed_at_baseline_scale", "flushed_at_recommended_scale", "flushed_fraction", "verdict",
           "new_overflow", "scale_shift", "module_regressions"]
@@ -101,27 +112,27 @@ def test_issue13_constant_to_no_single_scale_fails_though_s1_is_flat():
 
 
 def test_worse_verdict_alone_fails_and_can_be_allowed():
-    b = snapshot(BASE, {"verdict": "constant", "log2_scale": 10})
+    b = snapshot(BASE, rec_of("constant", 10))
     for worse in ("dynamic", "no_single_scale", "insufficient_evidence"):
-        c = snapshot(BASE, {"verdict": worse, "log2_scale": 10})
+        c = snapshot(BASE, rec_of(worse, 10))
         assert [x.name for x in compare(b, c).failures] == ["verdict"], worse
         assert compare(b, c, Thresholds(fail_on_worse_verdict=False)).passed
     for better in ("none_needed", "constant"):
-        c = snapshot(BASE, {"verdict": better, "log2_scale": 10})
+        c = snapshot(BASE, rec_of(better, 10))
         assert "verdict" not in {x.name for x in compare(b, c).failures}
-    anything = snapshot(BASE, {"verdict": "no_single_scale", "log2_scale": 10})
-    unsure = snapshot(BASE, {"verdict": "insufficient_evidence", "log2_scale": 10})
+    anything = snapshot(BASE, rec_of("no_single_scale", 10))
+    unsure = snapshot(BASE, rec_of("insufficient_evidence", 10))
     assert "verdict" in {x.name for x in compare(anything, unsure).failures}
 
 
 def test_share_at_the_current_recommendation():
     """A run whose own recommendation moved down to a scale that flushes more fails, even within the shift limit."""
-    b = snapshot(BASE, {"verdict": "constant", "log2_scale": 10})
-    c = snapshot(BASE, {"verdict": "constant", "log2_scale": 8})  # at 2^8, bin -30 (1% of a) ... still kept
+    b = snapshot(BASE, rec_of("constant", 10))
+    c = snapshot(BASE, rec_of("constant", 8))  # at 2^8, bin -30 (1% of a) ... still kept
     assert compare(b, c).passed
     low = make_report({"a": {-36: 10, -10: 990}, "b": {-10: 1000}, "c": {-5: 1000}})
-    base = snapshot(low, {"verdict": "constant", "log2_scale": 12})
-    moved = snapshot(low, {"verdict": "constant", "log2_scale": 10})
+    base = snapshot(low, rec_of("constant", 12))
+    moved = snapshot(low, rec_of("constant", 10))
     result = compare(base, moved)
     assert [x.name for x in result.failures] == ["flushed_at_recommended_scale"]
 
@@ -264,8 +275,8 @@ def test_nan_is_new_overflow():
 
 def test_scale_shift():
     base = snapshot(BASE, REC)
-    assert compare(base, snapshot(BASE, {"verdict": "constant", "log2_scale": 12})).passed
-    moved = compare(base, snapshot(BASE, {"verdict": "constant", "log2_scale": 13}))
+    assert compare(base, snapshot(BASE, rec_of("constant", 12))).passed
+    moved = compare(base, snapshot(BASE, rec_of("constant", 13)))
     assert [c.name for c in moved.failures] == ["scale_shift"]
 
 

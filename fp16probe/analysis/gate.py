@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from fp16probe.errors import ReportError
-from fp16probe.recommendation import Verdict
+from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
 from fp16probe.verification import Verification
 
@@ -239,14 +240,12 @@ def flushed_fraction(h: Histogram, fmt: str, log2_scale: int = 0) -> float:
 
 
 def worst_modules(report: Report, fmt: str, kind: str, n: int, log2_scale: int = 0) -> tuple[tuple[str, float], ...]:
-    """Return the ``n`` modules with the largest flushed share at S = 2^log2_scale (only those that lose any)."""
-    ranked = []
-    for m in report.modules_of(kind):
-        f = flushed_fraction(m.histogram, fmt, log2_scale)
-        if f > 0:
-            ranked.append((m.name, f))
-    ranked.sort(key=lambda x: (-x[1], natural_key(x[0])))
-    return tuple(ranked[:n])
+    """Return the ``n`` modules with the largest flushed share at S = 2^log2_scale (only those that lose any).
+
+    The one ranking of ``fp16probe.analysis.whatif.worst_modules``, as (name, share) pairs.
+    """
+    ranked = rank_worst_modules(report, fmt, log2_scale=log2_scale, kind=kind, count=n)
+    return tuple((m.name, m.fraction) for m in ranked)
 
 
 def check_consistency(report: Report, source: str = "report") -> None:
@@ -266,34 +265,31 @@ def check_consistency(report: Report, source: str = "report") -> None:
             )
 
 
-def snapshot(report: Report, recommendation: Any, *, fmt: str = "fp16", kind: str = ACTIVATION_GRAD,
+def snapshot(report: Report, recommendation: Recommendation | None, *, fmt: str = "fp16", kind: str = ACTIVATION_GRAD,
              worst_n: int = 3, source: str = "") -> Snapshot:
-    """Reduce a report and its recommendation (a Recommendation or its dict) to a Snapshot."""
-    rec = recommendation.to_dict() if hasattr(recommendation, "to_dict") else dict(recommendation or {})
+    """Reduce a report and its recommendation to a Snapshot."""
     h = report.histogram(kind)
     names = canonical_module_names(m.name for m in report.modules)
     modules: dict[str, Histogram] = {}
     for m in report.modules_of(kind):
         modules[names[m.name]] = modules.get(names[m.name], Histogram()) + m.histogram
-    ceiling = getattr(report.trace, "ceiling", None)
+    ceiling = report.trace.ceiling
     stored = report.recommendation
-    if stored is not None:
-        stored = stored.to_dict() if hasattr(stored, "to_dict") else dict(stored)
     return Snapshot(
         source=source,
         format=fmt,
         kind=kind,
         flushed_fraction=flushed_fraction(h, fmt),
         histogram=h,
-        log2_scale=rec.get("log2_scale"),
-        verdict=str(rec.get("verdict", "unknown")),
+        log2_scale=None if recommendation is None else recommendation.log2_scale,
+        verdict="unknown" if recommendation is None else str(recommendation.verdict),
         worst_modules=tuple((names[n], f) for n, f in worst_modules(report, fmt, kind, worst_n)),
         overflow_histogram=Histogram.sum(report.histogram(k) for k in (ACTIVATION_GRAD, WEIGHT_GRAD)),
         ceiling=max(ceiling) if ceiling else None,
         modules=modules,
         workload=_workload(report),
         verification=_verification(report),
-        stored_recommendation=None if stored is None else (str(stored.get("verdict")), stored.get("log2_scale")),
+        stored_recommendation=None if stored is None else (str(stored.verdict), stored.log2_scale),
     )
 
 

@@ -378,7 +378,7 @@ def _none_needed(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Th
     )
 
 
-def _at_scale(m: _Measured, fmt: Format, k: int) -> dict[str, Any]:
+def _at_scale(m: _Measured, fmt: Format, k: int) -> Evidence:
     n = m.hist.nonzero_finite
     by_kind = {name: _kind_evidence(h, fmt, k) for name, h in m.by_kind.items()}
     return {
@@ -418,10 +418,12 @@ def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresho
     table = _replay(report, m, fmt, k, th)
     if table is not None:
         c = table.chosen
-        ev.update(simulated_growth_interval=c.growth_interval, simulated_skipped_steps=c.skipped_steps,
-                  simulated_skipped_fraction=c.skipped_fraction,
-                  simulated_mean_flushed_fraction=c.mean_flushed_fraction, simulated_final_scale=c.final_scale,
-                  simulated_meets_threshold=c.meets_threshold)
+        ev["simulated_growth_interval"] = c.growth_interval
+        ev["simulated_skipped_steps"] = c.skipped_steps
+        ev["simulated_skipped_fraction"] = c.skipped_fraction
+        ev["simulated_mean_flushed_fraction"] = c.mean_flushed_fraction
+        ev["simulated_final_scale"] = c.final_scale
+        ev["simulated_meets_threshold"] = c.meets_threshold
         growth_interval = c.growth_interval
     else:
         growth_interval = GRADSCALER_DEFAULTS["growth_interval"]

@@ -95,6 +95,7 @@ class ScalerRule:
         return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the rule as GradScaler-style keyword arguments plus the variants."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -122,13 +123,16 @@ class ReplayResult:
 
     @property
     def steps(self) -> int:
+        """Return the number of replayed steps."""
         return len(self.scales)
 
     @property
     def skipped_steps(self) -> int:
+        """Return the number of skipped (overflowing) steps."""
         return sum(self.skipped)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {
             "scales": list(self.scales),
             "skipped": list(self.skipped),
@@ -143,6 +147,7 @@ class ReplayResult:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ReplayResult":
+        """Build a result from its JSON form."""
         return cls(
             scales=tuple(float(s) for s in d["scales"]),
             skipped=tuple(bool(s) for s in d["skipped"]),
@@ -262,8 +267,7 @@ class _StepModel:
 
 def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepModel:
     kinds = _kinds_of(kind)
-    hists = [trace.histograms.get(k) for k in kinds]
-    hists = [h for h in hists if h]
+    hists = [hs for hs in (trace.histograms.get(k) for k in kinds) if hs]
     if not hists:
         raise AnalysisError(
             f"the report's trace has no per-step {kind} histograms: profile with the Probe "
@@ -315,7 +319,7 @@ def simulate(
     ones; a profile cannot see the drift that training brings.
     """
     fmt = get_format(format)
-    overrides = {}
+    overrides: dict[str, float] = {}
     if hysteresis is not None:
         overrides["hysteresis"] = hysteresis
     if min_scale is not None:
@@ -371,10 +375,12 @@ class GrowthIntervalRow:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GrowthIntervalRow":
+        """Build a row from its JSON form."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
@@ -397,9 +403,11 @@ class GrowthIntervalTable:
 
     @property
     def chosen(self) -> GrowthIntervalRow:
+        """Return the chosen candidate."""
         return next(r for r in self.rows if r.chosen)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
         return {
             "rows": [r.to_dict() for r in self.rows],
             "horizon": self.horizon,
@@ -411,6 +419,7 @@ class GrowthIntervalTable:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GrowthIntervalTable":
+        """Build a table from its JSON form."""
         return cls(
             rows=tuple(GrowthIntervalRow.from_dict(r) for r in d["rows"]),
             horizon=int(d["horizon"]),
@@ -471,9 +480,9 @@ def score_growth_intervals(
         )
     chosen = _choose(rows)
     rows = [replace(r, chosen=True) if r is chosen else r for r in rows]
-    rule = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
-            "hysteresis": hysteresis, "min_scale": min_scale}
-    return GrowthIntervalTable(tuple(rows), int(horizon), int(seed), float(max_flushed_fraction), rule)
+    settings = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+                "hysteresis": hysteresis, "min_scale": min_scale}
+    return GrowthIntervalTable(tuple(rows), int(horizon), int(seed), float(max_flushed_fraction), settings)
 
 
 def _choose(rows: Sequence[GrowthIntervalRow]) -> GrowthIntervalRow:

@@ -116,6 +116,7 @@ def weight_update_loss(
     This reads tensors (one host sync per parameter); call it outside the training loop.
     """
     fmt = get_format(format)
+    named: dict[str, torch.Tensor]
     if isinstance(weights, torch.nn.Module):
         named = {n: p for n, p in weights.named_parameters() if p.requires_grad}
     else:
@@ -123,7 +124,7 @@ def weight_update_loss(
     if updates is None:
         if lr is None:
             raise AnalysisError("give the optimizer's updates or a learning rate (lr=...) to derive SGD's -lr*grad")
-        updates = {n: -float(lr) * p.grad for n, p in named.items() if getattr(p, "grad", None) is not None}
+        updates = {n: -float(lr) * p.grad for n, p in named.items() if p.grad is not None}
         if not updates:
             raise AnalysisError("no parameter has a .grad: run a backward pass first, or pass updates=...")
     ratio = math.ldexp(1.0, fmt.mantissa_bits + 1)
