@@ -195,6 +195,18 @@ def test_different_models_are_named_in_warnings():
     assert any("3 module(s) only in the baseline (a, b, c)" in w for w in result.warnings)
 
 
+def test_reports_recommended_for_different_formats_are_named_in_warnings():
+    fp16 = BASE.with_recommendation(analyze(BASE, "fp16", **FAST))
+    bf16 = BASE.with_recommendation(analyze(BASE, "bf16", **FAST))
+    result = compare(snap(fp16), snap(bf16))
+    assert result.warnings == ("the reports profiled different target format: fp16 (baseline) vs bf16 (current)",)
+    edited = BASE.with_recommendation(replace(analyze(BASE, "fp16", **FAST), log2_scale=3))
+    result = compare(snap(fp16), snap(edited))
+    assert result.passed and result.warnings == (
+        "the current report's stored recommendation (constant, S = 2^3) differs from its re-analysis "
+        "(constant, S = 2^19); the gate judges the re-analysis",)
+
+
 def test_verification_that_did_not_hold_fails():
     b = snapshot(BASE, REC)
     held = replace(b, verification=(True, "overflow steps 0 predicted, 0 measured"))

@@ -303,6 +303,7 @@ def _workload(report: Report) -> dict[str, Any]:
         "inputs": extra.get("inputs"),
         "loss": extra.get("loss"),
         "loss_scale": extra.get("loss_scale"),
+        "format": None if report.recommendation is None else report.recommendation.format,
     }
 
 
@@ -439,7 +440,7 @@ def _verified(b: Snapshot, c: Snapshot, t: Thresholds) -> Check | None:
 def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[str, ...]:
     warnings = []
     labels = {"model_class": "model", "precision": "precision", "captured": "captured kinds",
-              "inputs": "inputs", "loss": "loss", "loss_scale": "loss scale"}
+              "inputs": "inputs", "loss": "loss", "loss_scale": "loss scale", "format": "target format"}
     for key, label in labels.items():
         vb, vc = b.workload.get(key), c.workload.get(key)
         if vb != vc:
@@ -454,8 +455,8 @@ def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[str, ...]:
         )
     for snap, label in ((b, "baseline"), (c, "current")):
         stored = snap.stored_recommendation
-        if stored is not None and stored[0] in {v.value for v in Verdict} and (
-                stored[0] != snap.verdict or stored[1] != snap.log2_scale):
+        same_format = snap.workload.get("format") in (None, snap.format)
+        if stored is not None and same_format and (stored[0] != snap.verdict or stored[1] != snap.log2_scale):
             warnings.append(
                 f"the {label} report's stored recommendation ({stored[0]}, {_scale(stored[1])}) differs from its "
                 f"re-analysis ({snap.verdict}, {_scale(snap.log2_scale)}); the gate judges the re-analysis"
