@@ -13,7 +13,7 @@ import threading
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypedDict
 
 from fp16probe import validation
 from fp16probe.errors import ReportError
@@ -28,6 +28,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Histogram",
     "Metadata",
+    "MetadataExtra",
     "ModuleStats",
     "Report",
     "StepTrace",
@@ -141,9 +142,51 @@ class StepTrace:
         return cls(steps, histograms, module_max, scale, found_inf, ceiling)
 
 
+class MetadataExtra(TypedDict, total=False):
+    """The keys fp16probe writes into ``Metadata.extra`` (free-form JSON; each appears only where it applies).
+
+    A documentation type: ``Metadata.extra`` stays a plain mapping so that reports from newer
+    versions, and keys a user adds, still load.
+    """
+
+    # the workload (running.profile and the CLI)
+    model_kind: str  # how the model was loaded: import string, Hugging Face folder, archive, demo
+    model_source: str
+    family: str  # the model family whose synthetic inputs and loss were used
+    inputs: str  # where the batches came from
+    inputs_synthetic: bool
+    loss: str  # the loss as computed
+    loss_synthetic: bool
+    labels: str  # invented labels, when the loss needed some
+    stand_in: str  # one line saying what was made up for this run
+    optimizer: dict[str, Any] | None  # {"name", "lr"} when the run trained
+    loss_scale: float | None  # the CLI's --loss-scale (the trace's scale is what was in force)
+    nonfinite_loss_steps: list[int]
+    steps_requested: int
+    notes: list[str]
+    stopped: str  # why the run stopped early (interrupt, SIGTERM, user error)
+    error: str
+    weight_update_loss: dict[str, Any]  # analysis.weight_updates.WeightUpdateLoss.to_dict() without parameters
+    batches_per_rank: str
+    # the training frameworks (integrations)
+    trainer: str
+    global_step: int
+    training_arguments: dict[str, Any]
+    loss_scaled: bool
+    grad_scaler_found_at: str
+    # capture
+    unrecorded_modules: list[str]  # hooked modules that recorded no gradient
+    autocast_fp32_ops: list[str]  # ops left out because autocast keeps their gradients in fp32
+    weight_grad_sharding: str
+    scale_source: str  # where the Probe read the loss scale from
+    hook_errors: int
+    weight_grad_merge: str  # how rank reports' weight gradients were merged
+    weight_grads_identical_across_ranks: bool
+
+
 @dataclass(frozen=True)
 class Metadata:
-    """Where a report came from."""
+    """Where a report came from; ``extra``'s keys are documented by :class:`MetadataExtra`."""
 
     fp16probe_version: str
     torch_version: str

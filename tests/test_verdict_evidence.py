@@ -220,3 +220,9 @@ def test_recommendation_json_round_trip_keeps_types_and_caveats():
     assert back == rec and isinstance(back.verdict, Verdict) and isinstance(back.caveats, tuple)
     old = {k: v for k, v in data.items() if k != "caveats"}  # a file from before caveats existed
     assert Recommendation.from_dict(old).caveats == ()
+
+
+def test_a_hooked_module_that_recorded_nothing_is_named():
+    report = report_of([{"used": H({-30: 1000, 0: 1}), "out_proj": H({})}])
+    rec = analyze(report, **FAST)
+    assert any("1 hooked module(s) recorded no gradient (out_proj)" in c for c in rec.caveats)

@@ -256,7 +256,8 @@ def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
                 f"Only {_KIND_WORDS.get(m.kind, m.kind)} were judged for flushing (kind={m.kind!r}); "
                 f"the loss scale multiplies {', '.join(_KIND_WORDS[k] for k in others)} too."
             )
-    silent = [x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0]
+    silent = list(report.metadata.extra.get("unrecorded_modules") or ()) or [
+        x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0]
     if silent and report.metadata.steps_seen:
         out.append(
             f"{len(silent)} hooked module(s) recorded no gradient ({', '.join(silent[:5])}"
