@@ -226,3 +226,10 @@ def test_a_hooked_module_that_recorded_nothing_is_named():
     report = report_of([{"used": H({-30: 1000, 0: 1}), "out_proj": H({})}])
     rec = analyze(report, **FAST)
     assert any("1 hooked module(s) recorded no gradient (out_proj)" in c for c in rec.caveats)
+
+
+def test_every_step_holding_inf_in_an_fp32_run_is_not_none_needed():
+    steps = [{"m": H({-10: 100}, nan=1)}, {"m": H({-12: 100}, inf=2)}]
+    rec = analyze(report_of(steps), **FAST)
+    assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_nonfinite"
+    assert "divergence" in rec.text

@@ -314,8 +314,9 @@ def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tup
                 f"all {count(h.total)} captured {what} are exactly zero: a zero-initialised output "
                 "layer, a loss that does not depend on the parameters, or a graph cut by detach() gives this. "
                 "Train a step or a few first (or load trained weights), use the real loss, and profile again.")
-    if h.nonzero_finite == 0:
-        if m.ceiling.scale_induced_steps:
+    every_step_broken = bool(m.ceiling.steps) and m.ceiling.intrinsic_steps == len(m.ceiling.steps)
+    if h.nonzero_finite == 0 or every_step_broken:
+        if m.ceiling.scale_induced_steps and not every_step_broken:
             return ("all_nonfinite",
                     f"the captured {what} are all zero, inf or NaN at {_scale_in_force_words(m)}: the "
                     "run overflowed before anything could be measured. Profile in fp32 (the default precision), "
