@@ -584,34 +584,48 @@ def compare(
             max_flushed_increase=max_flushed_increase, max_flushed_increase_at_scale=max_flushed_increase_at_scale,
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
             fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)
-        snaps = []
-        for path in (baseline, current):
-            r = Report.load(path)
-            gate.check_consistency(r, str(path))
-            rec = _analyze(r, format.value, kind.value)
-            snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
-        result = gate.compare(snaps[0], snaps[1], thresholds)
-        if require_same_workload and result.warnings:
-            raise InputError(f"--require-same-workload: {result.warnings[0]}")
-        markdown = ci.to_markdown(result)
-        targets = {Path(p): option for option, p in outputs.items() if p and option != "--junit"}
-        for target, option in targets.items():
-            with _writing(target, option):  # appended, as GitHub expects, but never half-written
-                old = target.read_text(encoding="utf-8") if target.exists() else ""
-                atomic_write_text(target, old + markdown)
-        if junit is not None:
-            with _writing(junit, "--junit"):
-                atomic_write_text(junit, ci.to_junit(result, seconds=time.perf_counter() - started))
-        if os.environ.get("GITHUB_ACTIONS") == "true":
-            # Workflow commands go to stdout, where GitHub reads them, unless --json owns stdout.
-            stream = sys.stderr if json_out else sys.stdout
-            for line in ci.github_annotations(result):
-                stream.write(line + "\n")
+        try:
+            snaps = []
+            for path in (baseline, current):
+                r = Report.load(path)
+                gate.check_consistency(r, str(path))
+                rec = _analyze(r, format.value, kind.value)
+                snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
+            result = gate.compare(snaps[0], snaps[1], thresholds)
+            if require_same_workload and result.warnings:
+                raise InputError(f"--require-same-workload: {result.warnings[0]}")
+        except Fp16ProbeError as e:
+            # A report that cannot be judged is an error in CI too: the summary, the JUnit file and
+            # the annotations say so, so that no stale or missing file reads as a pass.
+            _write_gate_outputs(outputs, ci.error_markdown(str(e)), ci.error_junit(str(e), seconds=time.perf_counter() - started),
+                                [ci.github_error_annotation(str(e))], json_out)
+            raise
+        _write_gate_outputs(outputs, ci.to_markdown(result), ci.to_junit(result, seconds=time.perf_counter() - started),
+                            ci.github_annotations(result), json_out)
         if json_out:
             sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
         else:
             render.print_compare(console, result)
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE)
+
+
+def _write_gate_outputs(outputs: dict[str, Any], markdown: str, junit_xml: str, annotations: list[str],
+                        json_out: bool) -> None:
+    """Append the Markdown summary, write the JUnit XML (both atomically), print GitHub annotations."""
+    targets = {Path(p): option for option, p in outputs.items() if p and option != "--junit"}
+    for target, option in targets.items():
+        with _writing(target, option):  # appended, as GitHub expects, but never half-written
+            old = target.read_text(encoding="utf-8") if target.exists() else ""
+            atomic_write_text(target, old + markdown)
+    junit = outputs.get("--junit")
+    if junit is not None:
+        with _writing(junit, "--junit"):
+            atomic_write_text(junit, junit_xml)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        # Workflow commands go to stdout, where GitHub reads them, unless --json owns stdout.
+        stream = sys.stderr if json_out else sys.stdout
+        for line in annotations:
+            stream.write(line + "\n")
 
 
 class Tracker(str, enum.Enum):

@@ -520,3 +520,20 @@ def test_torch_compiled_run_of_the_same_model_passes(deep_base):
     assert not any("only in" in w for w in result.warnings)
     regress = next(x for x in result.checks if x.name == "module_regressions")
     assert regress.baseline == len(snap(deep_base).modules)  # every module matched
+
+
+def test_cli_a_report_that_cannot_be_judged_is_an_error_in_every_output(cli_env, monkeypatch):
+    """No stale or missing file reads as a pass: JUnit gets an error, the summary says ERROR, GitHub an ::error."""
+    good = _save(BASE, cli_env / "b.json")
+    (cli_env / "bad.json").write_text('{"schema_version": 1, "metadata": {}, "modules": [], "trace": {}}')
+    junit = cli_env / "j.xml"
+    junit.write_text('<testsuites tests="7" failures="0"/>')  # a passing file from an earlier run
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    result = CliRunner().invoke(app, ["compare", good, "bad.json", "--junit", str(junit), "--summary", "s.md"])
+    assert result.exit_code == EXIT_USAGE
+    root = ET.parse(junit).getroot()
+    assert root.tag == "testsuites" and root.get("errors") == "1"
+    assert "metadata" in root.find("testsuite/testcase/error").get("message")
+    assert (cli_env / "s.md").read_text().startswith("### fp16probe compare: ERROR")
+    assert result.stdout.startswith("::error title=fp16probe compare%3A error::")
+    assert len([ln for ln in result.stderr.splitlines() if ln.strip()]) == 1

@@ -12,7 +12,7 @@ import datetime
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-__all__ = ["github_annotations", "to_junit", "to_markdown"]
+__all__ = ["error_junit", "error_markdown", "github_annotations", "github_error_annotation", "to_junit", "to_markdown"]
 
 SUITE = "fp16probe.compare"
 
@@ -106,3 +106,31 @@ def github_annotations(result: Any) -> list[str]:
     ]
     lines += [f"::warning title={_property('fp16probe compare')}::{_data(w)}" for w in result.warnings]
     return lines
+
+
+def error_markdown(message: str, title: str = "fp16probe compare") -> str:
+    """Return the Markdown summary of a comparison that could not be made (a report that failed to load)."""
+    return f"### {title}: ERROR\n\n{_cell(message)}\n\nNo check ran; the gate did not pass.\n\n"
+
+
+def error_junit(message: str, *, seconds: float = 0.0, suite: str = SUITE,
+                timestamp: datetime.datetime | None = None) -> str:
+    """Return JUnit XML for a comparison that could not be made: one test case with an ``error``."""
+    stamp = (timestamp or datetime.datetime.now(datetime.timezone.utc)).replace(microsecond=0).isoformat()
+    counts = f'tests="1" failures="0" errors="1" skipped="0" time="{seconds:.3f}"'
+    return "\n".join([
+        '<?xml version="1.0" encoding="utf-8"?>',
+        f'<testsuites name="fp16probe" {counts}>',
+        f'  <testsuite name="{suite}" {counts} timestamp="{stamp}">',
+        f'    <testcase classname="{suite}" name="load_reports" time="{seconds:.6f}">',
+        f'      <error message={quoteattr(message)} type="input">{escape(message)}</error>',
+        "    </testcase>",
+        "  </testsuite>",
+        "</testsuites>",
+        "",
+    ])
+
+
+def github_error_annotation(message: str) -> str:
+    """Return the GitHub workflow command for a comparison that could not be made."""
+    return f"::error title={_property('fp16probe compare: error')}::{_data(message)}"
