@@ -2,21 +2,29 @@
 
 Run from the repository root::
 
-    python bench/run.py                 # full run (about two minutes on two cores)
+    python bench/run.py                 # full run (a few minutes on two shared cores)
     python bench/run.py --quick         # tiny sizes: checks the code path, numbers mean little
     python bench/run.py --json out.json # where the JSON goes (default bench/results.json)
+    python bench/run.py --device cuda   # the same on a GPU (with fp16 autocast and a GradScaler)
 
-Every figure is a ratio measured in interleaved rounds (A, B, A, B, ...), reported as the
-median over rounds, so a machine that other work slows down moves both sides together.
+Every figure is a ratio measured in interleaved rounds (A, B, C, ..., A, B, C, ...) and
+reported as the median over rounds, so load from other processes moves every side of a
+ratio together. Each ratio is given in wall time and in process CPU time; torch runs on
+one thread (``--threads``) so that CPU time measures the work done, whatever else shares
+the machine.
 
-1. Engine: ``raw_histogram`` on a 16M-element fp32 tensor against one ``x.abs().amax()``.
-2. Probe overhead: a full training step (forward, backward, optimizer) of a conv net and a
-   transformer with the Probe on every leaf module, every step and with ``every=10``.
-3. The usual ways on the same hooks and tensors: host copy + ``numpy.histogram``
-   (TensorBoard's ``add_histogram``) and ``torch.histc`` with ``.item()`` per tensor
-   (wandb's ``log_tensor_stats``).
-4. Memory the Probe holds after 10, 100 and 1000 steps.
-5. End to end: ``fp16probe.profile()`` (the path the CLI, callbacks and notebooks take) on
+1. Engine: counting a 4M-element fp32 tensor into a row, on dense, ReLU-masked (half
+   zeros) and sparse (90% zeros) data, against a warm one-pass read of the same buffer
+   (``torch.aminmax``); and the fixed cost per tensor of the recorder's hot path.
+2. Steps: a full training step (forward, backward, optimizer) of four models -- a small
+   memory-bound conv net, a small transformer, a mid-size GPT-style model (compute-bound)
+   and a 200-leaf MLP of tiny layers -- plain and with: empty hooks at the Probe's points
+   (the Python-hook floor), a one-read hook at the same points (the limit), the Probe
+   every step (with and without the overflow ceiling's autograd-node hooks), every tenth
+   step, and the usual ways on the same hooks: host copy + ``numpy.histogram``
+   (TensorBoard's ``add_histogram``) and ``torch.histc`` with ``.item()`` (wandb).
+3. Memory the Probe holds after 10, 100 and 1000 steps.
+4. End to end: ``fp16probe.profile()`` (the path the CLI, callbacks and notebooks take) on
    the demo, against the same forward+backward loop without it; analysis included.
 """
 
@@ -43,7 +51,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py` from anywhere uses this c
     sys.path.insert(0, str(ROOT))
 
 from fp16probe import Probe  # noqa: E402
-from fp16probe.capture.engine import histogram as raw_histogram  # noqa: E402
+from fp16probe.capture import engine  # noqa: E402
 
 
 # -- sizes -----------------------------------------------------------------------------
@@ -51,46 +59,35 @@ from fp16probe.capture.engine import histogram as raw_histogram  # noqa: E402
 class Sizes:
     engine_numel: int
     engine_rounds: int
-    conv_batch: int
-    conv_image: int
-    conv_width: int
-    tf_batch: int
-    tf_seq: int
-    tf_dim: int
-    tf_layers: int
-    tf_vocab: int
+    conv: tuple[int, int, int]  # batch, image, width
+    small_tf: tuple[int, int, int, int, int]  # batch, seq, dim, layers, vocab
+    mid_tf: tuple[int, int, int, int, int]
+    mlp: tuple[int, int, int]  # batch, width, linear layers
     step_rounds: int
     steps_per_round: int
     memory_steps: tuple[int, ...]
+    models: tuple[str, ...] = ("conv", "transformer", "gpt-mid", "mlp-200")
     profile_steps: int = 10
 
 
 FULL = Sizes(
-    engine_numel=1 << 24,
-    engine_rounds=9,
-    conv_batch=16,
-    conv_image=32,
-    conv_width=32,
-    tf_batch=8,
-    tf_seq=64,
-    tf_dim=192,
-    tf_layers=2,
-    tf_vocab=1024,
+    engine_numel=1 << 22,
+    engine_rounds=7,
+    conv=(16, 32, 32),
+    small_tf=(8, 64, 192, 2, 1024),
+    mid_tf=(4, 128, 512, 4, 4096),
+    mlp=(32, 32, 100),
     step_rounds=5,
-    steps_per_round=1,
+    steps_per_round=2,
     memory_steps=(10, 100, 1000),
 )
 QUICK = Sizes(
     engine_numel=1 << 12,
     engine_rounds=2,
-    conv_batch=2,
-    conv_image=8,
-    conv_width=4,
-    tf_batch=2,
-    tf_seq=8,
-    tf_dim=16,
-    tf_layers=1,
-    tf_vocab=32,
+    conv=(2, 8, 4),
+    small_tf=(2, 8, 16, 1, 32),
+    mid_tf=(2, 8, 32, 1, 64),
+    mlp=(2, 8, 10),
     step_rounds=2,
     steps_per_round=1,
     memory_steps=(2, 4, 8),
@@ -176,40 +173,77 @@ class _GPTBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
+class MLP(nn.Module):
+    """Many tiny layers: ``layers`` x (Linear(width, width), ReLU), the per-tensor-cost worst case."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 @dataclass
 class Workload:
     name: str
+    what: str
     model: nn.Module
     step: Callable[[], None]
+    scaler: object = None
 
 
-def make_workloads(s: Sizes) -> list[Workload]:
-    """Build the two models with fixed data and an SGD step each."""
+def make_workloads(s: Sizes, device: str = "cpu") -> list[Workload]:
+    """Build the models with fixed data and an SGD step each (fp16 autocast + GradScaler on CUDA)."""
     torch.manual_seed(0)
-    conv = ConvNet(s.conv_width)
-    conv_x = torch.randn(s.conv_batch, 3, s.conv_image, s.conv_image)
-    conv_y = torch.randint(0, 10, (s.conv_batch,))
-    gpt = GPT(s.tf_vocab, s.tf_dim, s.tf_layers, s.tf_seq)
-    tok = torch.randint(0, s.tf_vocab, (s.tf_batch, s.tf_seq + 1))
-    return [
-        Workload("convnet", conv, _train_step(conv, lambda m: F.cross_entropy(m(conv_x), conv_y))),
-        Workload(
-            "transformer",
-            gpt,
-            _train_step(gpt, lambda m: F.cross_entropy(m(tok[:, :-1]).flatten(0, 1), tok[:, 1:].flatten())),
-        ),
-    ]
+    out = []
+    if "conv" in s.models:
+        b, img, w = s.conv
+        conv = ConvNet(w).to(device)
+        x, y = torch.randn(b, 3, img, img, device=device), torch.randint(0, 10, (b,), device=device)
+        out.append(Workload("conv", f"ResNet-style, width {w}, batch {b} of {img}x{img}, ReLU", conv,
+                            *_train_step(conv, lambda m, x=x, y=y: F.cross_entropy(m(x), y), device)))
+    for name, dims in (("transformer", s.small_tf), ("gpt-mid", s.mid_tf)):
+        if name not in s.models:
+            continue
+        b, seq, d, layers, vocab = dims
+        gpt = GPT(vocab, d, layers, seq).to(device)
+        tok = torch.randint(0, vocab, (b, seq + 1), device=device)
+        out.append(Workload(name, f"GPT-2-style, {layers} layers, d={d}, seq {seq}, batch {b}, GELU", gpt,
+                            *_train_step(gpt, lambda m, t=tok: F.cross_entropy(m(t[:, :-1]).flatten(0, 1),
+                                                                               t[:, 1:].flatten()), device)))
+    if "mlp-200" in s.models:
+        b, w, layers = s.mlp
+        mlp = MLP(w, layers).to(device)
+        x, y = torch.randn(b, w, device=device), torch.randint(0, 10, (b,), device=device)
+        out.append(Workload("mlp-200", f"{layers} x (Linear {w}x{w}, ReLU), batch {b}", mlp,
+                            *_train_step(mlp, lambda m, x=x, y=y: F.cross_entropy(m(x), y), device)))
+    return out
 
 
-def _train_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> Callable[[], None]:
+def _train_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], device: str = "cpu"):
+    """An SGD step; on CUDA under fp16 autocast with a real GradScaler. Returns (step, scaler)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if device == "cpu":
 
-    def step() -> None:
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model).backward()
+            opt.step()
+
+        return step, None
+    scaler = torch.amp.GradScaler(device)
+
+    def amp_step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(model).backward()
-        opt.step()
+        with torch.autocast(device, dtype=torch.float16):
+            loss = loss_fn(model)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
-    return step
+    return amp_step, scaler
 
 
 # -- the usual ways, on the same hooks as the Probe ------------------------------------
@@ -251,54 +285,109 @@ def wandb_way(t: torch.Tensor) -> None:
     torch.histc(flat, bins=64, min=lo, max=hi).cpu()
 
 
+def one_read(t: torch.Tensor) -> None:
+    """The limit: one extra read of the gradient (min and max in one pass), nothing kept, no sync."""
+    torch.aminmax(t.detach())
+
+
+def no_op(t: torch.Tensor) -> None:
+    """Nothing: the cost of the Python hooks themselves."""
+
+
 # -- timing ----------------------------------------------------------------------------
-def _time(fn: Callable[[], object], reps: int = 1) -> float:
-    t0 = time.perf_counter()
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], object], reps: int = 1, device: str = "cpu") -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) per call of ``fn``."""
+    _sync(device)
+    w0, c0 = time.perf_counter(), time.process_time()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t0) / reps
+    _sync(device)
+    return (time.perf_counter() - w0) / reps, (time.process_time() - c0) / reps
 
 
-def bench_engine(s: Sizes) -> dict:
-    """Time the engine against one abs().amax() pass, interleaved."""
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def bench_engine(s: Sizes, device: str = "cpu") -> dict:
+    """ns per element of the engine on dense / ReLU-masked / sparse data vs a warm one-pass read."""
     torch.manual_seed(0)
-    x = torch.randn(s.engine_numel) * 1e-3
-    amax = lambda: x.abs().amax()  # noqa: E731
-    engine = lambda: raw_histogram(x)  # noqa: E731
-    amax(), engine()  # warm up
-    a_ms, e_ms, ratios = [], [], []
-    for _ in range(s.engine_rounds):
-        a = _time(amax)
-        e = _time(engine)
-        a_ms.append(a * 1e3)
-        e_ms.append(e * 1e3)
-        ratios.append(e / a)
-    small = torch.randn(4096)
-    small_us = min(_time(lambda: raw_histogram(small), 200) for _ in range(3)) * 1e6
-    return {
-        "numel": s.engine_numel,
-        "amax_ms": statistics.median(a_ms),
-        "engine_ms": statistics.median(e_ms),
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "small_tensor_numel": small.numel(),
-        "small_tensor_us": small_us,
+    n = s.engine_numel
+    dense = torch.randn(n, device=device) * 1e-3
+    data = {
+        "dense": dense,
+        "relu_masked": torch.relu(dense),
+        "sparse_90": dense * (torch.rand(n, device=device) < 0.1),
     }
+    counts, keys = engine.new_table(1, device)
+    out: dict = {"numel": n, "by_data": {}}
+    for name, x in data.items():
+        read = lambda x=x: torch.aminmax(x)  # noqa: E731
+        count = lambda x=x: engine.count_into(x, counts, keys, 0)  # noqa: E731
+        read(), count()  # warm: both read a buffer already in memory
+        r_wall, e_wall, r_cpu, e_cpu = [], [], [], []
+        for _ in range(s.engine_rounds):
+            rw, rc = _time(read, 3, device)
+            ew, ec = _time(count, 3, device)
+            r_wall.append(rw)
+            e_wall.append(ew)
+            r_cpu.append(rc)
+            e_cpu.append(ec)
+        out["by_data"][name] = {
+            "engine_ns_per_elem_cpu": statistics.median(e_cpu) / n * 1e9,
+            "read_ns_per_elem_cpu": statistics.median(r_cpu) / n * 1e9,
+            "ratio_wall": _median_ratio(e_wall, r_wall),
+            "ratio_cpu": _median_ratio(e_cpu, r_cpu),
+        }
+    # Fixed cost per tensor: the recorder's whole hot path on a 64-element gradient.
+    from fp16probe.capture.recorder import Recorder
+
+    rec = Recorder({"activation_grad": True})
+    rec.enabled = True
+    row = rec.register("activation_grad", "m", "Linear")
+    small = torch.randn(64, device=device)
+    rec.record("activation_grad", row, small)
+    reps = 2000 if n > 1 << 16 else 20
+    per_call = min(_time(lambda: rec.record("activation_grad", row, small), reps, device)[1] for _ in range(3))
+    raw = min(_time(lambda: engine.count_into(small, counts, keys, 0), reps, device)[1] for _ in range(3))
+    out["fixed_us_per_tensor_recorder"] = per_call * 1e6
+    out["fixed_us_per_tensor_engine"] = raw * 1e6
+    return out
 
 
-def bench_steps(w: Workload, s: Sizes) -> dict:
-    """Time a train step plain, with the Probe (every=1, every=10, op-level) and with the usual ways."""
+VARIANTS = (
+    "plain",
+    "empty_hooks",
+    "one_read",
+    "probe_every1",
+    "probe_no_ceiling",
+    "probe_every10",
+    "tensorboard_numpy",
+    "wandb_histc_item",
+)
 
-    def with_probe(every: int, granularity: str = "module") -> Callable[[], Callable[[], None]]:
+
+def bench_steps(w: Workload, s: Sizes, device: str = "cpu") -> dict:
+    """Time a train step plain, with the limits, the Probe and the usual ways, interleaved."""
+
+    def with_probe(every: int, ceiling: bool = True) -> Callable[[], Callable[[], None]]:
         def attach() -> Callable[[], None]:
-            p = Probe(w.model, every=every, granularity=granularity).start()
+            p = Probe(w.model, every=every, scaler=w.scaler)
+            if not ceiling:
+                p._ceiling = None  # the breakdown only: the ceiling's node hooks left out
+            p.start()
 
             def run() -> None:
                 w.step()
                 p.step()
 
             run.detach = p.stop  # type: ignore[attr-defined]
+            run.probe = p  # type: ignore[attr-defined]
             return run
 
         return attach
@@ -317,41 +406,44 @@ def bench_steps(w: Workload, s: Sizes) -> dict:
         run.detach = lambda: None  # type: ignore[attr-defined]
         return run
 
-    variants = {
+    attachers = {
         "plain": plain,
+        "empty_hooks": with_hooks(no_op),
+        "one_read": with_hooks(one_read),
         "probe_every1": with_probe(1),
+        "probe_no_ceiling": with_probe(1, ceiling=False),
         "probe_every10": with_probe(10),
-        "probe_op_level": with_probe(1, "op"),
         "tensorboard_numpy": with_hooks(tensorboard_way),
         "wandb_histc_item": with_hooks(wandb_way),
     }
-    # every=10 samples one step in ten: a round runs ten steps so that each round holds one.
-    per_round = {k: (10 * s.steps_per_round if k == "probe_every10" else s.steps_per_round) for k in variants}
-    for attach in variants.values():  # warm up every path once
-        run = attach()
-        run()
-        run.detach()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(s.step_rounds):
-        for k, attach in variants.items():
+    # every=10 samples one step in ten: its rounds run ten steps, one of them sampled.
+    per_round = {k: (10 if k == "probe_every10" else s.steps_per_round) for k in attachers}
+    wall: dict[str, list[float]] = {k: [] for k in attachers}
+    cpu: dict[str, list[float]] = {k: [] for k in attachers}
+    memory = None
+    for r in range(s.step_rounds + 1):  # round 0 warms every path up and is not counted
+        for k, attach in attachers.items():
             run = attach()
-            times[k].append(_time(run, per_round[k]))
+            run()  # the first step after attaching (allocations, first hooks) is not timed
+            t_wall, t_cpu = _time(run, per_round[k], device)
+            if k == "probe_every1" and memory is None:
+                memory = run.probe.recorder.memory()  # type: ignore[attr-defined]
             run.detach()
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    ratio = {
-        k: statistics.median(t / p for t, p in zip(times[k], times["plain"])) for k in variants if k != "plain"
-    }
-    probe_cost = ms["probe_every1"] - ms["plain"]
+            if r:
+                wall[k].append(t_wall)
+                cpu[k].append(t_cpu)
+    ms = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
+    cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return {
         "model": w.name,
+        "what": w.what,
         "params": sum(p.numel() for p in w.model.parameters()),
         "leaf_modules": sum(1 for m in w.model.modules() if next(m.children(), None) is None),
         "step_ms": ms,
-        "ratio_to_plain": ratio,
-        # How many times more the usual way adds to a step than the Probe does.
-        "numpy_cost_over_probe_cost": (ms["tensorboard_numpy"] - ms["plain"]) / probe_cost
-        if probe_cost > 0
-        else float("inf"),
+        "step_cpu_ms": cpu_ms,
+        "ratio_wall": {k: _median_ratio(wall[k], wall["plain"]) for k in attachers if k != "plain"},
+        "ratio_cpu": {k: _median_ratio(cpu[k], cpu["plain"]) for k in attachers if k != "plain"},
+        "probe_memory": memory,
     }
 
 
@@ -370,7 +462,7 @@ def bench_memory(s: Sizes) -> dict:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     x = torch.randn(8, 32)
     y = torch.randint(0, 10, (8,))
-    step = _train_step(model, lambda m: F.cross_entropy(m(x), y))
+    step, _ = _train_step(model, lambda m: F.cross_entropy(m(x), y))
     out = {}
     with Probe(model) as p:
         done = 0
@@ -392,7 +484,8 @@ def bench_memory(s: Sizes) -> dict:
 
 
 # -- report ----------------------------------------------------------------------------
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
+    """Describe the machine: CPU, threads, load, torch, the engine in use."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -409,37 +502,59 @@ def machine() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "cuda": torch.cuda.is_available(),
-        "cpu_engine": _cpu_engine(),
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device != "cpu" else None,
+        "cpu_engine": engine.cpu_engine(),
+        "accelerator_engine": ("triton" if engine._triton_available() else "torch index_add_") if device != "cpu" else None,
     }
 
 
-def _cpu_engine() -> str:
-    """The CPU engine the Probe uses here (set FP16PROBE_CPU_ENGINE=torch|numba to choose)."""
-    from fp16probe.capture import engine
-
-    return engine.cpu_engine()
+COLUMNS = (
+    ("empty_hooks", "empty hooks"),
+    ("one_read", "LIMIT 1-read"),
+    ("probe_every1", "probe/1"),
+    ("probe_no_ceiling", "no ceiling"),
+    ("probe_every10", "probe/10"),
+    ("tensorboard_numpy", "tb+numpy"),
+    ("wandb_histc_item", "histc+item"),
+)
 
 
 def format_table(r: dict) -> str:
+    """Render the results as the plain-text table the README carries."""
+    m = r["machine"]
     e = r["engine"]
     lines = [
-        f"machine: {r['machine']['cpu']}, nproc={r['machine']['nproc']}, torch {r['machine']['torch']},"
-        f" CPU engine: {r['machine']['cpu_engine']}",
+        f"machine: {m['cpu']}, nproc={m['nproc']}, torch threads={m['torch_threads']}, torch {m['torch']},"
+        f" device {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}, CPU engine: {m['cpu_engine']},"
+        f" load average at start {m['loadavg_at_start']}",
         "",
-        f"engine on {e['numel']:,} fp32: {e['engine_ms']:.1f} ms vs abs().amax() {e['amax_ms']:.1f} ms"
-        f" -> {e['ratio']:.2f}x (rounds: {e['ratio_min']:.2f}-{e['ratio_max']:.2f}x)",
-        f"engine on a {e['small_tensor_numel']}-element tensor: {e['small_tensor_us']:.0f} us per call",
-        "",
-        f"{'model':<12} {'plain ms':>9} {'probe/1':>8} {'probe/10':>9} {'op-level':>9} {'tb+numpy':>9} {'histc+item':>11}"
-        f" {'numpy cost / probe cost':>24}",
+        f"engine, {e['numel']:,} fp32 into one row vs a warm one-pass read (torch.aminmax), CPU time:",
     ]
-    for m in r["steps"]:
-        q = m["ratio_to_plain"]
+    for name, d in e["by_data"].items():
         lines.append(
-            f"{m['model']:<12} {m['step_ms']['plain']:>9.1f} {q['probe_every1']:>7.3f}x {q['probe_every10']:>8.3f}x"
-            f" {q['probe_op_level']:>8.3f}x {q['tensorboard_numpy']:>8.3f}x {q['wandb_histc_item']:>10.3f}x"
-            f" {m['numpy_cost_over_probe_cost']:>23.1f}x"
+            f"  {name:<12} engine {d['engine_ns_per_elem_cpu']:6.2f} ns/elem, read {d['read_ns_per_elem_cpu']:6.2f}"
+            f" ns/elem -> {d['ratio_cpu']:.2f}x CPU, {d['ratio_wall']:.2f}x wall"
+        )
+    lines.append(
+        f"  fixed cost per tensor: recorder hot path {e['fixed_us_per_tensor_recorder']:.1f} us,"
+        f" engine call alone {e['fixed_us_per_tensor_engine']:.1f} us"
+    )
+    lines.append("")
+    lines.append("step time with each variant / plain step (median of interleaved rounds; CPU time, then wall):")
+    head = f"{'model':<12} {'plain ms':>9} " + " ".join(f"{title:>12}" for _, title in COLUMNS)
+    lines.append(head)
+    for s in r["steps"]:
+        for clock, key, plain_key in (("cpu", "ratio_cpu", "step_cpu_ms"), ("wall", "ratio_wall", "step_ms")):
+            cells = " ".join(f"{s[key][k]:>11.3f}x" for k, _ in COLUMNS)
+            label = s["model"] if clock == "cpu" else ""
+            lines.append(f"{label:<12} {s[plain_key]['plain']:>6.1f} {clock:<3}{cells}")
+    lines.append("")
+    for s in r["steps"]:
+        mem = s.get("probe_memory") or {}
+        lines.append(
+            f"{s['model']:<12} {s['what']}; {s['params']:,} params, {s['leaf_modules']} leaves;"
+            f" Probe holds {mem.get('fixed_bytes', 0) / 1024:.0f} KiB fixed"
         )
     mem = r["memory"]
     lines.append("")
@@ -479,13 +594,14 @@ def bench_profile(s: Sizes) -> dict:
             "ratio": profile_s / plain_s, "verdict": str(report.recommendation.verdict)}
 
 
-def run(sizes: Sizes) -> dict:
+def run(sizes: Sizes, device: str = "cpu") -> dict:
     """Run every section and return the results as plain data."""
-    result = {"machine": machine(), "sizes": sizes.__dict__ | {"memory_steps": list(sizes.memory_steps)}}
-    result["engine"] = _progress("engine", bench_engine, sizes)
-    result["steps"] = [_progress(w.name, bench_steps, w, sizes) for w in make_workloads(sizes)]
+    result = {"machine": machine(device), "sizes": sizes.__dict__ | {"memory_steps": list(sizes.memory_steps)}}
+    result["engine"] = _progress("engine", bench_engine, sizes, device)
+    result["steps"] = [_progress(w.name, bench_steps, w, sizes, device) for w in make_workloads(sizes, device)]
     result["memory"] = _progress("memory", bench_memory, sizes)
-    result["profile"] = _progress("profile()", bench_profile, sizes)
+    if device == "cpu":
+        result["profile"] = _progress("profile()", bench_profile, sizes)
     return result
 
 
@@ -497,13 +613,22 @@ def _progress(what: str, fn: Callable, *args: object):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: exercise the code path only")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results.json", help="where to write JSON")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: CPU time measures the work)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--models", default=None, help="comma-separated subset of conv,transformer,gpt-mid,mlp-200")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    if args.models:
+        sizes = Sizes(**(sizes.__dict__ | {"models": tuple(args.models.split(","))}))
     t0 = time.perf_counter()
-    result = run(QUICK if args.quick else FULL)
+    result = run(sizes, args.device)
     result["wall_s"] = time.perf_counter() - t0
+    result["command"] = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))

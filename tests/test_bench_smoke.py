@@ -29,11 +29,14 @@ def test_benchmark_runs_and_writes_json(
     loaded = json.loads(out.read_text())
     assert "probe/1" in capsys.readouterr().out
     assert loaded["engine"]["numel"] == TINY.engine_numel
-    assert {m["model"] for m in loaded["steps"]} == {"convnet", "transformer"}
+    assert {m["model"] for m in loaded["steps"]} == {"conv", "transformer", "gpt-mid", "mlp-200"}
     for m in loaded["steps"]:
-        assert set(m["ratio_to_plain"]) == {"probe_every1", "probe_every10", "probe_op_level", "tensorboard_numpy",
-                                             "wandb_histc_item"}
+        for clock in ("ratio_wall", "ratio_cpu"):
+            assert set(m[clock]) == set(bench.VARIANTS) - {"plain"}
+            assert all(v > 0 for v in m[clock].values())
         assert all(v > 0 for v in m["step_ms"].values())
+        assert m["probe_memory"]["fixed_bytes"] > 0
+    assert set(loaded["engine"]["by_data"]) == {"dense", "relu_masked", "sparse_90"}
     table = bench.format_table(loaded)
     assert "probe/1" in table and "memory held by the Probe" in table
     assert loaded["profile"]["steps"] == TINY.profile_steps and loaded["profile"]["ratio"] > 0
@@ -67,4 +70,5 @@ def test_usual_ways_run_on_the_same_hooks() -> None:
     # Every leaf's output gradient (Identity passes its input through) and every weight gradient.
     assert len(seen) >= len(params) + len(leaves) - 1
     bench.tensorboard_way(torch.randn(10))
+    bench.one_read(torch.randn(10))
     bench.wandb_way(torch.randn(10))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import torch
 
 from fp16probe.histogram import MAX_EXP, MIN_EXP, NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO
@@ -118,17 +119,35 @@ def count_into(
     does. Non-fp32 inputs are converted to fp32 first (exact for fp16, bf16 and fp8;
     float64 rounds to fp32). No host synchronisation happens here.
     """
-    if x.device.type == "cuda" and counts.device == x.device and _triton_available():
+    if x.is_cpu:
+        if inv is not None:
+            x = _unscaled(x, inv)
+        kernel = _numba_kernel()
+        if kernel is not None and counts.is_cpu:
+            # The CPU hot path: numpy views (no torch dispatch), the table's views cached.
+            if x.dtype not in _NUMPY_FLOATS:  # bf16, fp8: numpy has no such dtype
+                x = x.to(torch.float32)
+            arr = (x.detach() if x.requires_grad else x).numpy()
+            if arr.dtype != np.float32:
+                arr = arr.astype(np.float32)
+            host = _host_views.get(id(counts))
+            if host is None or host[0] is not counts or host[2] is not keys:
+                if len(_host_views) > 64:
+                    _host_views.clear()
+                host = _host_views[id(counts)] = (counts, counts.numpy(), keys, keys.numpy())
+            kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace)
+            return
+    elif x.device.type == "cuda" and counts.device == x.device and _triton_available():
         from fp16probe.capture import _triton_kernel
 
         _triton_kernel.count_into(x, counts, keys, row, replace, inv)
         return
-    if inv is not None:
+    elif inv is not None:
         x = _unscaled(x, inv)
     bits = _bits_of(x)
     if bits.device != counts.device:  # a model split across devices: count at home, add here
         c, k = new_table(1, bits.device)
-        count_into(bits, c, k, 0)
+        count_into(bits.view(torch.float32), c, k, 0)
         c, k = c.to(counts.device, non_blocking=True), k.to(counts.device, non_blocking=True)
         if replace:
             counts[row] = c[0]
@@ -138,11 +157,6 @@ def count_into(
             torch.maximum(keys[row : row + 1], k, out=keys[row : row + 1])
         return
     engine = _engine_for(bits.device)
-    if engine == "numba":
-        from fp16probe.capture import _cpu_kernel
-
-        _cpu_kernel.count_into(bits.numpy(), counts.numpy(), keys.numpy(), row, replace)
-        return
     out, key_slot = counts[row], keys[row : row + 1]
     if replace:
         out.zero_()
@@ -191,7 +205,28 @@ def _engine_for(device: torch.device) -> str:
 
     if CPU_ENGINE == "numba" and not _cpu_kernel.available():
         raise ImportError("FP16PROBE_CPU_ENGINE=numba needs numba: pip install 'fp16probe[fast]'")
-    return "numba" if _cpu_kernel.available() else "torch"
+    name = "numba" if _cpu_kernel.available() else "torch"
+    _ENGINES[(device.type, CPU_ENGINE)] = name
+    return name
+
+
+_ENGINES: dict[tuple[str, str], str] = {}  # (device type, CPU_ENGINE) -> engine, once decided
+
+
+def _numba_kernel():
+    """The numba kernel module when it counts CPU tensors here (CPU_ENGINE), else None."""
+    kernel = _KERNELS.get(CPU_ENGINE, False)
+    if kernel is False:
+        kernel = None
+        if _engine_for(torch.device("cpu")) == "numba":
+            from fp16probe.capture import _cpu_kernel as kernel
+        _KERNELS[CPU_ENGINE] = kernel
+    return kernel
+
+
+_KERNELS: dict[str, object] = {}
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+_host_views: dict[int, tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]] = {}
 
 
 def cpu_engine() -> str:
