@@ -180,6 +180,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.rows = {k: _Rows() for k in KINDS}
         self._output_rows: dict[str, tuple[int | None, int | None]] = {}
+        self._grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # one closure per row, reused
         self._state = _State(0, True, 0, {}, {}, {})
         self._trace: list[_StepRecord] = []
         self._pending_params: list[tuple[int, torch.Tensor]] = []
@@ -229,6 +230,13 @@ class Recorder:
                     self.register(ACTIVATION_GRAD, name, type_name) if self.capture[ACTIVATION_GRAD] else None,
                 )
             act_i, grad_i = rows
+            if type(output) is torch.Tensor:  # the common case, without the generator
+                if output.is_floating_point():
+                    if act_i is not None:
+                        self.record(ACTIVATION, act_i, output)
+                    if grad_i is not None and output.requires_grad:
+                        output.register_hook(self._grad_hook(grad_i))
+                return
             seen: set[int] = set()
             for t in iter_tensors(output):
                 # The same tensor twice in one output (HF's last_hidden_state is also
@@ -244,10 +252,14 @@ class Recorder:
             self.note_error(e)
 
     def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if self.enabled:
-                self.record(ACTIVATION_GRAD, i, grad)
+        hook = self._grad_hooks.get(i)
+        if hook is None:
 
+            def hook(grad: torch.Tensor) -> None:
+                if self.enabled:
+                    self.record(ACTIVATION_GRAD, i, grad)
+
+            self._grad_hooks[i] = hook
         return hook
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -283,15 +295,15 @@ class Recorder:
         accumulated value wins) instead of adding to it.
         """
         try:
-            if t.is_sparse or t.is_complex() or not t.is_floating_point():
+            if not t.is_floating_point() or t.is_sparse:
                 return
-            if hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard; ranks add up as shards
+            if type(t) is not torch.Tensor and hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard; ranks add up as shards
                 t = t.to_local()
                 if kind == WEIGHT_GRAD:
                     self.sharded_weight_grads = True
             with self.lock:
                 st = self._state
-                inv = self._inv_scale(st, t.device) if kind != ACTIVATION else None
+                inv = self._inv_scale(st, t.device) if self.scaler is not None and kind != ACTIVATION else None
                 table = st.open.get(kind)
                 if table is None:
                     st = self._allocate(kind, t.device)
