@@ -61,12 +61,16 @@ class Fp16ProbeCallback(pl.Callback):
         self.report = None  # on global rank 0, once fit ends: the report as written
         self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
         self.live: Any = None
+        self.extra: dict[str, Any] = {}  # what the report records of the run: the Trainer's precision settings
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Start probing the LightningModule, unscaling with the precision plugin's scaler."""
-        self.probe = Probe(
-            pl_module, every=self.every, scaler=lightning_scaler(trainer), **self.probe_options
-        ).start()
+        scaler = lightning_scaler(trainer)
+        self.extra = {"trainer_settings": {"precision": str(getattr(trainer, "precision", "")),
+                                           "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", 1),
+                                           "gradient_clip_val": getattr(trainer, "gradient_clip_val", None)},
+                      "loss_scaled": scaler is not None}
+        self.probe = Probe(pl_module, every=self.every, scaler=scaler, **self.probe_options).start()
         if self.log_every:
             from fp16probe.integrations.live import LiveLogger, lightning_trackers
 
@@ -94,7 +98,7 @@ class Fp16ProbeCallback(pl.Callback):
             return
         self.report = finish(probe, trainer="lightning", global_step=trainer.global_step,
                              is_main=trainer.is_global_zero, folder=self.dirpath or trainer.default_root_dir,
-                             format=self.format)
+                             format=self.format, extra=self.extra)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Stop probing and remove every hook when training fails."""
