@@ -537,3 +537,18 @@ def test_cli_a_report_that_cannot_be_judged_is_an_error_in_every_output(cli_env,
     assert (cli_env / "s.md").read_text().startswith("### fp16probe compare: ERROR")
     assert result.stdout.startswith("::error title=fp16probe compare%3A error::")
     assert len([ln for ln in result.stderr.splitlines() if ln.strip()]) == 1
+
+
+def test_junit_and_markdown_hold_any_module_name():
+    """Module names are data: control characters, pipes, markup and XML specials cannot break the outputs."""
+    name = 'evil\x01|</testcase>"&[/bold]\nnext'
+    base = make_report({name: {-10: 1000}, "ok": {-10: 1000}})
+    cur = make_report({name: {-45: 500, -10: 500}, "ok": {-10: 1000}})
+    result = compare(snapshot(base, REC), snapshot(cur, REC))
+    assert not result.passed
+    root = ET.fromstring(to_junit(result))
+    failure = root.find("testsuite/testcase[@name='module_regressions']/failure")
+    assert "evil\ufffd|</testcase>" in failure.get("message")
+    md = to_markdown(result)
+    row = next(line for line in md.splitlines() if line.startswith("| module_regressions"))
+    assert row.count("|") - row.count(r"\|") == 4

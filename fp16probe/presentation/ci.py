@@ -10,11 +10,26 @@ from __future__ import annotations
 
 import datetime
 from typing import Any
-from xml.sax.saxutils import escape, quoteattr
+import re
+from xml.sax.saxutils import escape as _xml_escape
+from xml.sax.saxutils import quoteattr as _xml_quoteattr
 
 __all__ = ["error_junit", "error_markdown", "github_annotations", "github_error_annotation", "to_junit", "to_markdown"]
 
 SUITE = "fp16probe.compare"
+
+# Characters XML 1.0 forbids even when escaped (module names are data and may hold them).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def escape(text: str) -> str:
+    """Escape text for an XML element, replacing characters XML cannot hold with U+FFFD."""
+    return _xml_escape(_NOT_XML.sub("\ufffd", str(text)))
+
+
+def quoteattr(text: str) -> str:
+    """Quote text as an XML attribute value, replacing characters XML cannot hold with U+FFFD."""
+    return _xml_quoteattr(_NOT_XML.sub("\ufffd", str(text)))
 
 
 def _cell(text: str) -> str:
