@@ -42,7 +42,7 @@ SYNCING_METHODS = (
     "masked_select",
     "unique",
 )
-SYNCING_FUNCTIONS = ("nonzero", "masked_select", "unique")
+SYNCING_FUNCTIONS = ("nonzero", "masked_select", "unique", "bincount")  # bincount sizes its output from data
 
 
 class SyncCalled(AssertionError):
@@ -51,14 +51,15 @@ class SyncCalled(AssertionError):
 
 @pytest.fixture(autouse=True)
 def _device_code_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Check the engine that runs on accelerators.
+    """Check the engine that runs on accelerators (``index_add_`` into the row), run on the CPU.
 
-    On the CPU the numba kernel reads the tensor's memory through ``.numpy()``; a CPU
-    tensor has no device to synchronise with, and accelerators never take that path.
+    On the CPU the numba kernel reads the tensor's memory through ``.numpy()`` and the
+    torch engine uses ``bincount``; a CPU tensor has no device to synchronise with, and
+    accelerators take neither path.
     """
     from fp16probe.capture import engine as histogram
 
-    monkeypatch.setattr(histogram, "CPU_ENGINE", "torch")
+    monkeypatch.setattr(histogram, "CPU_ENGINE", "device")
 
 
 def _called_from_package() -> bool:
@@ -147,6 +148,32 @@ def test_hooks_never_bring_values_to_the_host(activations: bool) -> None:
     # The overflow ceiling's node hooks ran inside the guard too, and saw every step.
     assert report.trace.ceiling is not None and len(report.trace.ceiling) == 3
     assert all(c >= report.trace.global_max("activation_grad")[i] > 0 for i, c in enumerate(report.trace.ceiling))
+
+
+def test_no_sync_with_a_grad_scaler_under_autocast_and_sampling() -> None:
+    """The unscaling path (the scaler's device scalar) and attach/detach at every=2 never sync."""
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    calls: list[str] = []
+    with Probe(model, scaler=scaler, every=2) as probe:
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            with forbid_host_sync() as seen:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                scaler.scale(loss).backward()
+                probe.step()
+            calls += seen
+            scaler.step(opt)
+            scaler.update()
+    assert calls == []
+    report = probe.report()
+    assert "hook_errors" not in report.metadata.extra
+    assert report.trace.steps == (0, 2) and report.trace.scale == (65536.0, 65536.0)
+    assert report.histogram("weight_grad").total > 0
 
 
 def test_a_syncing_ceiling_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
