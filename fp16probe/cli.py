@@ -286,7 +286,7 @@ def profile(
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for synthetic inputs.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches) and report predicted against measured.")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -305,7 +305,7 @@ def profile(
 
     console = render.make_console()
     print_error = render.print_error
-    with _errors(console, debug):
+    with _errors(console, debug), contextlib.ExitStack() as stack:
         # Everything that can be refused is refused before the model loads or runs.
         inputs = [Path(model)] if model and Path(model).exists() else []
         if weights is not None:
@@ -327,6 +327,8 @@ def profile(
         if is_dist and dev.type == "cuda":
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         check_loss_spec(loss)
+        if 0 <= seed < 2**63:  # make_batches refuses any other seed in one line
+            torch.manual_seed(seed + rank)  # a factory's initialisation and dropout repeat from run to run
         check_inputs_before_load(model, dev, input_shape=input_shape, input_dtype=input_dtype.value,
                                  vocab_size=vocab_size, batches=batches)
         loaded = load_model(model, weights=weights, trust_checkpoint=trust_checkpoint,
@@ -335,6 +337,10 @@ def profile(
                                  vocab_size=vocab_size, batches=batches,
                                  seed=seed + rank)  # each rank draws its own synthetic batches
         loss_src = make_loss(loaded, loss, batch_src, seed=seed + rank)
+        if loaded.kind == "huggingface":  # its warnings (a loss_type it falls back from) would bury the summary
+            from fp16probe.running.loading import quiet_transformers
+
+            stack.enter_context(quiet_transformers())
         notes = [*loaded.notes, *batch_src.notes]
         if not json_out and rank == 0:
             for note in notes:  # what loading and the inputs changed: said now, and kept in the report

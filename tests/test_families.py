@@ -185,3 +185,25 @@ def test_loading_notes_are_printed_not_only_saved():
     assert result.exit_code == EXIT_OK, result.output
     assert "note: stripped the key prefix 'model.' from w.ckpt" in result.stderr
     assert "stripped the key prefix 'model.' from w.ckpt" in Report.load("r.json").metadata.extra["notes"]
+
+
+def test_no_flag_runs_repeat_exactly(hf_folders):
+    """--seed also seeds torch's own random numbers: dropout (and a factory's initialisation) repeat."""
+    torch.manual_seed(1)
+    first = profile(hf_folders["causal_lm"]).histogram("activation_grad")
+    torch.manual_seed(2)  # whatever state the caller left, the run is the same
+    second = profile(hf_folders["causal_lm"]).histogram("activation_grad")
+    assert first.counts == second.counts and first.max_abs == second.max_abs
+
+
+def test_hf_runs_print_no_transformers_warnings(hf_folders, tmp_path):
+    """A tiny config's token ids and transformers' loss_type fallback would otherwise print above the summary."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "fp16probe", "profile", str(hf_folders["causal_lm"]), "--steps", "1",
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == EXIT_OK, run.stderr
+    assert "[transformers]" not in run.stderr and "loss_type" not in run.stderr, run.stderr

@@ -24,7 +24,7 @@ from torch import nn
 from fp16probe.capture.probe import iter_tensors
 from fp16probe.errors import InputError, ModelLoadError
 from fp16probe.running import families
-from fp16probe.running.loading import DEMO, HF, LoadedModel, read_hf_config, resolve_import
+from fp16probe.running.loading import DEMO, HF, LoadedModel, quiet_transformers, read_hf_config, resolve_import
 
 __all__ = [
     "DTYPES",
@@ -223,7 +223,8 @@ def check_inputs_before_load(
     config_class = getattr(cls, "config_class", None)
     if isinstance(cls, type) and isinstance(config_class, type):
         try:  # the config alone, with its class's defaults: no weights are read
-            config = config_class.from_dict(dict(raw))
+            with quiet_transformers():
+                config = config_class.from_dict(dict(raw))
         except Exception as e:
             raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {_first_line(e)}") from e
         plan = families.hf_plan(cls, _setting_of(config), shape=parse_shape(input_shape) if input_shape else None,

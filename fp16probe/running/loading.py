@@ -10,6 +10,7 @@ Every failure raises :class:`ModelLoadError` with what went wrong and what to do
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -17,7 +18,7 @@ import os
 import pickle
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ __all__ = [
     "is_import_string",
     "load_model",
     "load_state_dict_file",
+    "quiet_transformers",
+    "read_hf_config",
     "resolve_import",
 ]
 
@@ -266,6 +269,29 @@ def _apply_state_dict(model: nn.Module, state: dict[str, torch.Tensor], path: Pa
 # -- Hugging Face ----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hold transformers' warnings and progress bars back while the block runs.
+
+    They would bury the summary on stderr (a config's token ids outside a tiny
+    vocabulary, a loss_type it falls back from); a failure still reaches the user as one
+    error line. The command line keeps them quiet for a whole Hugging Face run.
+    """
+    import transformers
+
+    hf_logging = transformers.utils.logging
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def read_hf_config(config_file: Path) -> dict[str, Any]:
     """Read a Hugging Face ``config.json`` as data; a malformed one raises ModelLoadError in one line."""
     try:
@@ -327,25 +353,15 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
                 f"{config_file}: architectures names {archs[0]!r}, which is not a model class of transformers "
                 f"{transformers.__version__}; fix config.json or upgrade transformers"
             )
-    # transformers' own warnings and progress bar would bury the summary on stderr; a
-    # failure still reaches the user as one line below.
-    hf_logging = transformers.utils.logging
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with quiet_transformers():
+            model = cls.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except Exception as e:
         raise ModelLoadError(
             f"MODEL {str(path)!r}: transformers could not load it ({type(e).__name__}: {_first_line(e)})"
         ) from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
     config = model.config
     vocab = getattr(config, "vocab_size", None)
     name = type(model).__name__
