@@ -159,6 +159,7 @@ FormatOpt = Annotated[FormatName, typer.Option("--format", "-f", help="Target nu
 KindOpt = Annotated[Kind, typer.Option("--kind", help="Which gradients to analyse.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON alone on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+ExplainOpt = Annotated[bool, typer.Option("--explain", help="After the short answer, the reasoning, evidence, replay and sources.")]
 ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe profile.", dir_okay=False)]
 
 
@@ -289,6 +290,7 @@ def profile(
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches) and report predicted against measured.")] = False,
     json_out: JsonOpt = False,
+    explain: ExplainOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
@@ -382,9 +384,7 @@ def profile(
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
         else:
-            render.print_profile_summary(console, report, rec, fmt=format.value, kind=kind.value, out=str(out))
-            if report.verification is not None:
-                render.print_verification(console, report.verification)
+            render.print_summary(console, report, rec, kind=kind.value, explain=explain, out=str(out))
     raise typer.Exit(_exit_code(report))
 
 
@@ -435,6 +435,7 @@ def show(
     kind: KindOpt = Kind.all,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
+    explain: ExplainOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Show a report: the distribution against the format's bounds, worst modules, verdict and evidence."""
@@ -448,9 +449,7 @@ def show(
             data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
-            render.print_show(console, r, rec, fmt=format.value, kind=kind.value, top=top)
-            if r.verification is not None:
-                render.print_verification(console, r.verification)
+            render.print_summary(console, r, rec, kind=kind.value, top=top, distribution=True, explain=explain)
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
@@ -523,7 +522,7 @@ def plot(
         rec = _analyze(r, format.value, kind.value)
         with _writing(output, "--output"):
             _save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
-        console.print(f"figures written to {output}")
+        console.print(f"figures written to {output}", markup=False)
 
 
 @app.command()
@@ -531,7 +530,7 @@ def recommend(
     report: ReportArg,
     format: FormatOpt = FormatName["fp16"],
     kind: KindOpt = Kind.all,
-    device: Annotated[str, typer.Option(help="Device string for the GradScaler line.")] = "cuda",
+    device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -543,13 +542,15 @@ def recommend(
         r = Report.load(report)
         rec = _analyze(r, format.value, kind.value)
         if json_out:
-            d = rec.to_dict()  # its caveats come from the analysis
-            d["grad_scaler_code"] = render.grad_scaler_code(rec, device)
+            from fp16probe.presentation.answer import grad_scaler_code, scaler_device
+
+            d = rec.to_dict()
+            dev, how = scaler_device(r, device)
+            d["grad_scaler_code"] = grad_scaler_code(rec, dev)
+            d["grad_scaler_device"] = how
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
-            for caveat in rec.caveats:
-                console.print(f"caveat: {caveat}", markup=False)
-            render.print_recommendation(console, rec, device)
+            render.print_recommendation(console, rec, r, device)
 
 
 @app.command()

@@ -211,14 +211,14 @@ class Recommendation:
 
     # -- presentation (rich loads only when these are called) -------------------------
     def _repr_html_(self) -> str:
-        from fp16probe.presentation.notebook import recommendation_html
+        from fp16probe.presentation.html import recommendation_html
 
         return recommendation_html(self)
 
     def __rich__(self) -> Any:
-        from fp16probe.presentation.notebook import recommendation_rich
+        from fp16probe.presentation.terminal import recommendation_view
 
-        return recommendation_rich(self)
+        return recommendation_view(self)
 
 
 def _jsonable(obj: Any) -> Any:

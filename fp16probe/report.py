@@ -275,14 +275,14 @@ class Report:
         return figure(self, which=which, **kwargs)
 
     def _repr_html_(self) -> str:
-        from fp16probe.presentation.notebook import report_html
+        from fp16probe.presentation.html import report_html
 
         return report_html(self)
 
     def __rich__(self) -> Any:
-        from fp16probe.presentation.notebook import report_rich
+        from fp16probe.presentation.terminal import report_view
 
-        return report_rich(self)
+        return report_view(self)
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -492,8 +492,8 @@ def _mode_for(path: Path) -> int:
 _UMASK_LOCK = threading.Lock()
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename.
+def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Write ``text`` (or bytes: a figure) to ``path`` through a temporary file and a rename.
 
     The file gets the mode an ordinary ``open(path, "w")`` would give it (the user's
     umask, or the mode of the file it replaces), not the temporary file's private 0600.
@@ -505,7 +505,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -177,7 +177,7 @@ def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
     result = ok("profile", *args, "--precision", "fp16", "--device", "cpu", "--out", "h.json")
     zeros = Report.load("h.json").histogram("all").zero  # --kind all, the default: both gradient kinds
     assert zeros > 0
-    assert "caveat: this run computed in fp16-autocast at S = 1" in " ".join(result.stderr.split())
+    assert "caveat: This profile was taken under fp16-autocast at S = 1" in " ".join(result.stderr.split())
     assert f"{zeros:,} of" in " ".join(result.stderr.split())
     assert "caveat:" in ok("show", "h.json").stderr
     assert "caveat:" in ok("recommend", "h.json").stderr
@@ -365,7 +365,7 @@ def test_show(demo_report):
     before = demo_report.read_bytes()
     result = ok("show", demo_report)
     assert "flushed to 0" in result.stderr
-    assert "worst modules" in result.stderr
+    assert "modules that flush the most" in result.stderr
     assert "GradScaler(" in result.stderr
     assert result.stdout == ""
     assert demo_report.read_bytes() == before

@@ -1,8 +1,10 @@
-"""Report and Recommendation display themselves in Jupyter (HTML) and in rich."""
+"""What a person reads: the short answer first, at 80 columns and in pipes, in the terminal,
+in rich.print, in Jupyter's HTML; module names and URLs as data, never broken or parsed."""
 
 from __future__ import annotations
 
 import base64
+import io
 import os
 import re
 import subprocess
@@ -11,174 +13,246 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from fp16probe.presentation import notebook as display
-from fp16probe.recommendation import Recommendation, Verdict
-from fp16probe.report import ACTIVATION_GRAD, ModuleStats
+from fp16probe.analysis.recommend import analyze
+from fp16probe.cli import app
+from fp16probe.presentation import answer, html, terminal
+from fp16probe.report import ACTIVATION_GRAD, Report
 from tests.fixtures.reports import hand_report
 
 ROOT = Path(__file__).resolve().parents[1]
-
-REC = Recommendation.from_dict({
-    "verdict": "constant",
-    "format": "fp16",
-    "log2_scale": 5,
-    "scale": 32.0,
-    "grad_scaler_kwargs": {"init_scale": 32.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                           "growth_interval": 2000},
-    "flushed_fraction_at_1": 0.25,
-    "flushed_fraction_at_scale": 0.125,
-    "overflow_steps_at_scale": 0,
-    "headroom_bits": 1,
-    "worst_modules": [["deep", 0.5]],
-    "text": "a <constant> scale",
-    "citations": ["arXiv:1710.03740"],
-})
+DEMO_REPORT = ROOT / "tests" / "data" / "report-v1-demo.json"
+URL = re.compile(r"https?://\S+")
+NVIDIA_GUIDE = "https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html"
 
 
 @pytest.fixture(scope="module")
 def hand():
-    return hand_report()
+    report = hand_report()
+    return report.with_recommendation(analyze(report, "fp16"))
 
 
-def _rich_text(renderable, width: int = 140) -> str:
+@pytest.fixture(scope="module")
+def long_names(tmp_path_factory):
+    """A report of the LongNames model, written by ``fp16probe profile``, and its summary."""
+    out = tmp_path_factory.mktemp("long") / "report.json"
+    result = CliRunner().invoke(app, ["profile", "tests.fixtures.cli_models:make_long_names",
+                                      "--input-shape", "4,8", "--steps", "3", "--out", str(out)],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    return Report.load(out), result.output
+
+
+def _rich(renderable, width: int = 80) -> str:
     from rich.console import Console
 
-    console = Console(record=True, width=width, color_system=None)
+    console = Console(record=True, width=width, color_system=None, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
 
 
+def _whole_pieces(lines: list[str], names: list[str]) -> None:
+    """Every dotted piece of a module name on a line starts and ends where the name's parts do."""
+    for line in lines:
+        for token in re.findall(r"[^\s│┃|,;()]+", line):
+            for piece in token.split("…"):
+                if "." not in piece.strip(".") or len(piece) < 4:
+                    continue
+                owners = [n for n in names if piece in n]
+                if not owners:
+                    continue
+                assert any(_at_boundaries(n, piece) for n in owners), f"{piece!r} breaks a name: {line!r}"
+
+
+def _at_boundaries(name: str, piece: str) -> bool:
+    start = name.find(piece)
+    while start != -1:
+        end = start + len(piece)
+        if (start == 0 or name[start - 1] == "." or piece.startswith(".")) and (
+                end == len(name) or name[end] == "." or piece.endswith(".")):
+            return True
+        start = name.find(piece, start + 1)
+    return False
+
+
+def _check_80_columns(text: str, names: list[str]) -> list[str]:
+    lines = text.splitlines()
+    for line in lines:
+        # A URL longer than a line stands alone on its line, whole.
+        assert len(line) <= 80 or URL.fullmatch(line.strip().strip("(),.;")), f"line over 80 columns: {line!r}"
+        assert "…" not in re.sub(r"[\w.\[\]/$\\{}]*…[\w.\[\]/$\\{}]*", "", line), f"cut: {line!r}"
+    _whole_pieces(lines, names)
+    return lines
+
+
+# -- the profile summary at 80 columns --------------------------------------------------------
+def test_profile_summary_leads_with_the_answer_at_80_columns(long_names):
+    report, output = long_names
+    names = [m.name for m in report.modules_of(ACTIVATION_GRAD)]
+    lines = _check_80_columns(output, names)
+    rec = report.recommendation
+    verdict = next(i for i, ln in enumerate(lines) if ln.startswith(f"verdict for {rec.format}:"))
+    code = next(i for i, ln in enumerate(lines) if ln.startswith("scaler = torch.amp.GradScaler("))
+    assert verdict < 10 and code < 10, lines[:12]
+    assert str(rec.verdict) in lines[verdict] or answer.VERDICT_WORDS[rec.verdict] in lines[verdict]
+    # the code is the recommendation's, for CUDA, and the device choice is explained
+    pasted = "".join(ln.strip() for ln in lines[code:code + 4] if not ln.startswith("note"))
+    for key, value in rec.grad_scaler_kwargs.items():
+        assert f"{key}=" in pasted
+    assert '"cuda"' in pasted
+    assert any("this profile ran on cpu" in ln for ln in lines[:code])
+    # the invented inputs say so in one visible line
+    assert sum(ln.startswith("note: this run used random inputs") for ln in lines) == 1
+    # the worst-modules table wraps the 114-character name after its dots; a part longer than
+    # the column is shortened in its middle, its start and end kept
+    longest = max(names, key=len)
+    assert len(longest) > 80
+    last = longest.split(".")[-1]
+    assert last in output or re.search(re.escape(last[:8]) + r"\w*…\w*" + re.escape(last[-8:]), output)
+
+
+def test_show_explain_keeps_urls_and_names_whole(long_names, tmp_path):
+    report, _ = long_names
+    path = tmp_path / "r.json"
+    report.save(path)
+    result = CliRunner().invoke(app, ["show", str(path), "--explain"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = _check_80_columns(result.output, [m.name for m in report.modules])
+    assert "[/bold]" in result.output and "$\\frac{$" in result.output  # names as data, not markup
+    for url in URL.findall(result.output):
+        assert url.rstrip(".,;)") in (NVIDIA_GUIDE, ) or url.startswith("https://arxiv.org/")
+    if "docs.nvidia.com" in result.output:
+        assert any(NVIDIA_GUIDE in ln for ln in lines)
+    assert "LIT-" not in result.output, "sources are cited by authors, title and identifier"
+    assert "sources:" in result.output and "Micikevicius et al." in result.output
+
+
+def test_show_explain_of_the_demo_gives_the_replay_and_whole_urls():
+    result = CliRunner().invoke(app, ["show", str(DEMO_REPORT), "--explain"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = _check_80_columns(result.output, [])
+    assert "growth_interval replay over 20,000 simulated steps" in result.output
+    assert any(ln.strip() == NVIDIA_GUIDE for ln in lines)  # the guide's URL alone on a line, whole
+    assert "LIT-" not in result.output
+
+
+def test_show_without_explain_is_short(long_names, tmp_path):
+    report, _ = long_names
+    path = tmp_path / "r.json"
+    report.save(path)
+    result = CliRunner().invoke(app, ["show", str(path)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "sources:" not in result.output and "--explain" in result.output
+
+
+def test_rich_print_of_a_report_fits_80_columns_and_cuts_no_number():
+    report = Report.load(DEMO_REPORT)
+    text = _rich(report, width=80)
+    _check_80_columns(text, [m.name for m in report.modules])
+    h = report.histogram(ACTIVATION_GRAD)
+    assert f"{h.total:,}" in text  # 4,917,760 whole
+    assert "verdict for fp16:" in text
+
+
+# -- the answer's words ---------------------------------------------------------------------
+def test_code_line_wraps_as_valid_python_and_names_the_device(hand):
+    rec = hand.recommendation
+    code = answer.grad_scaler_code(rec, "cuda", width=40)
+    assert all(len(ln) <= 40 for ln in code.splitlines())
+    tree = compile(code, "<pasted>", "exec")  # still Python
+    assert tree is not None
+    assert answer.grad_scaler_code(rec, "cuda").count("\n") == 0
+    assert answer.scaler_device(hand, None) == ("cuda", "for CUDA, where fp16 training runs; this profile ran on cpu")
+    gpu = replace(hand, metadata=replace(hand.metadata, device="cuda:0"))
+    assert answer.scaler_device(gpu, None) == ("cuda", "for cuda, where this profile ran")
+    assert answer.scaler_device(hand, "cpu") == ("cpu", "for cpu, as asked")
+
+
+def test_names_are_shortened_and_wrapped_only_at_dots():
+    name = "bert.encoder.layer.2.attention.output.dense"
+    assert answer.shorten_name(name, 80) == name
+    short = answer.shorten_name(name, 24)
+    assert len(short) <= 24 and short.startswith("bert.") and short.endswith(".dense") and "…" in short
+    assert all(p in name.split(".") for p in short.split(".") if p != "…")
+    assert answer.fit_name(name, 20) == ["bert.encoder.layer.", "2.attention.output.", "dense"]
+    assert "".join(answer.fit_name(name, 20)) == name
+    assert answer.wrap_text(f"see {NVIDIA_GUIDE} for more", 40)[1] == NVIDIA_GUIDE
+
+
+def test_caveats_reach_every_medium(hand):
+    rec = replace(hand.recommendation, caveats=("this run computed in fp16 <at S = 1>",))
+    report = hand.with_recommendation(rec)
+    assert "caveat: this run computed in fp16 <at S = 1>" in _rich(report, 100)
+    assert "caveat: this run computed in fp16 &lt;at S = 1&gt;" in html.report_html(report, figure=False)
+    fig = report.plot("distribution")
+    assert any("caveat: this run computed in fp16" in t.get_text() for t in fig.findobj()
+               if hasattr(t, "get_text") and t.get_gid() == "caveats")
+
+
+# -- HTML -----------------------------------------------------------------------------------
 def test_report_html_has_the_summary_numbers(hand):
-    page = display.report_html(hand, recommendation=REC, figure=False)
+    page = html.report_html(hand, figure=False)
     h = hand.histogram(ACTIVATION_GRAD)
     flushed = f"{100 * h.flushed('fp16') / h.nonzero_finite:.3g}%"
-    zeros = f"{100 * h.zero / h.total:.3g}%"
     assert "HandBuilt" in page
     row = re.search(r"<tr><td>activation_grad</td>(.*?)</tr>", page).group(1)
-    assert f"<td>{h.total:,}</td><td>{zeros}</td><td>{flushed}</td>" in row
+    assert f"<td>{h.total:,}</td>" in row and f"<td>{flushed}</td>" in row
     assert "<td>weight_grad</td>" in page
 
 
-def test_report_html_ranks_the_worst_modules(hand):
-    page = display.report_html(hand, recommendation=REC, figure=False)
-    table = page.split("modules losing the most")[1]
-    table = table.split("</table>")[0]
-    deep = hand.module("deep").histogram
-    assert f"<td>deep</td><td>Linear</td><td>{100 * deep.flushed('fp16') / deep.nonzero_finite:.3g}%</td>" in table
-    # "mid" and "head" lie above 2^-25 and lose nothing: they are not listed
-    assert "<td>mid</td>" not in table and "<td>head</td>" not in table
-
-
-def test_report_html_shows_the_recommendation_and_the_figure(hand):
-    page = display.report_html(hand, recommendation=REC)
-    assert ">constant</span>" in page
-    assert "2^5 = 32" in page
-    assert "torch.amp.GradScaler(&quot;cuda&quot;, init_scale=32.0" in page
-    assert "a &lt;constant&gt; scale" in page, "text is escaped"
+def test_report_html_leads_with_the_answer_and_expands_the_reasoning(hand):
+    page = hand._repr_html_()
+    rec = hand.recommendation
+    assert page.index(f">{rec.verdict}</span>") < page.index("<details>")
+    assert "<pre>scaler = torch.amp.GradScaler(" in page and "&quot;cuda&quot;, init_scale=" in page
+    details = page[page.index("<details>"):]
+    assert "evidence" in details and "sources:" in details
     png = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page).group(1)
     assert base64.b64decode(png).startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_module_names_are_escaped(hand):
-    evil = replace(hand.modules[2], name="<script>alert(1)</script>")
+def test_html_names_are_escaped_and_wrap_only_at_dots(hand):
+    evil = replace(hand.modules[2], name="enc.<script>alert(1)</script>.deep")
     report = replace(hand, modules=(*hand.modules[:2], evil, *hand.modules[3:]))
-    page = display.report_html(report, recommendation=REC, figure=False)
+    page = html.report_html(report, figure=False)
     assert "<script>" not in page
-    assert "&lt;script&gt;" in page
+    assert "enc.<wbr>&lt;script&gt;alert(1)&lt;/script&gt;.<wbr>deep" in page
+    assert "td.name{white-space:normal" in page and "white-space:nowrap" in page
 
 
-def test_stored_recommendation_is_used(hand):
-    page = hand.with_recommendation(REC)._repr_html_()
-    assert ">constant</span>" in page
-
-
-def test_recommendation_html_alone():
-    page = display.recommendation_html(REC)
+def test_recommendation_html_alone(hand):
+    page = hand.recommendation._repr_html_()
     assert "fp16probe recommendation" in page
-    assert "12.5%" in page and "25%" in page
-    assert "<li>arXiv:1710.03740</li>" in page
+    assert f"{100 * hand.recommendation.flushed_fraction_at_1:.3g}%" in page
+    for url in re.findall(r"href='([^']+)'", page):
+        assert f">{url}</a>" in page  # a link shows its whole URL
 
 
-def test_none_needed_has_no_scaler_call():
-    rec = replace(REC, verdict=Verdict.NONE_NEEDED, log2_scale=None, grad_scaler_kwargs={},
-                  flushed_fraction_at_scale=None)
-    page = display.recommendation_html(rec)
-    assert "GradScaler(" not in page
-    assert "no loss scaling needed" in page
+def test_a_report_without_a_recommendation_says_so_and_runs_no_analysis(hand):
+    bare = hand.with_recommendation(None)
+    assert "no recommendation stored" in bare._repr_html_()
+    assert "no recommendation stored" in _rich(bare, 80)
 
 
-def test_report_rich_renders_the_tables(hand):
-    text = _rich_text(display.report_rich(hand, recommendation=REC))
-    h = hand.histogram(ACTIVATION_GRAD)
-    assert "fp16probe report: HandBuilt" in text
-    assert f"{100 * h.flushed('fp16') / h.nonzero_finite:.3g}%" in text
-    assert "deep" in text
-    assert "2^5 = 32" in text
-    assert 'torch.amp.GradScaler("cuda", init_scale=32.0' in text
+def test_recommendation_rich_view(hand):
+    text = _rich(hand.recommendation, 80)
+    assert text.startswith("verdict for fp16:")
+    assert "scaler = torch.amp.GradScaler(" in text
 
 
-def test_report_dunder_rich_is_the_renderer(hand):
-    text = _rich_text(hand.with_recommendation(REC))
-    assert "fp16probe report: HandBuilt" in text
-    assert "constant" in text
+def test_markup_in_module_names_is_printed_as_data(hand):
+    odd = replace(hand.modules[2], name="[/bold]")
+    report = replace(hand, modules=(*hand.modules[:2], odd, *hand.modules[3:]))
+    text = _rich(terminal.summary_view(report, hand.recommendation, explain=True), 100)
+    assert "[/bold]" in text
 
 
 @pytest.mark.slow
 def test_importing_fp16probe_loads_neither_matplotlib_nor_rich():
-    code = ("import sys, fp16probe, fp16probe.presentation.notebook; "
+    code = ("import sys, fp16probe, fp16probe.presentation.html, fp16probe.presentation.answer; "
             "print('matplotlib' in sys.modules, 'rich' in sys.modules)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
-
-
-def test_worst_modules_skips_modules_that_lose_nothing(hand):
-    names = [n for n, _t, _f in display.worst_modules(hand, "fp16")]
-    assert names == ["deep"]
-    # in e4m3 (flushes at or below 2^-10) "mid" and "deep" lose everything, "head" half
-    e4m3 = display.worst_modules(hand, "fp8_e4m3")
-    assert [(n, f) for n, _t, f in e4m3] == [("mid", 1.0), ("deep", 1.0), ("head", 6 * 400 / (6 * 800 + 1))]
-    extra = ModuleStats("silent", ACTIVATION_GRAD, "Linear", 9, hand.module("head").histogram)
-    assert "silent" not in [n for n, _t, _f in display.worst_modules(replace(hand, modules=(*hand.modules, extra)))]
-
-
-def test_recommendation_displays_itself(hand):
-    from fp16probe.analysis.recommend import analyze
-
-    rec = analyze(hand, "fp16")
-    page = rec._repr_html_()
-    assert f">{rec.verdict}</span>" in page
-    assert f"{100 * rec.flushed_fraction_at_1:.3g}%" in page
-    assert f"init_scale={display._number(rec.grad_scaler_kwargs['init_scale'])}" in page
-    text = _rich_text(rec)
-    assert rec.verdict in text and f"2^{rec.log2_scale}" in text
-
-
-def test_report_html_runs_the_analyzer_when_none_is_stored(hand):
-    from fp16probe.analysis.recommend import analyze
-
-    rec = analyze(hand, "fp16")
-    page = hand._repr_html_()
-    assert f">{rec.verdict}</span>" in page
-    assert f"2^{rec.log2_scale} = {2.0 ** rec.log2_scale:g}" in page
-
-
-def test_long_module_names_fold_instead_of_being_cut(hand):
-    """On a narrow or non-terminal console a truncated name ("encoder.layers.1…") no longer says which module."""
-    from rich.console import Console
-
-    from fp16probe.presentation import terminal as render
-
-    name = "encoder.layers.11.attention.output.dense_projection"
-    long = replace(hand.modules[2], name=name)
-    report = replace(hand, modules=(*hand.modules[:2], long, *hand.modules[3:]))
-    for renderable in (render._worst_table(report, ACTIVATION_GRAD, "fp16", 5, 10),
-                       display.report_rich(report, recommendation=REC)):
-        console = Console(record=True, width=60, color_system=None)
-        console.print(renderable)
-        text = console.export_text()
-        # The folded pieces of the name, read down the first column, give it back whole.
-        cells = [ln.split("│")[1].strip() for ln in text.splitlines() if ln.count("│") > 2]
-        assert name in "".join(cells)

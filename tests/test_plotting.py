@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -300,16 +301,19 @@ def test_annotations_equal_the_analyzers_numbers(which, request):
         assert not scaled
 
 
-def test_distribution_uses_the_analyzers_scale_by_default(hand, hand_rec):
-    ax = plotting.plot_distribution(hand, "fp16")
+def test_distribution_draws_the_stored_recommendation_and_runs_no_analysis(hand, hand_rec):
+    ax = plotting.plot_distribution(hand.with_recommendation(hand_rec), "fp16")
     values, edges = _stairs(ax, "histogram:scaled")
     h = hand.histogram(ACTIVATION_GRAD)
     k = hand_rec.log2_scale
     assert k, "the hand-built report needs a scale"
     assert _share_in_bin(values, edges, -30 + k) == pytest.approx(h.count(-30) / h.total)
+    bare = plotting.plot_distribution(hand.with_recommendation(None), "fp16")
+    assert not [a for a in bare.patches if a.get_gid() == "histogram:scaled"]
+    assert not [t for t in bare.texts if t.get_gid() == "annotation:flushed_at_scale"]
 
 
-def test_stored_recommendation_dict_is_drawn(hand, hand_rec):
+def test_stored_recommendation_is_drawn(hand, hand_rec):
     report = hand.with_recommendation(hand_rec)
     ax = plotting.plot_distribution(report, "fp16")
     assert f"2^{hand_rec.log2_scale}" in _by_gid(ax.texts, "annotation:flushed_at_scale")[0].get_text()
@@ -325,7 +329,8 @@ def test_what_if_curve_is_the_what_if_table(hand, hand_rec, tmp_path):
     assert list(flushed.get_ydata()) == [r.flushed_fraction for r in table.rows]
     twin = [a for a in ax.figure.axes if a is not ax][0]
     (overflow,) = _by_gid(twin.lines, "what_if:overflow")
-    assert list(overflow.get_ydata()) == [r.overflow_steps for r in table.rows]
+    every_gradient = what_if(hand, "fp16", kind="all")  # overflow is judged on every gradient
+    assert list(overflow.get_ydata()) == [r.overflow_steps for r in every_gradient.rows]
     # the hand-built report's 2^10 value overflows fp16 in one of six steps from S = 2^6 on
     assert table.row(5).overflow_steps == 0 and table.row(6).overflow_steps == 1
     assert _line_x(ax, "recommendation") == hand_rec.log2_scale
@@ -384,3 +389,94 @@ def test_save_figures_writes_all_four_views(hand, hand_rec, tmp_path, ext, magic
 def test_report_plot_all_views(hand):
     fig = hand.plot()
     assert len([ax for ax in fig.axes if ax.get_title()]) >= 4
+
+
+# -- many modules, odd names, legends, the limit, files (issues 12 and 15) ------------------
+def _many_modules(n: int = 141):
+    from dataclasses import replace
+
+    from fp16probe.report import ModuleStats
+
+    base = hand_report()
+    deep = base.module("deep").histogram
+    head = base.module("head").histogram
+    mods = tuple(ModuleStats(f"model.layers.{i}.mlp.down_proj", ACTIVATION_GRAD, "Linear", i,
+                             deep if i % 7 == 0 else head) for i in range(n))
+    return replace(base, modules=mods)
+
+
+def test_heatmap_of_many_modules_says_how_many_it_shows_and_keeps_labels_legible():
+    report = _many_modules()
+    fig = report.plot("all")
+    ax = next(a for a in fig.axes if [c for c in a.collections if c.get_gid() == "heatmap"])
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert f"{len(labels)} of 141 modules, those that flush the most" in ax.get_title()
+    # each label gets at least 1.6 times its font size of height
+    fig.draw_without_rendering()
+    height_pt = ax.get_window_extent().height * 72 / fig.dpi
+    assert height_pt / len(labels) >= 1.6 * 7
+    # the rows kept are those that flush the most: every 7th module is the "deep" one
+    shown = [int(re.match(r"model\.layers\.(\d+)\.", t).group(1)) for t in labels]
+    assert len(labels) >= 21 and set(range(0, 141, 7)) <= set(shown) and shown == sorted(shown)
+    alone = plotting.plot_module_heatmap(report)
+    assert "60 of 141 modules" in alone.get_title()
+    few = plotting.plot_module_heatmap(hand_report())
+    assert "all 3 modules" in few.get_title()
+
+
+def test_module_names_with_markup_and_mathtext_are_drawn_as_text(tmp_path):
+    from dataclasses import replace
+
+    base = hand_report()
+    odd = ("$\\frac{$", "[/bold]", "a.$x$.b")
+    mods = tuple(replace(m, name=odd[i]) if i < 3 else m for i, m in enumerate(base.modules))
+    report = replace(base, modules=mods, metadata=replace(base.metadata, model_class="Net$1$"))
+    fig = report.plot("all")
+    _save_png(fig, tmp_path)  # mathtext would raise on "$\frac{$"
+    ax = next(a for a in fig.axes if [c for c in a.collections if c.get_gid() == "heatmap"])
+    texts = [t.get_text() for t in ax.get_yticklabels()]
+    assert any(t.startswith("\\$\\frac{\\$ [Linear]") for t in texts)
+    assert any(t.startswith("a.\\$x\\$.b [Linear]") for t in texts)
+
+
+def test_legends_sit_off_the_data(hand):
+    from fp16probe.analysis.recommend import analyze
+
+    report = hand.with_recommendation(analyze(hand, "fp16"))
+    for draw in (plotting.plot_what_if, plotting.plot_scale_timeline, plotting.plot_distribution):
+        ax = draw(report, "fp16")
+        ax.figure.draw_without_rendering()
+        legend = ax.get_legend().get_window_extent()
+        assert not legend.overlaps(ax.get_window_extent()), draw.__name__
+
+
+def test_what_if_first_overflow_is_the_recommendations_limit():
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.report import Report
+
+    for report in (Report.load(Path(__file__).parent / "data" / "report-v1-demo.json"), hand_report()):
+        rec = analyze(report, "fp16")
+        ax = plotting.plot_what_if(report, "fp16", recommendation=rec)
+        twin = [a for a in ax.figure.axes if a is not ax][0]
+        (overflow,) = _by_gid(twin.lines, "what_if:overflow")
+        first = next(x for x, y in zip(overflow.get_xdata(), overflow.get_ydata()) if y > 0)
+        assert first == rec.evidence["largest_safe_log2_scale"] + 1
+        assert _line_x(ax, "limit") == first
+
+
+def test_save_figures_is_atomic_and_leaves_the_old_figure_on_a_full_disk(hand, tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "figures.png"
+    plotting.save_figures(hand, path)
+    old = path.read_bytes()
+    assert old.startswith(b"\x89PNG")
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("fp16probe.report.os.fsync", full_disk)  # the disk fills while the new figure is written
+    with pytest.raises(OSError):
+        plotting.save_figures(hand, path)
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.png"]  # no temporary file left

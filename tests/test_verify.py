@@ -118,8 +118,9 @@ def test_cli_verify_stores_and_shows_it(tmp_path, monkeypatch):
     assert result.exit_code == EXIT_OK, result.output
     assert Report.load("r.json").verification is not None
     shown = runner.invoke(app, ["show", "r.json"])
-    assert "verification: the recommendation run for real: fp16 autocast on cpu, 2 steps" in shown.stderr
-    assert "prediction held" in shown.stderr
+    assert "verification (fp16 autocast on cpu, 2 steps): prediction held" in shown.stderr
+    explained = runner.invoke(app, ["show", "r.json", "--explain"])
+    assert "verification: the recommendation run for real: fp16 autocast on cpu, 2 steps" in explained.stderr
     refused = runner.invoke(app, ["profile", "--steps", "2", "--verify", "--precision", "fp16", "--out", "f.json"])
     assert refused.exit_code == EXIT_USAGE and "error: --verify checks a prediction" in refused.stderr
 

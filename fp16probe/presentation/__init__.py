@@ -1,1 +1,1 @@
-"""Presentation: terminal, notebook, figures and CI outputs of a Report (rich and matplotlib live here)."""
+"""Presentation, one module per medium: terminal (rich), html (Jupyter), figures (matplotlib); answer says what all of them show."""

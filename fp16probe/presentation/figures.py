@@ -8,7 +8,7 @@ takes ``ax=None`` (a fresh Figure is made) and returns the Axes it drew on.
 The x-axis of the distribution and the heatmap is log2 of the magnitude: the bin ``e``,
 holding magnitudes in ``(2^(e-1), 2^e]``, spans ``[e - 1, e]``, so the format bounds,
 which are bin edges, fall on the bars' edges. Exact zeros get a bin of their own to the
-left of the axis, as in LIT-011's Figure 3.
+left of the axis, as in Figure 3 of Micikevicius et al., "Mixed Precision Training" (arXiv:1710.03740).
 
 Artists that the tests (and anyone post-processing a figure) need to find carry a
 ``gid``: ``bound:flush``, ``bound:min_normal``, ``bound:max``, ``region:<name>``,
@@ -19,6 +19,7 @@ Artists that the tests (and anyone post-processing a figure) need to find carry 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -31,18 +32,18 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
-from fp16probe.presentation.notebook import field as _get
-from fp16probe.presentation.notebook import flushed_fraction
-from fp16probe.presentation.notebook import resolve_recommendation as _resolve_recommendation
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
+from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP
-from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
+from fp16probe.analysis.whatif import what_if, worst_modules
+from fp16probe.presentation.answer import recommendation_for, shorten_name, wrap_text
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation
+from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, atomic_write_text
 
 __all__ = [
     "FIGURE_KINDS",
     "figure",
-    "flushed_fraction",
     "format_bounds",
     "plot_distribution",
     "plot_module_heatmap",
@@ -80,23 +81,22 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
     }
 
 
-def _histogram_of(report: Report, kind: str) -> Histogram:
-    """The merged histogram of one kind; ``all`` is every gradient the loss scale multiplies."""
-    if kind == "all":
-        return report.histogram(ACTIVATION_GRAD) + report.histogram(WEIGHT_GRAD)
-    return report.histogram(kind)
+def flushed_fraction(h: Histogram, fmt: str | Format, log2_scale: int = 0) -> float:
+    """Return the share of the nonzero finite values that become 0 when cast at S = 2^log2_scale."""
+    n = h.nonzero_finite
+    return h.flushed(fmt, log2_scale) / n if n else 0.0
 
 
-def _log2_scale_of(recommendation: Any) -> int | None:
-    k = _get(recommendation, "log2_scale")
-    return None if k is None else int(k)
+def _literal(text: str) -> str:
+    """Text from a report drawn as it is: a '$' would start matplotlib's mathtext."""
+    return str(text).replace("$", r"\$")
 
 
-def _pct(fraction: float) -> str:
-    """Format a share as a percentage with three significant digits."""
-    if fraction == 0:
-        return "0%"
-    return f"{100 * fraction:.3g}%"
+def _recommendation(report: Report | None, given: Recommendation | None, fmt: Format) -> Recommendation | None:
+    """The recommendation given, else the report's stored one for ``fmt`` (never a fresh analysis)."""
+    if given is not None or report is None:
+        return given
+    return recommendation_for(report, fmt.name)
 
 
 def _scale_label(k: int) -> str:
@@ -170,19 +170,19 @@ def plot_distribution(
     report: Report | Histogram,
     format: str | Format = "fp16",
     *,
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     log2_scale: int | None = None,
     kind: str = ACTIVATION_GRAD,
     ax: Axes | None = None,
 ) -> Axes:
-    """Draw LIT-011's Figure 3 view: value shares per log2 bin against a format's regions.
+    """Draw the Figure 3 view of Micikevicius et al. (arXiv:1710.03740): value shares per log2 bin
+    against a format's regions.
 
     Args:
         report: a Report (its merged histogram of ``kind`` is drawn) or a Histogram.
         format: the target format whose regions are shaded.
-        recommendation: a Recommendation (or its dict); its ``log2_scale`` is the S
-            drawn beside the measured histogram. Default: the report's stored one, or
-            ``fp16probe.analysis.analyze`` run on the report.
+        recommendation: a Recommendation; its ``log2_scale`` is the S drawn beside the
+            measured histogram. Default: the report's stored one for ``format``.
         log2_scale: draw the histogram shifted by S = 2^log2_scale instead.
         kind: which values of the report to draw.
         ax: the Axes to draw on (default: a new Figure's).
@@ -194,10 +194,10 @@ def plot_distribution(
     if isinstance(report, Histogram):
         hist, source = report, None
     else:
-        hist, source = _histogram_of(report, kind), report
+        hist, source = report.histogram(kind), report
     if log2_scale is None:
-        recommendation = _resolve_recommendation(source, recommendation, fmt, kind)
-        log2_scale = _log2_scale_of(recommendation)
+        recommendation = _recommendation(source, recommendation, fmt)
+        log2_scale = None if recommendation is None else recommendation.log2_scale
     ax = _new_axes(ax, (9, 4.5))
     total = hist.total
     shifted = [(hist, 0)] + ([(hist, log2_scale)] if log2_scale else [])
@@ -208,7 +208,7 @@ def plot_distribution(
     _draw_format(ax, fmt, lo, hi, label_regions=True)
     zero_share = hist.zero / total if total else 0.0
     ax.bar([zero_x], [zero_share], width=1.0, color="#7f7f7f", edgecolor="black", lw=0.6,
-           zorder=4, gid="zeros", label=f"exact zeros ({_pct(zero_share)}; unchanged by S)")
+           zorder=4, gid="zeros", label=f"exact zeros ({num.percent(zero_share)}; unchanged by S)")
     ax.stairs(_bin_values(hist, lo, hi, 0, total), edges, fill=True, color=_MEASURED_COLOR,
               alpha=0.75, zorder=4, gid="histogram", label="measured (S = 1)")
     if log2_scale:
@@ -218,12 +218,12 @@ def plot_distribution(
 
     n = hist.nonzero_finite
     lines = [(0, "annotation:flushed_at_1",
-              f"flushed to zero at S = 1: {_pct(flushed_fraction(hist, fmt, 0))} of nonzero values "
+              f"flushed to zero at S = 1: {num.percent(flushed_fraction(hist, fmt, 0))} of nonzero values "
               f"({hist.flushed(fmt, 0):,} of {n:,})")]
     if log2_scale:
         lines.append((log2_scale, "annotation:flushed_at_scale",
                       f"flushed at {_scale_label(log2_scale)}: "
-                      f"{_pct(flushed_fraction(hist, fmt, log2_scale))} "
+                      f"{num.percent(flushed_fraction(hist, fmt, log2_scale))} "
                       f"({hist.flushed(fmt, log2_scale):,} of {n:,})"
                       + ("; OVERFLOWS" if hist.overflows(fmt, log2_scale) else "")))
     for i, (_k, gid, text) in enumerate(lines):
@@ -255,32 +255,37 @@ def plot_module_heatmap(
     format: str | Format = "fp16",
     *,
     kind: str = ACTIVATION_GRAD,
-    max_modules: int | None = 60,
+    max_modules: int | None = None,
     ax: Axes | None = None,
 ) -> Axes:
     """Draw each module's share of values per log2 bin (rows in forward order).
 
     Row labels carry each module's flushed share at S = 1; the format's bounds are
-    vertical lines. ``max_modules`` keeps the worst modules (by flushed share) when
-    there are more, still in forward order.
+    vertical lines. When there are more modules than ``max_modules`` (default: as many as
+    keep their labels legible, at most 60 on a new figure), the rows are the modules that
+    flush the most, still in forward order, and the title says how many of how many.
     """
     fmt = get_format(format)
     modules = list(report.modules_of(kind))
-    if max_modules is not None and len(modules) > max_modules:
-        worst = sorted(modules, key=lambda m: -flushed_fraction(m.histogram, fmt))[:max_modules]
-        keep = {id(m) for m in worst}
-        modules = [m for m in modules if id(m) in keep]
-    ax = _new_axes(ax, (9, max(2.5, 0.28 * len(modules) + 1.5)))
-    if not modules:
+    if max_modules is None:
+        max_modules = _HEATMAP_MAX_ROWS if ax is None else _rows_that_fit(ax)
+    shown = modules
+    if len(modules) > max_modules:
+        keep = {(w.name, w.kind) for w in worst_modules(report, fmt, kind=kind, count=max_modules)}
+        rest = [m for m in modules if (m.name, m.kind) not in keep]
+        keep |= {(m.name, m.kind) for m in rest[: max_modules - len(keep)]}  # fewer flush: the first others
+        shown = [m for m in modules if (m.name, m.kind) in keep]
+    ax = _new_axes(ax, (9, max(2.5, _ROW_INCHES * len(shown) + 1.5)))
+    if not shown:
         ax.text(0.5, 0.5, f"no {kind} records in this report", transform=ax.transAxes,
                 ha="center", va="center")
         ax.set_axis_off()
         return ax
-    lo, hi = _x_range([(m.histogram, 0) for m in modules], fmt)
+    lo, hi = _x_range([(m.histogram, 0) for m in shown], fmt)
     # Columns: the zero bin on [lo-2, lo-1], a blank gap, then bins lo+1 .. hi.
     edges = np.arange(lo - 2, hi + 1, dtype=np.float64)
-    grid = np.zeros((len(modules), len(edges) - 1))
-    for r, m in enumerate(modules):
+    grid = np.zeros((len(shown), len(edges) - 1))
+    for r, m in enumerate(shown):
         total = m.histogram.total
         if total:
             grid[r, 0] = m.histogram.zero / total
@@ -288,22 +293,37 @@ def plot_module_heatmap(
     masked = np.ma.masked_less_equal(grid, 0.0)
     positive = grid[grid > 0]
     norm = LogNorm(vmin=max(positive.min(), 1e-8), vmax=positive.max()) if positive.size else None
-    mesh = ax.pcolormesh(edges, np.arange(len(modules) + 1), masked, cmap="viridis", norm=norm,
+    mesh = ax.pcolormesh(edges, np.arange(len(shown) + 1), masked, cmap="viridis", norm=norm,
                          gid="heatmap")
     _draw_format(ax, fmt, lo - 2, hi, label_regions=False)
     for line in ax.lines:  # stand out on both the dark and the bright cells
         line.set_color("#e8412c")
         line.set_linewidth(1.3)
-    labels = [f"{m.name} [{m.module_type}]  ({_pct(flushed_fraction(m.histogram, fmt))})" for m in modules]
-    ax.set_yticks(np.arange(len(modules)) + 0.5, labels, fontsize=7)
-    ax.set_ylim(len(modules), 0)  # first module in forward order at the top
+    labels = [_literal(f"{shorten_name(m.name, _LABEL_CHARS)} [{m.module_type}] "
+                       f"({num.percent(flushed_fraction(m.histogram, fmt))})") for m in shown]
+    ax.set_yticks(np.arange(len(shown)) + 0.5, labels, fontsize=_LABEL_POINTS)
+    ax.set_ylim(len(shown), 0)  # first module in forward order at the top
     ax.set_xlim(lo - 2, hi)
     _log2_ticks(ax, lo, hi, lo - 1.5)
     ax.set_xlabel(f"magnitude (log2 bins); dashed: {fmt.name} flush, min normal, max")
-    ax.set_title(f"{kind.replace('_', ' ')} per module, forward order "
-                 f"(label: share flushed in {fmt.name} at S = 1)")
+    which = (f"all {len(modules)} modules" if len(shown) == len(modules) else
+             f"{len(shown)} of {len(modules)} modules, those that flush the most")
+    ax.set_title(f"{kind.replace('_', ' ')} per module: {which}, in forward order\n"
+                 f"(label: share flushed in {fmt.name} at S = 1)", gid="heatmap:title")
     ax.figure.colorbar(mesh, ax=ax, label="share of the module's values", pad=0.01)
     return ax
+
+
+_LABEL_POINTS = 7
+_LABEL_CHARS = 48
+_ROW_INCHES = 0.2  # 14.4 pt a row: a 7 pt label with room to spare
+_HEATMAP_MAX_ROWS = 60
+
+
+def _rows_that_fit(ax: Axes) -> int:
+    """How many 7 pt labels the Axes' height holds with a line's spacing between them."""
+    inches = ax.get_position().height * ax.figure.get_figheight()
+    return max(int(inches * 72 / (1.6 * _LABEL_POINTS)), 1)
 
 
 # -- what-if curve -----------------------------------------------------------------------
@@ -311,26 +331,26 @@ def plot_what_if(
     report: Report | Any,
     format: str | Format = "fp16",
     *,
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     kind: str = ACTIVATION_GRAD,
     ax: Axes | None = None,
 ) -> Axes:
     """Draw the flushed share and the overflowing steps against log2 S.
 
-    ``report`` is a Report (``fp16probe.analysis.what_if`` is run on it) or a
-    WhatIfTable. The recommended log2 S is a vertical line; the overflow steps use the
-    right-hand axis.
+    ``report`` is a Report or a WhatIfTable. For a Report, ``fp16probe.analysis`` computes
+    both curves: the flushed share of ``kind``, and the overflowing steps of every gradient
+    the loss scale multiplies, as the analysis judges overflow, so the curve's first
+    overflowing S is the recommendation's limit (drawn dashed). The recommended log2 S is a
+    solid line; the overflow steps use the right-hand axis; the legend sits below the plot.
     """
     fmt = get_format(format)
     if isinstance(report, Report):
-        from fp16probe.analysis.whatif import what_if
-
-        table = what_if(report, fmt.name, kind=kind)
-        recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
+        table = what_if(report, fmt.name, kind=kind, modules=False)
+        recommendation = _recommendation(report, recommendation, fmt)
     else:
         table = report
     rows = list(table.rows)
-    ax = _new_axes(ax, (8, 4))
+    ax = _new_axes(ax, (8, 4.5))
     xs = [r.log2_scale for r in rows]
     flushed = [r.flushed_fraction for r in rows]
     ax.plot(xs, flushed, marker="o", ms=3, color=_MEASURED_COLOR, gid="what_if:flushed",
@@ -342,21 +362,26 @@ def plot_what_if(
     twin = ax.twinx()
     overflow = [r.overflow_steps for r in rows]
     twin.step(xs, overflow, where="mid", color=_SCALED_COLOR, gid="what_if:overflow",
-              label="steps that overflow")
+              label="steps that overflow (any gradient)")
     twin.set_ylabel("steps with an overflow", color=_SCALED_COLOR)
     twin.set_ylim(0, max(max(overflow, default=0), 1) * 1.15)
-    threshold = None if recommendation is None else recommendation.thresholds.get("max_flushed_fraction")
-    if threshold is not None:
-        ax.axhline(float(threshold), color="#777777", lw=0.8, ls=":", gid="threshold",
-                   label=f"tolerated flushed share ({_pct(float(threshold))})")
-    k = _log2_scale_of(recommendation)
-    if k is not None:
-        verdict = _get(recommendation, "verdict", "")
-        ax.axvline(k, color="black", lw=1.5, gid="recommendation",
-                   label=f"recommended: {_scale_label(k)} ({verdict})")
+    if recommendation is not None:
+        threshold = recommendation.thresholds.get("max_flushed_fraction")
+        if threshold is not None:
+            ax.axhline(float(threshold), color="#777777", lw=0.8, ls=":", gid="threshold",
+                       label=f"tolerated flushed share ({num.percent(float(threshold))})")
+        k = recommendation.log2_scale
+        if k is not None:
+            ax.axvline(k, color="black", lw=1.5, gid="recommendation",
+                       label=f"recommended: {_scale_label(k)} ({recommendation.verdict})")
+        k_max = recommendation.evidence.get("largest_safe_log2_scale")
+        if k_max is not None:
+            ax.axvline(k_max + 1, color=_SCALED_COLOR, lw=1.0, ls="--", gid="limit",
+                       label=f"first overflowing S per the analysis: 2^{k_max + 1}")
     handles = ax.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
-    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper right", fontsize=8)
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7.5, frameon=False)
     ax.set_title(f"what if: {fmt.name} at S = 2^k ({kind.replace('_', ' ')})")
     return ax
 
@@ -366,7 +391,7 @@ def plot_scale_timeline(
     report: Report,
     format: str | Format = "fp16",
     *,
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     kind: str = ACTIVATION_GRAD,
     horizon: int | None = None,
     seed: int = 0,
@@ -380,15 +405,14 @@ def plot_scale_timeline(
     A scale the run itself recorded (it had a GradScaler) is drawn too.
     """
     from fp16probe.analysis.replay import simulate
-    from fp16probe.recommendation import GRADSCALER_DEFAULTS
 
     fmt = get_format(format)
-    recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
-    ax = _new_axes(ax, (8, 4))
+    recommendation = _recommendation(report, recommendation, fmt)
+    ax = _new_axes(ax, (8, 4.5))
     n = len(report.trace)
     horizon_kw = {} if horizon is None else {"horizon": horizon}
     schedules: list[tuple[str, Mapping[str, Any], str]] = []
-    kwargs = dict(_get(recommendation, "grad_scaler_kwargs", {}) or {})
+    kwargs = {} if recommendation is None else dict(recommendation.grad_scaler_kwargs)
     if kwargs:
         schedules.append(("recommended", kwargs, _SCALED_COLOR))
     schedules.append(("GradScaler default", dict(GRADSCALER_DEFAULTS), "#555555"))
@@ -407,14 +431,14 @@ def plot_scale_timeline(
         ax.step(np.arange(n), measured, where="post", color="#888888", ls=":",
                 gid="timeline:recorded", label="scale the run recorded")
     if not kwargs:
-        verdict = _get(recommendation, "verdict", "no recommendation")
+        verdict = "no recommendation" if recommendation is None else recommendation.verdict
         ax.text(0.02, 0.04, f"verdict {verdict}: no scaler to replay", transform=ax.transAxes,
                 fontsize=8, gid="annotation:no_schedule")
     ax.set_yscale("log", base=2)
     ax.set_xlabel(f"simulated step (the {n} profiled steps drawn at random, seed {seed})")
     ax.set_ylabel("loss scale")
     ax.set_title(f"loss scale per step in {fmt.name}: recommended vs GradScaler's default")
-    ax.legend(loc="best", fontsize=7.5)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7.5, frameon=False)
     return ax
 
 
@@ -430,7 +454,7 @@ def figure(
     report: Report,
     *,
     which: str = "all",
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     format: str | Format = "fp16",
     kind: str = ACTIVATION_GRAD,
 ) -> Figure:
@@ -439,7 +463,7 @@ def figure(
     if which not in FIGURE_KINDS:
         raise Fp16ProbeError(f"unknown figure {which!r}: expected one of {', '.join(FIGURE_KINDS)}")
     fmt = get_format(format)
-    recommendation = _resolve_recommendation(report, recommendation, fmt, kind)
+    recommendation = _recommendation(report, recommendation, fmt)
     draw = {
         "distribution": lambda ax: plot_distribution(report, fmt, recommendation=recommendation,
                                                      kind=kind, ax=ax),
@@ -449,15 +473,18 @@ def figure(
                                                    kind=kind, ax=ax),
     }
     if which != "all":
-        fig = Figure(figsize=(9, 4.5), layout="constrained")
+        fig = Figure(figsize=(9, 5), layout="constrained")
         draw[which](fig.add_subplot())
-        return fig
-    fig = Figure(figsize=(17, 10), layout="constrained")
-    axes = fig.subplots(2, 2)
-    for name, ax in zip(("distribution", "heatmap", "what_if", "timeline"), axes.flat):
-        draw[name](ax)
-    fig.suptitle(f"fp16probe: {report.metadata.model_class}, {report.metadata.steps_seen} steps, "
-                 f"target {fmt.name}")
+    else:
+        fig = Figure(figsize=(17, 11), layout="constrained")
+        for name, ax in zip(("distribution", "heatmap", "what_if", "timeline"), fig.subplots(2, 2).flat):
+            draw[name](ax)
+        fig.suptitle(_literal(f"fp16probe: {report.metadata.model_class}, {report.metadata.steps_seen} "
+                              f"steps, target {fmt.name}"))
+    if recommendation is not None and recommendation.caveats:
+        chars = int(fig.get_figwidth() * 14)  # about 8 pt text across the figure
+        lines = [line for c in recommendation.caveats for line in wrap_text(f"caveat: {c}", chars)]
+        fig.supxlabel(_literal("\n".join(lines)), fontsize=8, color="#8a4b00", gid="caveats")
     return fig
 
 
@@ -475,15 +502,20 @@ def check_figure_path(path: str | os.PathLike[str]) -> Path:
 def save_figures(
     report: Report,
     path: str | os.PathLike[str],
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     format: str | Format = "fp16",
     *,
     kind: str = ACTIVATION_GRAD,
     dpi: int = 120,
 ) -> Path:
-    """Write every view of the report into one file; PNG, SVG or PDF by the extension."""
+    """Write every view of the report into one file; PNG, SVG or PDF by the extension.
+
+    The file is written whole or not at all: drawn into a temporary file in the same folder,
+    then renamed over ``path``, so a full disk or a crash leaves an old figure intact.
+    """
     path = check_figure_path(path)
     fig = figure(report, which="all", recommendation=recommendation, format=format, kind=kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=path.suffix[1:].lower())
+    atomic_write_text(path, buf.getvalue())  # a full disk or a crash leaves an old figure whole
     return path

@@ -1,88 +1,60 @@
-"""Human-readable output for the command line: the only module that imports rich.
+"""Everything fp16probe shows in a terminal: the only module that imports rich.
 
-rich is imported inside the functions, so importing fp16probe never loads it. Consoles
-are made per command (:func:`make_console`), so NO_COLOR and captured output in tests work.
-Recommendations are the typed ``fp16probe.recommendation.Recommendation``, read by attribute.
+The CLI's summaries and the ``__rich__`` views of a Report and a Recommendation are one
+renderable (:class:`Fitted`) built for the width it is printed at, so ``profile``, ``show``,
+``recommend`` and ``rich.print(report)`` agree and survive 80 columns and pipes: lines are
+broken at spaces, module names after dots, URLs never, numbers never. Module names and
+other report text are passed to rich as ``Text``, never parsed as markup. rich is imported
+inside the functions; consoles are made per command, so NO_COLOR and tests work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from fp16probe.analysis.whatif import worst_modules
 from fp16probe.formats import get_format
+from fp16probe import formatting as num
+from fp16probe.presentation.answer import (
+    evidence_rows,
+    KIND_WORDS,
+    fit_name,
+    recommendation_for,
+    run_header,
+    short_answer,
+    wrap_text,
+)
 from fp16probe.recommendation import Recommendation
-from fp16probe.report import Histogram, Report
+from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
 
 __all__ = [
-    "grad_scaler_code",
+    "Fitted",
     "make_console",
     "print_compare",
     "print_error",
-    "print_profile_summary",
     "print_recommendation",
-    "print_show",
-    "precision_caveat",
+    "print_summary",
     "progress",
+    "recommendation_view",
+    "report_view",
+    "summary_view",
 ]
+
+_STYLES = {"verdict": "bold", "caveat": "yellow", "invented": "yellow", "finding": "red", "code": "cyan"}
 
 
 def make_console(stderr: bool = True) -> Any:
-    """A rich Console on stderr (human output never goes to stdout)."""
+    """Return a rich Console on stderr (human output never goes to stdout)."""
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
 
 
-def _get(rec: Recommendation | None, name: str, default: Any = None) -> Any:
-    if rec is None:
-        return default
-    return getattr(rec, name, default)
-
-
-def grad_scaler_code(rec: Any, device: str = "cuda") -> str:
-    """Ready-to-paste Python for the recommended GradScaler (or why none is needed)."""
-    verdict = _get(rec, "verdict")
-    kwargs = dict(_get(rec, "grad_scaler_kwargs") or {})
-    if verdict == "none_needed":
-        return f'scaler = torch.amp.GradScaler("{device}", enabled=False)  # no loss scaling needed'
-    if not kwargs:
-        return f"# no GradScaler to paste: the verdict is {verdict}; follow the text above"
-    args = ", ".join(f"{k}={_py(v)}" for k, v in kwargs.items())
-    return f'scaler = torch.amp.GradScaler("{device}", {args})'
-
-
-def _py(v: Any) -> str:
-    if isinstance(v, float):
-        if v.is_integer() and abs(v) >= 2**10:
-            k = int(math.log2(v)) if v > 0 else None
-            if k is not None and 2.0**k == v:
-                return f"2.0**{k}"
-        return repr(v)
-    return repr(v)
-
-
-def _pct(num: int | float, den: int | float) -> str:
-    if not den:
-        return "-"
-    f = num / den
-    if f == 0:
-        return "0%"
-    if f < 1e-4:
-        return f"{f * 100:.2g}%"
-    return f"{f * 100:.3g}%"
-
-
-def _frac(f: float | None) -> str:
-    if f is None:
-        return "-"
-    return _pct(f, 1.0)
-
-
 def print_error(console: Any, message: str) -> None:
-    """One line: what was wrong and what to do."""
+    """Print one line: what was wrong and what to do."""
     from rich.text import Text
 
     console.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
@@ -90,7 +62,7 @@ def print_error(console: Any, message: str) -> None:
 
 @contextlib.contextmanager
 def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A progress bar on a terminal; a no-op elsewhere. Yields ``update(steps_done)``."""
+    """Show a progress bar on a terminal (a no-op elsewhere); yield ``update(steps_done)``."""
     if not enabled or not console.is_terminal:
         yield lambda done: None
         return
@@ -102,48 +74,220 @@ def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int]
         yield lambda done: bar.update(task, completed=done)
 
 
-# -- tables ---------------------------------------------------------------------------
+class Fitted:
+    """A rich renderable that builds its lines and tables for the width it is printed at."""
+
+    def __init__(self, build: Callable[[int], Iterable[Any]]) -> None:
+        self._build = build
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        yield from self._build(options.max_width)
 
 
-def _distribution_table(h: Histogram, fmt_name: str, log2_scale: int | None, title: str) -> Any:
+def _lines(lines: Iterable[str], style: str = "") -> list[Any]:
+    """Pre-fitted lines as Text that rich neither wraps, cuts nor reads as markup."""
+    from rich.text import Text
+
+    return [Text(line, style=style, no_wrap=True, overflow="ignore") for line in lines]
+
+
+def _para(text: str, width: int, style: str = "", indent: str = "") -> list[Any]:
+    return _lines(wrap_text(text, width, indent), style)
+
+
+# -- views ---------------------------------------------------------------------------------
+def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTIVATION_GRAD,
+                 explain: bool = False, top: int = 5, distribution: bool = False,
+                 out: str | None = None, device: str | None = None) -> Fitted:
+    """Return the summary of a report: the short answer first, then tables; ``explain`` adds
+    the run's provenance, the histogram, the evidence, the reasoning, the replay and sources."""
+
+    def build(width: int) -> Iterator[Any]:
+        yield from _para(run_header(report), width)
+        if rec is None:
+            yield from _para("no recommendation stored in this report: fp16probe show REPORT, or "
+                             "fp16probe.analysis.recommend.analyze(report), makes one", width, "yellow")
+        else:
+            yield from _answer(report, rec, width, device)
+        fmt = rec.format if rec is not None else "fp16"
+        k = rec.log2_scale if rec is not None else None
+        if explain:
+            yield from _run_context(report, width)
+        if distribution or explain:
+            yield _distribution_table(report.histogram(kind), fmt, k, kind)
+        if explain:
+            yield _bins_table(report.histogram(kind), fmt)
+        if top and report.modules_of(kind):
+            yield from _worst_table(report, kind, fmt, k, top, width)
+        if explain and getattr(report, "verification", None) is not None:
+            yield from _verification(report.verification, width)
+        if explain and rec is not None:
+            yield from _explanation(rec, width)
+        if out is not None:
+            yield from _para(f"report written to {out}", width)
+        if not explain:
+            yield from _para("--explain adds the reasoning, evidence, replay and sources", width, "dim")
+
+    return Fitted(build)
+
+
+def recommendation_view(rec: Recommendation, report: Report | None = None, *,
+                        device: str | None = None, explain: bool = False) -> Fitted:
+    """Return the recommendation: the short answer, then (``explain``) its reasoning and sources.
+
+    Without ``explain`` (the ``__rich__`` view) nothing in it is wider than the console, so
+    a console that crops lines cuts nothing; the CLI prints the reasoning without cropping.
+    """
+
+    def build(width: int) -> Iterator[Any]:
+        yield from _answer(report, rec, width, device)
+        if explain:
+            yield from _explanation(rec, width)
+
+    return Fitted(build)
+
+
+def report_view(report: Report) -> Fitted:
+    """Return the ``__rich__`` view of a report: the summary with its distribution table."""
+    return summary_view(report, recommendation_for(report), distribution=True)
+
+
+def print_summary(console: Any, report: Report, rec: Recommendation | None, **options: Any) -> None:
+    """Print :func:`summary_view` (``profile`` and ``show``); a URL longer than a line stays whole."""
+    console.print(summary_view(report, rec, **options), soft_wrap=True)
+
+
+def print_recommendation(console: Any, rec: Recommendation, report: Report | None = None,
+                         device: str | None = None) -> None:
+    """Print the recommendation with its full reasoning (``recommend``)."""
+    console.print(recommendation_view(rec, report, device=device, explain=True), soft_wrap=True)
+
+
+def _answer(report: Report | None, rec: Recommendation, width: int, device: str | None) -> Iterator[Any]:
+    for line in short_answer(report, rec, width=width, device=device):
+        if line.kind == "code":
+            yield from _lines(line.text.splitlines(), _STYLES["code"])
+        elif line.kind == "verification":
+            held = getattr(getattr(report, "verification", None), "held", True)
+            yield from _para(line.text, width, "green" if held else "bold red", "  ")
+        else:
+            yield from _para(line.text, width, _STYLES.get(line.kind, ""), "  ")
+
+
+def _run_context(report: Report, width: int) -> Iterator[Any]:
+    """Where the inputs and loss came from, and the weight-update check in full."""
+    extra = report.metadata.extra
+    for key in ("inputs", "loss"):
+        if key in extra:
+            yield from _para(f"{key}: {extra[key]}", width, indent="  ")
+    wul = extra.get("weight_update_loss")
+    if wul:
+        yield from _para(f"weight updates ({wul['measured_on']}): {wul['text']}", width, indent="  ")
+
+
+def _verification(v: Any, width: int) -> Iterator[Any]:
+    """The recommended setting run for real: predicted against measured, and what it proves."""
+    from rich.table import Table
+
+    scaler = ("no loss scaler" if not v.scaler_kwargs else
+              "GradScaler(" + ", ".join(f"{k}={val!r}" for k, val in v.scaler_kwargs.items()) + ")")
+    yield from _para(f"verification: the recommendation run for real: {v.precision} autocast on {v.device}, "
+                     f"{v.steps} steps on the profiled batches, {scaler}", width)
+    table = Table()
+    for col in ("", "predicted", "measured"):
+        table.add_column(col, justify="right" if col else "left", no_wrap=bool(col))
+    table.add_row(*_cells(["steps that overflowed", f"{v.predicted_overflow_steps} of {v.steps}",
+                           f"{v.measured_overflow_steps} of {v.steps}"]))
+    table.add_row(*_cells([f"{v.kind} values zeroed", num.percent(v.predicted_zeroed_fraction),
+                           num.percent(v.measured_zeroed_fraction)]))
+    for kind, counts in v.by_kind.items():  # the other kinds, measured only: the prediction judged v.kind
+        if kind not in (v.kind, "all"):
+            table.add_row(*_cells([f"{kind} values zeroed", "not judged",
+                                   num.percent(counts.get("zeroed_fraction", 0.0))]))
+    yield table
+    yield from _para(f"zeroed: of the fp32 run's {num.count(v.nonzero_values)} nonzero {v.kind} values on the "
+                     f"same batches, the {num.count(v.zeroed_values)} that came out exactly 0 in the "
+                     f"{v.precision} run; tolerance ±{num.percent(v.tolerance)}; this proves these {v.steps} "
+                     "steps on these batches, not a whole training run", width)
+    for note in v.notes:
+        yield from _para(f"note: {note}", width, indent="  ")
+
+
+def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
+    from rich.table import Table
+
+    yield from _lines(["", "why:"], "bold")
+    yield from _para(rec.text, width)
+    evidence = evidence_rows(rec.evidence)
+    if evidence:
+        table = Table(title="evidence", title_justify="left")
+        table.add_column("quantity", no_wrap=True)
+        room = max(width - max(len(n) for n, _ in evidence) - 7, 16)
+        table.add_column("value", width=room)
+        for name, value in evidence:
+            table.add_row(*_cells([name, "\n".join(wrap_text(value, room))]))
+        yield table
+    replay = rec.growth_interval_table
+    if replay and replay.get("rows"):
+        table = Table(title=f"growth_interval replay over {num.count(replay.get('horizon', 0))} "
+                            "simulated steps", title_justify="left")
+        for col in ("growth_interval", "skipped steps", "mean flushed", "final scale"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in replay["rows"]:
+            table.add_row(*_cells([num.count(r["growth_interval"]), num.count(r["skipped_steps"]),
+                                   num.percent(r.get("mean_flushed_fraction")),
+                                   num.magnitude(r.get("final_scale") or 0.0)]))
+        yield table
+    if rec.citations:
+        yield from _lines(["sources:"], "bold")
+        yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
+
+
+# -- tables ----------------------------------------------------------------------------------
+def _cells(values: Iterable[str]) -> list[Any]:
+    """Table cells as Text: report strings (module names) are data, never markup."""
+    from rich.text import Text
+
+    return [Text(str(v)) for v in values]
+
+
+def _distribution_table(h: Histogram, fmt_name: str, log2_scale: int | None, kind: str) -> Any:
     from rich.table import Table
 
     fmt = get_format(fmt_name)
     n = h.nonzero_finite
-    table = Table(title=title, title_justify="left")
-    table.add_column("range (|g|, at S = 1)")
-    table.add_column("values", justify="right")
-    table.add_column("share of nonzero", justify="right")
+    table = Table(title=f"{kind}: {num.count(h.total)} values against {fmt.name}", title_justify="left")
+    table.add_column("|g| at S = 1")
     ks = [0] + ([log2_scale] if log2_scale not in (None, 0) else [])
-    for k in ks[1:]:
-        table.add_column(f"at S = 2^{k}", justify="right")
+    for col in ["values", "of nonzero"] + [f"at S = 2^{k}" for k in ks[1:]]:
+        table.add_column(col, justify="right", no_wrap=True)
     rows = [
         (f"normal (> 2^{fmt.log2_min_normal})", lambda k: n - h.at_most(fmt.log2_min_normal - k)),
         (f"subnormal (2^{fmt.log2_flush_threshold}, 2^{fmt.log2_min_normal}]", lambda k: h.subnormal(fmt, k)),
         (f"flushed to 0 (<= 2^{fmt.log2_flush_threshold})", lambda k: h.flushed(fmt, k)),
     ]
     for label, count in rows:
-        cells = [label, f"{count(0):,}", _pct(count(0), n)]
-        cells += [_pct(count(k), n) for k in ks[1:]]
-        table.add_row(*cells)
-    table.add_row("exact zeros", f"{h.zero:,}", "", *[""] * (len(ks) - 1))
-    table.add_row("inf / NaN", f"{h.inf:,} / {h.nan:,}", "", *[""] * (len(ks) - 1))
+        table.add_row(*_cells([label, num.count(count(0))] + [num.share(count(k), n) for k in ks]))
+    blank = [""] * (len(ks) - 1)
+    table.add_row(*_cells(["exact zeros", num.count(h.zero), ""] + blank))
+    table.add_row(*_cells(["inf / NaN", f"{num.count(h.inf)} / {num.count(h.nan)}", ""] + blank))
     over = ["yes" if h.overflows(fmt, k) else "no" for k in ks]
-    table.add_row(f"overflow past {fmt.max:g}", f"max |g| {h.max_abs:.3g}", over[0], *over[1:])
+    table.add_row(*_cells([f"overflows past {fmt.max:g}", f"max {num.magnitude(h.max_abs)}"] + over))
     return table
 
 
 def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
     """Occupied log2 bins, grouped so at most ``rows`` show, with the format's bounds marked."""
     from rich.table import Table
+    from rich.text import Text
 
     fmt = get_format(fmt_name)
     lo, hi = h.lowest_exp, h.highest_exp
     table = Table(title="log2 histogram (bin e holds |g| in (2^(e-1), 2^e])", title_justify="left")
-    table.add_column("bins")
-    table.add_column("values", justify="right")
+    table.add_column("bins", no_wrap=True)
+    table.add_column("values", justify="right", no_wrap=True)
     table.add_column("", min_width=20)
-    table.add_column(f"{fmt.name} at S = 1")
+    table.add_column(f"{fmt.name} at S = 1", no_wrap=True)
     if lo is None:
         return table
     width = max(1, math.ceil((hi - lo + 1) / rows))
@@ -160,224 +304,65 @@ def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
     peak = max(c for _, _, c in groups) or 1
     for bottom, top, c in groups:
         if top <= fmt.log2_flush_threshold:
-            region = "[red]flushed[/red]"
+            region = Text("flushed", style="red")
         elif top <= fmt.log2_min_normal:
-            region = "[yellow]subnormal[/yellow]"
+            region = Text("subnormal", style="yellow")
         elif top >= first_overflow:
-            region = "[red]overflow[/red]"
+            region = Text("overflow", style="red")
         else:
-            region = "normal"
+            region = Text("normal")
         label = f"2^{top}" if bottom == top else f"2^{bottom}..2^{top}"
-        table.add_row(label, f"{c:,}", "#" * round(20 * c / peak), region)
+        table.add_row(label, num.count(c), "#" * round(20 * c / peak), region)
     return table
 
 
-def _worst_table(report: Report, kind: str, fmt: str, log2_scale: int | None, top: int) -> Any:
+def _worst_table(report: Report, kind: str, fmt_name: str, log2_scale: int | None, top: int,
+                 width: int) -> Iterator[Any]:
+    """The modules that flush the most, names wrapped after dots to the room the numbers leave."""
     from rich.table import Table
 
-    table = Table(title=f"worst modules ({kind})", title_justify="left")
-    # Fold, never truncate: a name cut to "transformer.h.1…" no longer says which module.
-    table.add_column("module", overflow="fold")
-    table.add_column("type")
-    table.add_column("values", justify="right")
-    table.add_column("flushed at S = 1", justify="right")
-    if log2_scale not in (None, 0):
-        table.add_column(f"at S = 2^{log2_scale}", justify="right")
-    table.add_column("max |g|", justify="right")
-    ranked = sorted(
-        report.modules_of(kind),
-        key=lambda m: -(m.histogram.flushed(fmt, 0) / m.histogram.nonzero_finite if m.histogram.nonzero_finite else 0),
-    )
-    for m in ranked[:top]:
+    fmt = get_format(fmt_name)
+    ranked = [report.module(w.name, w.kind) for w in worst_modules(report, fmt, kind=kind, count=top)]
+    if not ranked:
+        yield from _para(f"no module's values flush in {fmt.name} at S = 1 ({kind})", width)
+        return
+    at_s = log2_scale not in (None, 0)
+    header = ["type", "S = 1"] + ([f"S = 2^{log2_scale}"] if at_s else []) + ["max |g|"]
+    rows = []
+    for m in ranked:
         h = m.histogram
-        cells = [m.name, m.module_type, f"{h.nonzero_finite:,}", _pct(h.flushed(fmt, 0), h.nonzero_finite)]
-        if log2_scale not in (None, 0):
-            cells.append(_pct(h.flushed(fmt, log2_scale), h.nonzero_finite))
-        cells.append(f"{h.max_abs:.3g}")
-        table.add_row(*cells)
-    return table
-
-
-def _verdict_lines(rec: Any) -> list[str]:
-    verdict = _get(rec, "verdict")
-    fmt = _get(rec, "format")
-    k = _get(rec, "log2_scale")
-    lines = [f"[bold]verdict ({fmt}):[/bold] {verdict}" + (f", S = 2^{k}" if k is not None else "")]
-    at1 = _get(rec, "flushed_fraction_at_1")
-    at_s = _get(rec, "flushed_fraction_at_scale")
-    lines.append(f"flushed at S = 1: {_frac(at1)}" + (f"; at the recommended scale: {_frac(at_s)}" if at_s is not None else ""))
-    over = _get(rec, "overflow_steps_at_scale")
-    head = _get(rec, "headroom_bits")
-    if over is not None or head is not None:
-        lines.append(f"overflowing steps at that scale: {over if over is not None else '-'}; "
-                     f"headroom below the format's max: {head if head is not None else '-'} bits")
-    return lines
-
-
-def print_recommendation(console: Any, rec: Any, device: str = "cuda") -> None:
-    """The verdict, its explanation, and the GradScaler line to paste."""
-    from rich.markup import escape
-
-    for line in _verdict_lines(rec):
-        console.print(line)
-    text = _get(rec, "text")
-    if text:
-        console.print(escape(str(text)))
-    # Plain and unwrapped, so the line can be copied as it is.
-    console.print(grad_scaler_code(rec, device), markup=False, highlight=False, soft_wrap=True)
-    cites = _get(rec, "citations") or ()
-    for c in cites:
-        console.print(f"[dim]source: {escape(str(c))}[/dim]")
-
-
-def print_show(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, top: int = 10) -> None:
-    """Distribution against the format's bounds, the worst modules, and the verdict with evidence."""
-    from rich.markup import escape
-
-    meta = report.metadata
-    console.print(
-        f"[bold]{escape(meta.model_class)}[/bold]: {meta.steps_seen} step(s) in {meta.precision} on {meta.device}"
-        + (" [yellow](partial)[/yellow]" if meta.partial else "")
-    )
-    _print_run_context(console, meta)
-    _print_precision_caveat(console, report, kind)
-    h = report.histogram(kind)
-    k = _get(rec, "log2_scale")
-    console.print(_distribution_table(h, fmt, k, f"{kind}: {h.total:,} values against {fmt}"))
-    console.print(_bins_table(h, fmt))
-    console.print(_worst_table(report, kind, fmt, k, top))
-    evidence = _get(rec, "evidence") or {}
-    if evidence:
-        from rich.table import Table
-
-        table = Table(title="evidence", title_justify="left")
-        table.add_column("quantity")
-        table.add_column("value", justify="right")
-        for name, value in evidence.items():
-            table.add_row(escape(str(name)), escape(f"{value:.4g}" if isinstance(value, float) else str(value)))
-        console.print(table)
-    print_recommendation(console, rec)
-
-
-def precision_caveat(report: Report, kind: str) -> str | None:
-    """Why a profile taken in reduced precision understates the underflow (None for fp32).
-
-    A gradient that flushed while the run computed in fp16 is already an exact zero in the
-    report, indistinguishable from a true zero; the analysis counts only the nonzero values
-    that survived, so its flushed fractions are lower bounds and ``none_needed`` can be wrong.
-    """
-    precision = str(report.metadata.precision)
-    if precision.startswith("fp32"):
-        return None
-    h = report.histogram(kind)
-    scale = report.metadata.extra.get("loss_scale")
-    at = f"S = {scale:g}" if isinstance(scale, (int, float)) else "S = 1"
-    return (
-        f"this run computed in {precision} at {at}: gradients that flushed during it are already exact zeros "
-        f"({h.zero:,} of {h.total:,} {kind} values are zero, true zeros included), so the flushed shares "
-        "below count only what survived and understate the loss; profile with --precision fp32 (the "
-        "default) for the recommendation"
-    )
-
-
-def _print_precision_caveat(console: Any, report: Report, kind: str) -> None:
-    from rich.markup import escape
-
-    caveat = precision_caveat(report, kind)
-    if caveat:
-        console.print(f"[yellow]caveat: {escape(caveat)}[/yellow]")
-
-
-def _print_run_context(console: Any, meta: Any) -> None:
-    """Say where the inputs and loss came from, flag a loss that went inf/NaN, and give the
-    weight-update check when the run trained."""
-    from rich.markup import escape
-
-    for key in ("inputs", "loss"):
-        if key in meta.extra:
-            console.print(f"  {key}: {escape(str(meta.extra[key]))}")
-    bad = meta.extra.get("nonfinite_loss_steps")
-    if bad:
-        console.print(f"[red]finding: the loss was inf/NaN at step(s) {bad}; see the report[/red]")
-    wul = meta.extra.get("weight_update_loss")
-    if wul:
-        console.print(f"weight updates ({escape(str(wul['measured_on']))}): {escape(str(wul['text']))}")
-
-
-def print_profile_summary(console: Any, report: Report, rec: Any, *, fmt: str, kind: str, out: str) -> None:
-    """A short summary after a profile run."""
-    from rich.markup import escape
-
-    meta = report.metadata
-    h = report.histogram(kind)
-    n = h.nonzero_finite
-    state = "[yellow]partial (interrupted)[/yellow] " if meta.partial else ""
-    console.print(
-        f"profiled {state}{escape(meta.model_class)}: {meta.steps_seen} step(s), {len(meta.hooked_modules)} "
-        f"module(s), {n:,} nonzero {kind} values, precision {meta.precision}"
-    )
-    _print_run_context(console, meta)
-    _print_precision_caveat(console, report, kind)
-    console.print(_worst_table(report, kind, fmt, _get(rec, "log2_scale"), 5))
-    print_recommendation(console, rec)
-    console.print(f"report written to {escape(out)}")
+        shares = [num.share(h.flushed(fmt, k), h.nonzero_finite) for k in ([0, log2_scale] if at_s else [0])]
+        rows.append([m.module_type, *shares, num.magnitude(h.max_abs)])
+    fixed = [max([len(head)] + [len(r[i]) for r in rows]) for i, head in enumerate(header)]
+    # Each column costs its width plus a space either side and a border; one border closes.
+    room = max(width - sum(w + 3 for w in fixed) - 4, 12)
+    table = Table(title=f"modules that flush the most: share of their nonzero {KIND_WORDS.get(kind, kind)} "
+                        f"flushed in {fmt.name}", title_justify="left")
+    table.add_column("module", width=min(room, max([len("module")] + [len(m.name) for m in ranked])))
+    for head, w in zip(header, fixed):
+        table.add_column(head, justify="left" if head == "type" else "right", no_wrap=True, min_width=w)
+    for m, cells in zip(ranked, rows):
+        table.add_row(*_cells(["\n".join(fit_name(m.name, room))] + cells))
+    yield table
 
 
 def print_compare(console: Any, result: Any) -> None:
-    """The gate's checks as a table and the overall outcome."""
-    from rich.markup import escape
+    """Print the gate's checks as a table and the overall outcome."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="fp16probe compare", title_justify="left")
     table.add_column("check")
     table.add_column("result")
     table.add_column("details")
     for c in result.checks:
-        table.add_row(c.name, "pass" if c.passed else "[bold red]FAIL[/bold red]", escape(c.message))
+        table.add_row(Text(c.name), Text("pass") if c.passed else Text("FAIL", style="bold red"),
+                      Text(c.message))
     console.print(table)
     for w in getattr(result, "warnings", ()):
-        console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
+        console.print(Text.assemble(("warning: ", "yellow"), w), soft_wrap=True)
     if result.passed:
-        console.print("[green]no regression[/green]")
+        console.print(Text("no regression", style="green"))
     else:
-        console.print(f"[bold red]regression: {len(result.failures)} check(s) failed[/bold red]")
+        console.print(Text(f"regression: {len(result.failures)} check(s) failed", style="bold red"))
 
-
-def print_verification(console: Any, v: Any) -> None:
-    """Print a Verification: the recommended setting run for real, predicted against measured."""
-    from rich.table import Table
-
-    scaler = ("no loss scaler" if not v.scaler_kwargs else
-              "GradScaler(" + ", ".join(f"{k}={val!r}" for k, val in v.scaler_kwargs.items()) + ")")
-    console.print(f"verification: the recommendation run for real: {v.precision} autocast on {v.device}, "
-                  f"{v.steps} steps on the profiled batches, {scaler}", markup=False, soft_wrap=True)
-    table = Table()
-    table.add_column("")
-    table.add_column("predicted", justify="right")
-    table.add_column("measured", justify="right")
-    table.add_row("steps that overflowed", f"{v.predicted_overflow_steps} of {v.steps}",
-                  f"{v.measured_overflow_steps} of {v.steps}")
-    table.add_row(f"{v.kind} values zeroed", _percent(v.predicted_zeroed_fraction), _percent(v.measured_zeroed_fraction))
-    for kind, counts in v.by_kind.items():  # the other kinds, measured only: the prediction judged v.kind
-        if kind != v.kind and kind != "all":
-            table.add_row(f"{kind} values zeroed", "not judged", _percent(counts.get("zeroed_fraction", 0.0)))
-    console.print(table)
-    console.print(
-        f"zeroed: of the fp32 run's {v.nonzero_values:,} nonzero {v.kind} values on the same batches, the "
-        f"{v.zeroed_values:,} that came out exactly 0 in the {v.precision} run; tolerance "
-        f"±{_percent(v.tolerance)}", markup=False, soft_wrap=True)
-    verdict = "held" if v.held else "did NOT hold"
-    console.print(f"prediction {verdict}: {v.measured_overflow_steps} overflowing step(s) against "
-                  f"{v.predicted_overflow_steps} predicted, zeroed share off by "
-                  f"{_percent(abs(v.measured_zeroed_fraction - v.predicted_zeroed_fraction))} "
-                  f"(this proves these {v.steps} steps on these batches, not a whole training run)",
-                  markup=False, soft_wrap=True, style=None if v.held else "bold red")
-    for note in v.notes:
-        console.print(f"note: {note}", markup=False, soft_wrap=True)
-
-
-def _percent(x: float) -> str:
-    """A share as a percentage with enough digits to tell small shares apart."""
-    if x == 0:
-        return "0%"
-    return f"{x:.3%}" if x >= 1e-3 else f"{x * 100:.3g}%"

@@ -1,0 +1,299 @@
+"""What every medium says: the short answer, the code to paste, and text that fits a width.
+
+Plain strings, no styling and no third-party imports: ``terminal`` renders them with rich,
+``html`` as HTML, ``figures`` on a figure, so the three say the same thing. Every number
+comes from the report and its Recommendation. Module names and URLs are treated as data:
+a line is broken only at spaces, a module name only after a dot, a URL never, and a name
+too long for its room is shortened in the middle at dots.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from fp16probe import formatting as num
+from fp16probe.recommendation import Recommendation, Verdict
+from fp16probe.report import Report
+
+__all__ = [
+    "KIND_WORDS",
+    "VERDICT_WORDS",
+    "Line",
+    "evidence_rows",
+    "findings",
+    "fit_name",
+    "grad_scaler_code",
+    "invented_sentence",
+    "recommendation_for",
+    "run_header",
+    "scaler_device",
+    "short_answer",
+    "shorten_name",
+    "wrap_text",
+]
+
+VERDICT_WORDS = {
+    Verdict.NONE_NEEDED: "no loss scaling needed",
+    Verdict.CONSTANT: "a constant loss scale",
+    Verdict.DYNAMIC: "a dynamic loss-scale schedule",
+    Verdict.PER_TENSOR_SCALING: "per-tensor scaling",
+    Verdict.NO_SINGLE_SCALE: "no single loss scale fits",
+    Verdict.INSUFFICIENT_EVIDENCE: "not enough evidence for a verdict",
+}
+KIND_WORDS = {"all": "gradients", "activation_grad": "activation gradients", "weight_grad": "weight gradients",
+              "activation": "activations"}
+ELLIPSIS = "…"
+_EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of the short answer: what it says (``kind``) and its words.
+
+    Kinds: ``verdict``, ``flushed``, ``margin``, ``device``, ``code`` (already fitted to the
+    width; paste as it is), ``invented``, ``finding``, ``verification``, ``caveat``.
+    """
+
+    kind: str
+    text: str
+
+
+def recommendation_for(report: Report, format: str | None = None) -> Recommendation | None:
+    """Return the report's stored recommendation when it is for ``format`` (any when None)."""
+    rec = report.recommendation
+    if rec is None or (format is not None and rec.format != format):
+        return None
+    return rec
+
+
+# -- the code to paste -------------------------------------------------------------------
+def scaler_device(report: Report | None, requested: str | None = None) -> tuple[str, str]:
+    """Return the device for the GradScaler line and, in words, how it was chosen."""
+    if requested:
+        return requested, f"for {requested}, as asked"
+    ran = report.metadata.device.split(":")[0] if report is not None else ""
+    if ran and ran != "cpu":
+        return ran, f"for {ran}, where this profile ran"
+    where = f"; this profile ran on {ran}" if ran else ""
+    return "cuda", f"for CUDA, where fp16 training runs{where}"
+
+
+def grad_scaler_code(rec: Recommendation, device: str = "cuda", width: int | None = None) -> str:
+    """Return the Python line(s) creating the recommended GradScaler ('' when none is advised).
+
+    With ``width``, a call too long for it is split after commas, still valid Python.
+    """
+    kwargs = dict(rec.grad_scaler_kwargs)
+    if not kwargs:
+        if rec.verdict is not Verdict.NONE_NEEDED:
+            return ""
+        kwargs = {"enabled": False}
+    args = [f'"{device}"'] + [f"{k}={_python(v)}" for k, v in kwargs.items()]
+    head = "scaler = torch.amp.GradScaler("
+    one = head + ", ".join(args) + ")"
+    if width is None or len(one) <= width:
+        return one
+    lines, current = [head], "    "
+    for i, arg in enumerate(args):
+        piece = arg + ("," if i < len(args) - 1 else ")")
+        if current.strip() and len(current) + 1 + len(piece) > width:
+            lines.append(current.rstrip())
+            current = "    "
+        current += ("" if not current.strip() else " ") + piece
+    lines.append(current.rstrip())
+    return "\n".join(lines)
+
+
+def _python(v: Any) -> str:
+    if isinstance(v, float) and v >= 1024 and math.log2(v).is_integer():
+        return f"2.0**{int(math.log2(v))}"
+    return repr(v)
+
+
+# -- the short answer --------------------------------------------------------------------
+def run_header(report: Report) -> str:
+    """Return one sentence saying what was profiled: model, steps, precision, device, modules."""
+    md = report.metadata
+    state = " (partial: interrupted)" if md.partial else ""
+    return (f"{md.model_class}: {num.count(md.steps_seen)} step(s){state} in {md.precision} on "
+            f"{md.device}, {num.count(len(md.hooked_modules))} module(s) hooked")
+
+
+def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
+                 device: str | None = None) -> list[Line]:
+    """Return the answer in a few lines: verdict, S or schedule, flushed before and after,
+    overflow margin, the code to paste and for which device, then what qualifies it."""
+    k = rec.log2_scale
+    lines = [Line("verdict", _verdict_sentence(rec))]
+    if rec.flushed_fraction_at_1 is not None:
+        after = ""
+        if k is not None and k != 0 and rec.flushed_fraction_at_scale is not None:
+            after = f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
+        lines.append(Line("flushed", f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{after} "
+                                     f"of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}"))
+    margin = _margin_sentence(rec)
+    if margin:
+        lines.append(Line("margin", margin))
+    dev, how = scaler_device(report, device)
+    code = grad_scaler_code(rec, dev, width)
+    if code:
+        lines.append(Line("device", f"paste ({how}):"))
+        lines.append(Line("code", code))
+    if report is not None:
+        invented = invented_sentence(report)
+        if invented:
+            lines.append(Line("invented", invented))
+        lines += [Line("finding", f) for f in findings(report)]
+        verification = getattr(report, "verification", None)
+        if verification is not None:
+            lines.append(Line("verification", _verification_sentence(verification)))
+    lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]
+    return lines
+
+
+def _verdict_sentence(rec: Recommendation) -> str:
+    words = VERDICT_WORDS.get(rec.verdict, str(rec.verdict))
+    k = rec.log2_scale
+    kw = rec.grad_scaler_kwargs
+    head = f"verdict for {rec.format}: {words}"
+    if rec.verdict is Verdict.CONSTANT and k is not None:
+        return f"{head}, S = {num.power_of_two(k)}"
+    if rec.verdict is Verdict.DYNAMIC and kw:
+        return (f"{head}: start at S = {num.power_of_two(k)}, x{kw['growth_factor']:g} every "
+                f"{num.count(kw['growth_interval'])} good steps, x{kw['backoff_factor']:g} on overflow")
+    if rec.verdict is Verdict.NO_SINGLE_SCALE and k is not None:
+        return f"{head}; the least bad is S = {num.power_of_two(k)}"
+    if rec.verdict is Verdict.PER_TENSOR_SCALING and k is not None:
+        return f"{head}, about 2^{k} from the measured maxima"
+    if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
+        why = re.split(r"(?<=[.;])\s", rec.text.removeprefix(f"No verdict for {rec.format}: "))[0]
+        return f"{head}: {why.rstrip('.;')} (--explain says what to do)"
+    return head
+
+
+def _margin_sentence(rec: Recommendation) -> str:
+    ev = rec.evidence
+    k, k_max = rec.log2_scale, ev.get("largest_safe_log2_scale")
+    if k is None or k_max is None:
+        return ""
+    steps = ev.get("profiled_steps")
+    over = rec.overflow_steps_at_scale
+    at = "S = 1" if k == 0 else f"S = {num.power_of_two(k)}"
+    counted = f"; even so {over} of {steps} profiled steps overflow" if over else ""
+    bits = k_max - k
+    return (f"overflow margin: {bits} bit{'' if bits == 1 else 's'} at {at} (max |g| "
+            f"{num.magnitude(ev['max_abs'])}; overflows from S = {num.power_of_two(k_max + 1)}){counted}")
+
+
+def invented_sentence(report: Report) -> str:
+    """Return one line saying the inputs or loss were made up for the run ('' when they were not)."""
+    extra = report.metadata.extra
+    said = extra.get("stand_in")
+    if said:
+        return f"note: {said}"
+    invented = [what for what in ("inputs", "loss") if extra.get(f"{what}_synthetic")]
+    if not invented:
+        return ""
+    return f"note: {' and '.join(invented)} invented for this run; S moves with the loss's scale"
+
+
+def findings(report: Report) -> list[str]:
+    """Return what the run itself noted besides the histograms: loading notes, a non-finite loss,
+    weight updates lost without fp32 master copies."""
+    extra = report.metadata.extra
+    out = [f"note: {n}" for n in extra.get("notes") or ()]
+    if extra.get("nonfinite_loss_steps"):
+        out.append(f"finding: the loss was inf/NaN at step(s) {extra['nonfinite_loss_steps']}")
+    wul = extra.get("weight_update_loss")
+    if wul:
+        out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
+                   f"would be lost in {wul['format']} weights without fp32 master copies")
+    return out
+
+
+def _verification_sentence(v: Any) -> str:
+    return (f"verification ({v.precision} autocast on {v.device}, {v.steps} steps): prediction "
+            f"{'held' if v.held else 'did NOT hold'}; overflowing steps {v.predicted_overflow_steps} "
+            f"predicted, {v.measured_overflow_steps} measured; zeroed {num.percent(v.predicted_zeroed_fraction)} "
+            f"predicted, {num.percent(v.measured_zeroed_fraction)} measured")
+
+
+# -- text that fits a width --------------------------------------------------------------
+def wrap_text(text: str, width: int, indent: str = "") -> list[str]:
+    """Wrap ``text`` at spaces; a word longer than a line is broken after dots, a URL never."""
+    lines: list[str] = []
+    for para in str(text).splitlines() or [""]:
+        # "S = 2^17" stays on one line: its spaces become no-break spaces while wrapping.
+        para = _EQUALS.sub("\\1\u00a0=\u00a0\\2", para)
+        wrapped = textwrap.wrap(para, width, subsequent_indent=indent, break_long_words=False,
+                                break_on_hyphens=False) or [""]
+        for line in (w.replace("\u00a0", " ") for w in wrapped):
+            if len(line) <= width or "://" in line or " " in line.strip():
+                lines.append(line)
+            else:
+                lead = line[: len(line) - len(line.lstrip())]
+                lines += [lead + part for part in fit_name(line.strip(), width - len(lead))]
+    return lines
+
+
+def fit_name(name: str, width: int) -> list[str]:
+    """Split a dotted module name into lines of at most ``width``, only after dots.
+
+    A single part longer than ``width`` is shortened in its middle.
+    """
+    width = max(width, 4)
+    lines, current = [], ""
+    parts = name.split(".")
+    for part in [p + "." for p in parts[:-1]] + [parts[-1]]:
+        if len(part) > width:
+            part = _middle(part, width)
+        if current and len(current) + len(part) > width:
+            lines.append(current)
+            current = ""
+        current += part
+    return lines + [current] if current or not lines else lines
+
+
+def shorten_name(name: str, width: int) -> str:
+    """Return ``name`` if it fits in ``width``, else its first part, '…' and as many of its
+    last parts as fit: cut only at dots, so every part shown is whole (``bert.….output.dense``)."""
+    parts = name.split(".")
+    if len(name) <= width or len(parts) == 1:
+        return _middle(name, width)
+    tail = [parts[-1]]
+    for part in reversed(parts[1:-1]):
+        if len(parts[0]) + 3 + len(".".join([part] + tail)) > width:
+            break
+        tail.insert(0, part)
+    short = ".".join([parts[0], ELLIPSIS] + tail)
+    if len(short) > width:
+        short = ".".join([ELLIPSIS] + tail)
+    return short if len(short) <= width else _middle(parts[-1], width)
+
+
+def _middle(token: str, width: int) -> str:
+    if len(token) <= width:
+        return token
+    keep = max(width - 1, 2)
+    return token[: (keep + 1) // 2] + ELLIPSIS + token[len(token) - keep // 2:]
+
+
+def evidence_rows(evidence: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Return the evidence as (name, value) strings, numbers at 4 significant digits."""
+    rows = []
+    for name, value in evidence.items():
+        if isinstance(value, float):
+            text = f"{value:.4g}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            text = num.count(value)
+        elif isinstance(value, (list, tuple)):
+            text = "; ".join(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in item)
+                             if isinstance(item, (list, tuple)) else str(item) for item in value)
+        else:
+            text = str(value)
+        rows.append((str(name), text))
+    return rows

@@ -1,0 +1,148 @@
+"""The notebook's HTML view of a Report and a Recommendation (``_repr_html_``).
+
+It says what the terminal says (the short answer from ``answer``, caveats in sight, then
+tables) and keeps the reasoning, evidence, replay and sources in an expandable section.
+Every string from a report is escaped; module names may wrap only after their dots,
+numbers and URLs never. matplotlib loads (through ``figures``) only for the inline figure.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import re
+
+from fp16probe.analysis.whatif import worst_modules
+from fp16probe.formats import get_format
+from fp16probe import formatting as num
+from fp16probe.presentation.answer import (
+    evidence_rows,
+    recommendation_for,
+    run_header,
+    short_answer,
+)
+from fp16probe.recommendation import Recommendation
+from fp16probe.report import ACTIVATION_GRAD, Report
+
+__all__ = ["recommendation_html", "report_html"]
+
+_VERDICT_COLORS = ("#2e7d32", "#1565c0", "#ef6c00", "#6a1b9a", "#c62828", "#555555")  # by severity
+_STYLE = ("<style>.fp16probe table{border-collapse:collapse;margin:4px 0}"
+          ".fp16probe td,.fp16probe th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right;"
+          "white-space:nowrap}"
+          ".fp16probe td:first-child,.fp16probe th:first-child{text-align:left}"
+          ".fp16probe td.name{white-space:normal;overflow-wrap:normal;word-break:keep-all}"
+          ".fp16probe a{white-space:nowrap}.fp16probe .caveat{color:#8a4b00}"
+          ".fp16probe .verdict{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"
+          "</style>")
+_URL = re.compile(r"(https?://\S+?)([.,;)]?(?:\s|$))")
+
+
+def _esc(text: object) -> str:
+    """Escape report text; URLs become links that do not break."""
+    return _URL.sub(lambda m: f"<a href='{m.group(1)}'>{m.group(1)}</a>{m.group(2)}", html.escape(str(text)))
+
+
+def _name(name: str) -> str:
+    """A module name that may wrap only after its dots."""
+    return ".<wbr>".join(html.escape(part) for part in name.split("."))
+
+
+def _table(header: list[str], rows: list[list[str]], names: int | None = None) -> str:
+    """An HTML table of escaped cells; column ``names`` holds module names."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td class='name'>{_name(c)}</td>" if i == names else f"<td>{_esc(c)}</td>"
+                         for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _answer(rec: Recommendation, report: Report | None) -> str:
+    color = _VERDICT_COLORS[min(rec.verdict.severity, len(_VERDICT_COLORS) - 1)]
+    parts = []
+    for line in short_answer(report, rec, width=80):
+        if line.kind == "verdict":
+            parts.append(f"<p><span class='verdict' style='background:{color}'>{html.escape(str(rec.verdict))}"
+                         f"</span> {_esc(line.text)}</p>")
+        elif line.kind == "code":
+            parts.append(f"<pre>{html.escape(line.text)}</pre>")
+        elif line.kind in ("caveat", "invented"):
+            parts.append(f"<p class='caveat'>{_esc(line.text)}</p>")
+        else:
+            parts.append(f"<p>{_esc(line.text)}</p>")
+    return "".join(parts)
+
+
+def _explanation(rec: Recommendation) -> str:
+    parts = [f"<p style='white-space:pre-wrap'>{_esc(rec.text)}</p>"]
+    evidence = evidence_rows(rec.evidence)
+    if evidence:
+        parts.append(_table(["evidence", "value"], [list(r) for r in evidence]))
+    replay = rec.growth_interval_table
+    if replay and replay.get("rows"):
+        parts.append(f"<p>growth_interval replay over {num.count(replay.get('horizon', 0))} simulated steps</p>"
+                     + _table(["growth_interval", "skipped steps", "mean flushed", "final scale"],
+                              [[num.count(r["growth_interval"]), num.count(r["skipped_steps"]),
+                                num.percent(r.get("mean_flushed_fraction")),
+                                num.magnitude(r.get("final_scale") or 0.0)] for r in replay["rows"]]))
+    if rec.citations:
+        parts.append("<p>sources:</p><ul>" + "".join(f"<li>{_esc(c)}</li>" for c in rec.citations) + "</ul>")
+    return ("<details><summary>why: the reasoning, evidence, replay and sources</summary>"
+            + "".join(parts) + "</details>")
+
+
+def recommendation_html(rec: Recommendation, report: Report | None = None, *, standalone: bool = True) -> str:
+    """Render a Recommendation as HTML: the short answer, then the reasoning to expand."""
+    body = _answer(rec, report) + _explanation(rec)
+    if standalone:
+        return f"{_STYLE}<div class='fp16probe'><h4>fp16probe recommendation</h4>{body}</div>"
+    return body
+
+
+def report_html(report: Report, recommendation: Recommendation | None = None, *,
+                kind: str = ACTIVATION_GRAD, figure: bool = True) -> str:
+    """Render a Report as HTML: what was profiled, the answer, a summary per kind, the modules
+    that flush the most, the reasoning to expand and (``figure=True``) the Figure 3 view."""
+    md = report.metadata
+    rec = recommendation if recommendation is not None else recommendation_for(report)
+    fmt = get_format(rec.format if rec is not None else "fp16")
+    parts = [f"<h4>fp16probe report: {html.escape(md.model_class)}</h4>",
+             f"<p>{_esc(run_header(report))}"
+             + ("; gradients recorded unscaled from a GradScaler" if md.grad_scaler else "") + "</p>"]
+    if rec is not None:
+        parts.append(_answer(rec, report))
+    else:
+        parts.append("<p class='caveat'>no recommendation stored in this report: "
+                     "fp16probe.analysis.recommend.analyze(report) makes one</p>")
+    rows = []
+    for k in report.kinds:
+        h = report.histogram(k)
+        n = h.nonzero_finite
+        rows.append([k, num.count(h.total), num.percent(h.zero / h.total if h.total else 0.0),
+                     num.percent(h.flushed(fmt, 0) / n if n else 0.0),
+                     num.percent(h.subnormal(fmt, 0) / n if n else 0.0), num.magnitude(h.max_abs),
+                     num.count(h.nonfinite), "yes" if h.overflows(fmt) else "no"])
+    parts.append(_table(["values", "count", "zeros", f"flushed in {fmt.name}", "subnormal", "max |x|",
+                         "inf/NaN", "overflows at S = 1"], rows))
+    worst = worst_modules(report, fmt, kind=kind, count=5)
+    if worst:
+        parts.append(f"<p>modules that flush the most ({html.escape(kind)}) in {fmt.name} at S = 1:</p>"
+                     + _table(["module", "type", "flushed"],
+                              [[w.name, w.module_type, num.percent(w.fraction)] for w in worst], names=0))
+    if rec is not None:
+        parts.append(_explanation(rec))
+    if figure and report.modules_of(kind):
+        parts.append(f"<img alt='{html.escape(kind)} distribution vs {fmt.name}' "
+                     f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+    return f"{_STYLE}<div class='fp16probe'>{''.join(parts)}</div>"
+
+
+def _figure_png(report: Report, rec: Recommendation | None, kind: str) -> str:
+    from fp16probe.presentation.figures import figure
+
+    fig = figure(report, which="distribution", recommendation=rec, kind=kind,
+                 format=rec.format if rec is not None else "fp16")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
