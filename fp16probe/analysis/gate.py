@@ -417,11 +417,12 @@ def _module_regressions(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
         named = ", ".join(f"{name} {_pct(before)} -> {_pct(after)}" for _, name, before, after in shown)
         more = f" and {len(over) - len(shown)} more" if len(over) > len(shown) else ""
         message = (f"{len(over)} module(s) lose more at the baseline's {_scale(k)}: {named}{more} "
-                   f"(allowed +{t.max_module_increase * 100:.3g} points each)")
+                   f"(allowed {_points(t.max_module_increase)} each)")
     elif rises:
         top = rises[0]
-        message = (f"no module's own flushed share at {_scale(k)} rose more than {t.max_module_increase * 100:.3g} "
-                   f"points (largest change: {top[1]} {_points(top[0])}; {len(rises)} modules matched)")
+        message = (f"no module's own flushed share at {_scale(k)} rose more than the allowed "
+                   f"{_points(t.max_module_increase)} (largest change: {top[1]} {_points(top[0])}; "
+                   f"{len(rises)} modules matched)")
     else:
         message = "no module is in both reports; nothing to match (see the warnings)"
     return Check("module_regressions", not over, len(rises), listed, t.max_module_increase, message)
@@ -483,7 +484,8 @@ def _pct(f: float) -> str:
 
 
 def _points(rise: float) -> str:
-    return f"{'+' if rise >= 0 else ''}{rise * 100:.3g} points"
+    value = f"{rise * 100:.3g}"
+    return f"{'+' if rise >= 0 else ''}{value} point{'' if value in ('1', '-1') else 's'}"
 
 
 def _magnitude(x: float) -> str:
