@@ -14,7 +14,7 @@ import io
 import re
 
 from fp16probe.analysis.whatif import worst_modules
-from fp16probe.formats import get_format
+from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
@@ -100,13 +100,17 @@ def recommendation_html(rec: Recommendation, report: Report | None = None, *, st
     return body
 
 
-def report_html(report: Report, recommendation: Recommendation | None = None, *,
-                kind: str = ACTIVATION_GRAD, figure: bool = True) -> str:
+def report_html(report: Report, format: str | Format | None = None, *, kind: str = ACTIVATION_GRAD,
+                recommendation: Recommendation | None = None, figure: bool = True) -> str:
     """Render a Report as HTML: what was profiled, the answer, a summary per kind, the modules
-    that flush the most, the reasoning to expand and (``figure=True``) the Figure 3 view."""
+    that flush the most, the reasoning to expand and (``figure=True``) the Figure 3 view.
+
+    The recommendation shown is the one given, else the report's stored one (for ``format``
+    when given); the analyzer is never run here.
+    """
     md = report.metadata
-    rec = recommendation if recommendation is not None else recommendation_for(report)
-    fmt = get_format(rec.format if rec is not None else "fp16")
+    rec = recommendation if recommendation is not None else recommendation_for(report, format and get_format(format).name)
+    fmt = get_format(format or (rec.format if rec is not None else "fp16"))
     parts = [f"<h4>fp16probe report: {html.escape(md.model_class)}</h4>",
              f"<p>{_esc(run_header(report))}"
              + ("; gradients recorded unscaled from a GradScaler" if md.grad_scaler else "") + "</p>"]

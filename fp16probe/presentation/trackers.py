@@ -177,12 +177,10 @@ def tracker_series(
     the report's own for ``format``, or a fresh analysis (none when the report has no
     ``kind`` values yet).
     """
-    from fp16probe.presentation.notebook import resolve_recommendation
-
     fmt = get_format(format)
     trace = report.trace
     try:
-        rec = resolve_recommendation(report, recommendation, fmt, kind)
+        rec = _recommendation(report, recommendation, fmt, kind)
     except Fp16ProbeError:  # e.g. no values of that kind yet
         rec = None
     rec_k = _field(rec, "log2_scale")
@@ -349,7 +347,7 @@ class _MlflowSink:
 
     def artifacts(self, report: Report, fmt: Format, kind: str, recommendation: Any) -> None:
         """Upload the report JSON, its figures (PNG) and a standalone HTML report."""
-        from fp16probe.presentation.notebook import report_html
+        from fp16probe.presentation.html import report_html
 
         with tempfile.TemporaryDirectory(prefix="fp16probe-mlflow-") as tmp:
             folder = Path(tmp)
@@ -480,10 +478,8 @@ def export(
     if to not in TRACKERS:
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
     fmt = get_format(format)
-    from fp16probe.presentation.notebook import resolve_recommendation
-
     try:
-        rec = resolve_recommendation(report, recommendation, fmt, kind)
+        rec = _recommendation(report, recommendation, fmt, kind)
     except Fp16ProbeError:
         rec = None
     series = tracker_series(report, fmt, kind=kind, recommendation=rec, modules=modules, axis=axis,
@@ -597,10 +593,8 @@ class TrackerLog:
     def finish(self, report: Report) -> None:
         """Attach the final report's files where the tracker keeps files (MLflow: JSON, figures, HTML)."""
         if isinstance(self.sink, _MlflowSink):
-            from fp16probe.presentation.notebook import resolve_recommendation
-
             try:
-                rec = resolve_recommendation(report, None, self.format, self.kind)
+                rec = _recommendation(report, None, self.format, self.kind)
             except Fp16ProbeError:
                 rec = None
             self.sink.artifacts(report, self.format, self.kind, rec)
@@ -619,3 +613,16 @@ class _NoRecommendation(dict):
 
 _NO_RECOMMENDATION = _NoRecommendation()
 
+
+def _recommendation(report: Report, given: Any, fmt: Format, kind: str) -> Any:
+    """The recommendation given, the report's own for ``fmt``, or a fresh analysis (None without values)."""
+    from fp16probe.presentation.answer import recommendation_for
+
+    if given is not None:
+        return given
+    stored = recommendation_for(report, fmt.name)
+    if stored is not None or not report.modules_of(kind):
+        return stored
+    from fp16probe.analysis.recommend import analyze
+
+    return analyze(report, fmt.name, kind=kind)
