@@ -505,8 +505,9 @@ def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, mode)
-        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
-            f.write(text)
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
