@@ -262,6 +262,12 @@ def test_a_step_that_overflowed_at_the_scale_in_force_overflows_only_from_that_s
     # never falls below 2^11 (the fp32-run reading, inf at every scale, would drive it towards 0).
     assert min(above.scales) == 2.0**11 and above.final_scale >= 2.0**11
     assert 0 < above.skipped_steps <= 2000 // 50 + 1
+    # A Report carries its precision: simulate reads the same ceiling from it.
+    from fp16probe.report import Metadata, Report
+
+    report = Report(Metadata("0", "t", "cpu", "M", precision="fp16-autocast"), trace=trace)
+    assert simulate(report, "fp16", {"init_scale": 2.0**11, "growth_interval": 10**6}, horizon=300,
+                    seed=0) == below
     # Read as an fp32 run without a scaler, the same inf is intrinsic: every scale overflows.
     fp32 = Ceiling.from_trace(StepTrace(steps=(0, 1), histograms={"activation_grad": (clean, probed)},
                                         scale=(None, None), found_inf=(False, True)))

@@ -33,7 +33,7 @@ from fp16probe.histogram import MAX_EXP, MIN_EXP
 from fp16probe.analysis.ceiling import GRAD_KINDS, Ceiling
 from fp16probe.analysis.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
-from fp16probe.report import StepTrace
+from fp16probe.report import Report, StepTrace
 
 __all__ = [
     "DEFAULT_GROWTH_INTERVALS",
@@ -295,7 +295,7 @@ def _kinds_of(kind: str) -> tuple[str, ...]:
 
 
 def simulate(
-    trace: StepTrace,
+    trace: StepTrace | Report,
     format: str | Format = "fp16",
     grad_scaler_kwargs: Mapping[str, Any] | None = None,
     *,
@@ -308,10 +308,12 @@ def simulate(
 ) -> ReplayResult:
     """Run a scaling rule for ``horizon`` steps over steps resampled from a profile.
 
+    Pass the Report (or its trace and ``ceiling=Ceiling.of(report)``) so that the ceiling
+    knows the run's precision: a trace alone is read as an fp32 run's.
     Each simulated step draws one profiled step uniformly with replacement (numpy's
     PCG64 seeded with ``seed``): it overflows when that step's overflow ceiling
     (``analysis.ceiling.Ceiling``: every gradient the loss scale multiplies; built from the
-    trace when not given) times the scale lands past the format's max, or when it held
+    report, or the trace, when not given) times the scale lands past the format's max, or when it held
     inf/NaN that no scale explains; a step that overflowed only at the scale in force while
     profiling overflows here only at that scale and above. Its flushed fraction is the share
     of its nonzero ``kind`` values (default: activation and weight gradients) at or below
@@ -327,6 +329,9 @@ def simulate(
     rule = ScalerRule.from_kwargs({**GRADSCALER_DEFAULTS, **(grad_scaler_kwargs or {})}, **overrides)
     if int(horizon) < 1:
         raise AnalysisError(f"horizon must be a positive number of steps, got {horizon!r}")
+    if isinstance(trace, Report):
+        ceiling = ceiling or Ceiling.of(trace)
+        trace = trace.trace
     model = _step_model(trace, kind, ceiling)
     draws = np.random.default_rng(seed).integers(0, model.steps, size=int(horizon))
     return _run(model, fmt, rule, draws)
