@@ -10,7 +10,8 @@ recorded and the rest still run; the exit status is 1 if any part failed):
 1. ``sync``: probed fp16-autocast steps with a real ``GradScaler`` under
    ``torch.cuda.set_sync_debug_mode("error")`` (forward and module hooks, gradient hooks,
    the end-of-backward weight-gradient pass, the overflow ceiling's node hooks, ``step()``);
-   any host synchronisation raises.
+   any host synchronisation raises. Then one probed step under the profiler: no
+   host-to-device copy from pageable memory may appear (the debug mode does not flag those).
 2. ``engine``: the GPU engines (Triton when installed, and the eager ``index_add_`` path)
    against the CPU engine on the same data: random bit patterns (subnormals, inf, NaN),
    fp16 and bf16 tensors, and gradients unscaled by a device scalar. Counts must be equal.
@@ -110,12 +111,34 @@ def check_sync(device: str) -> dict:
             scaler.update()
     report = probe.report()
     errors = report.metadata.extra.get("hook_errors", 0)
+    pageable = _pageable_copies_in_a_probed_step(model, x, opt, scaler)
     return {
-        "status": "ok" if not errors and len(report.trace) == steps else "failed",
+        "status": "ok" if not errors and len(report.trace) == steps and not pageable else "failed",
         "steps": len(report.trace),
         "hook_errors": errors,
         "first_hook_error": report.metadata.extra.get("first_hook_error"),
+        # set_sync_debug_mode does not flag a copy from pageable host memory: the profiler does.
+        "pageable_host_to_device_copies": pageable,
     }
+
+
+def _pageable_copies_in_a_probed_step(model: nn.Module, x: torch.Tensor, opt, scaler) -> list[str]:
+    """Names of host-to-device copies from pageable memory while hooks and step() run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with Probe(model, scaler=scaler) as probe:
+        _amp_step(model, x, opt, scaler, "cuda", probe)  # first step: tables allocated
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            probe.step()
+            torch.cuda.synchronize()
+        scaler.step(opt)
+        scaler.update()
+    return sorted({e.name for e in prof.events() if "HtoD" in e.name and "Pageable" in e.name})
 
 
 def _engine_cases(device: str, n: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:

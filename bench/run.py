@@ -75,7 +75,7 @@ FULL = Sizes(
     engine_rounds=7,
     conv=(16, 32, 32),
     small_tf=(8, 64, 192, 2, 1024),
-    mid_tf=(4, 128, 512, 4, 4096),
+    mid_tf=(4, 128, 256, 4, 2048),
     mlp=(32, 32, 100),
     step_rounds=5,
     steps_per_round=2,
@@ -274,7 +274,7 @@ class TensorHooks:
 
 def tensorboard_way(t: torch.Tensor) -> None:
     """Copy to the host and histogram with numpy, as SummaryWriter.add_histogram does."""
-    a = t.detach().cpu().numpy().reshape(-1)
+    a = t.detach().cpu().numpy().reshape(-1).astype(np.float64)  # as tensorboard's make_histogram does
     np.histogram(a, bins=64)
 
 
@@ -594,11 +594,15 @@ def bench_profile(s: Sizes) -> dict:
             "ratio": profile_s / plain_s, "verdict": str(report.recommendation.verdict)}
 
 
-def run(sizes: Sizes, device: str = "cpu") -> dict:
-    """Run every section and return the results as plain data."""
+def run(sizes: Sizes, device: str = "cpu", save: Callable[[dict], None] = lambda r: None) -> dict:
+    """Run every section and return the results as plain data (``save`` gets them after each section)."""
     result = {"machine": machine(device), "sizes": sizes.__dict__ | {"memory_steps": list(sizes.memory_steps)}}
     result["engine"] = _progress("engine", bench_engine, sizes, device)
-    result["steps"] = [_progress(w.name, bench_steps, w, sizes, device) for w in make_workloads(sizes, device)]
+    result["steps"] = []
+    for w in make_workloads(sizes, device):
+        save(result)
+        result["steps"].append(_progress(w.name, bench_steps, w, sizes, device))
+    save(result)
     result["memory"] = _progress("memory", bench_memory, sizes)
     if device == "cpu":
         result["profile"] = _progress("profile()", bench_profile, sizes)
@@ -626,10 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.models:
         sizes = Sizes(**(sizes.__dict__ | {"models": tuple(args.models.split(","))}))
     t0 = time.perf_counter()
-    result = run(sizes, args.device)
-    result["wall_s"] = time.perf_counter() - t0
-    result["command"] = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(r: dict) -> None:  # after each section: a run cut short keeps what it measured
+        args.json.write_text(json.dumps(r | {"command": command}, indent=2) + "\n")
+
+    result = run(sizes, args.device, save)
+    result["wall_s"] = time.perf_counter() - t0
+    result["command"] = command
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
     print(f"\n({result['wall_s']:.0f} s; JSON in {args.json})")

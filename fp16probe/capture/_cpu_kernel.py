@@ -3,10 +3,16 @@
 It reads each value once and adds it straight into a module's preallocated row of
 canonical bins (the layout of :mod:`fp16probe.histogram`), with the same bin rule as the
 torch path in :mod:`fp16probe.capture.engine`, so every engine gives identical counts.
-The bin is computed with integer arithmetic only (no data-dependent branch), and four
-interleaved sub-histograms break the store-to-load chain when neighbours share a bin
-(ReLU-masked gradients are runs of zeros), so the cost per element does not depend on
-the data. Only for CPU tensors; accelerators take the torch or Triton path.
+
+The pass over the data counts each value into one of 512 cells, ``2 f + (M == 0)`` for
+exponent field ``f`` and mantissa ``M`` (a shift, two masks, a compare), and keeps the
+largest ``|bits|``; no data-dependent branch, and four interleaved sub-histograms break
+the store-to-load chain when neighbours share a cell (ReLU-masked gradients are runs of
+zeros), so the cost per element does not depend on the data. The cells map onto the
+canonical bins once per tensor. Only two cases need more, and a second pass runs only
+when they occur: fp32 subnormals (binned by ``ceil(log2 M)``) and an inf or NaN (the key
+is the largest *finite* magnitude). Only for CPU tensors; accelerators take the torch or
+Triton path.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 NUM_BINS = 281  # fp16probe.histogram.NUM_BINS (kept literal: numba compiles the constant in)
-_WIDTH = 288  # sub-histogram stride: NUM_BINS rounded up to a multiple of 8
 _KEY_OFFSET = 1 << 23  # engine._KEY_OFFSET: a finite |bits| becomes a positive key
 _SPLIT_AT = 1 << 21  # tensors this large are split across threads
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
@@ -37,62 +42,75 @@ def available() -> bool:
 
 if njit is not None:
 
-    @njit(inline="always")
-    def _bin(b):  # pragma: no cover - compiled
-        """Canonical bin of one fp32 bit pattern, and its key candidate (-1 for inf/NaN)."""
-        a = b & 0x7FFFFFFF
-        f = a >> 23
-        m = a & 0x7FFFFF
-        nz = (m + 0x7FFFFF) >> 23  # 1 when the mantissa is nonzero
-        is0 = ((f - 1) >> 31) & 1  # exponent field 0: zero or fp32 subnormal
-        is255 = (f + 1) >> 8  # exponent field 255: inf or NaN
-        # normal: e = f - 127 (+1 when m != 0), bin e + 149; inf/NaN: 279 + nz
-        idx = f + 22 + nz + 2 * is255
-        # subnormal: ceil(log2 m); exact zero: 278
-        c = 32 - leading_zeros(np.uint32(m - 1))
-        idx += is0 * (nz * (c - 23) + (1 - nz) * 256)
-        return idx, a - is255 * (a + 1)
-
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count(bits, local):  # pragma: no cover - compiled
-        """Count int32 bit patterns into ``local`` ([4, _WIDTH]); return the largest finite |bits| or -1."""
+        """Count int32 bit patterns into cells ``2 f + (M == 0)`` of ``local`` ([4, 512]); return max |bits|.
+
+        Four interleaved sub-histograms break the store-to-load chain when neighbours
+        share a cell (runs of zeros in ReLU-masked gradients).
+        """
         n = bits.shape[0]
         largest = -1
         n4 = n - (n & 3)
         for i in range(0, n4, 4):
-            i0, k0 = _bin(bits[i])
-            i1, k1 = _bin(bits[i + 1])
-            i2, k2 = _bin(bits[i + 2])
-            i3, k3 = _bin(bits[i + 3])
-            local[0, i0] += 1
-            local[1, i1] += 1
-            local[2, i2] += 1
-            local[3, i3] += 1
-            largest = max(largest, max(max(k0, k1), max(k2, k3)))
+            a0 = bits[i] & 0x7FFFFFFF
+            a1 = bits[i + 1] & 0x7FFFFFFF
+            a2 = bits[i + 2] & 0x7FFFFFFF
+            a3 = bits[i + 3] & 0x7FFFFFFF
+            local[0, ((a0 >> 22) | 1) - ((a0 & 0x7FFFFF) != 0)] += 1
+            local[1, ((a1 >> 22) | 1) - ((a1 & 0x7FFFFF) != 0)] += 1
+            local[2, ((a2 >> 22) | 1) - ((a2 & 0x7FFFFF) != 0)] += 1
+            local[3, ((a3 >> 22) | 1) - ((a3 & 0x7FFFFF) != 0)] += 1
+            largest = max(largest, max(max(a0, a1), max(a2, a3)))
         for i in range(n4, n):
-            i0, k0 = _bin(bits[i])
-            local[0, i0] += 1
-            largest = max(largest, k0)
+            a0 = bits[i] & 0x7FFFFFFF
+            local[0, ((a0 >> 22) | 1) - ((a0 & 0x7FFFFF) != 0)] += 1
+            largest = max(largest, a0)
         return largest
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def _fold(local, largest, counts, keys, row, replace):  # pragma: no cover - compiled
-        """Add sub-histograms into ``counts[row]`` and the key into ``keys[row]``."""
+    def _rare(bits, sub, do_sub, largest):  # pragma: no cover - compiled
+        """Second pass, only when needed: fp32 subnormals by ceil(log2 M), and the max finite |bits|."""
+        fix_key = largest >= 0x7F800000
+        if fix_key:
+            largest = -1
+        for i in range(bits.shape[0]):
+            a = bits[i] & 0x7FFFFFFF
+            if do_sub and 0 < a < 0x800000:
+                sub[32 - leading_zeros(np.uint32(a - 1))] += 1
+            if fix_key and a < 0x7F800000 and a > largest:
+                largest = a
+        return largest
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _fold(local, sub, largest, counts, keys, row, replace):  # pragma: no cover - compiled
+        """Map cells onto canonical bins in ``counts[row]``, the key into ``keys[row]``."""
         key = largest + _KEY_OFFSET if largest >= 0 else -1
         if replace:
             for j in range(NUM_BINS):
                 counts[row, j] = 0
             keys[row] = -1
         for t in range(local.shape[0]):
-            for j in range(NUM_BINS):
-                counts[row, j] += local[t, j]
+            for f in range(1, 255):  # normal: bin f + 22 (power of two, M = 0) or f + 23
+                counts[row, f + 22] += local[t, 2 * f + 1]
+                counts[row, f + 23] += local[t, 2 * f]
+            counts[row, 278] += local[t, 1]  # exact zeros
+            counts[row, 279] += local[t, 511]  # inf
+            counts[row, 280] += local[t, 510]  # NaN
+        for j in range(24):  # subnormals, counted by the second pass
+            counts[row, j] += sub[j]
         if key > keys[row]:
             keys[row] = key
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_into(bits, counts, keys, row, replace):  # pragma: no cover - compiled
-        local = np.zeros((4, _WIDTH), dtype=np.int64)
-        _fold(local, _count(bits, local), counts, keys, row, replace)
+        local = np.zeros((4, 512), dtype=np.int64)
+        largest = _count(bits, local)
+        sub = np.zeros(24, dtype=np.int64)
+        subnormals = local[0, 0] + local[1, 0] + local[2, 0] + local[3, 0]
+        if subnormals > 0 or largest >= 0x7F800000:
+            largest = _rare(bits, sub, subnormals > 0, largest)
+        _fold(local, sub, largest, counts, keys, row, replace)
 
 
 def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool) -> None:
@@ -105,9 +123,14 @@ def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int,
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fp16probe")
     parts = np.array_split(bits, _THREADS)
-    local = np.zeros((_THREADS, 4, _WIDTH), dtype=np.int64)
+    local = np.zeros((_THREADS, 4, 512), dtype=np.int64)
     futures = [_pool.submit(_count, parts[t], local[t]) for t in range(1, _THREADS)]
     largest = int(_count(parts[0], local[0]))  # the kernel releases the GIL
     for f in futures:
         largest = max(largest, int(f.result()))
-    _fold(local.reshape(-1, _WIDTH), largest, counts, keys, row, replace)
+    local = local.reshape(-1, 512)
+    sub = np.zeros(24, dtype=np.int64)
+    subnormals = int(local[:, 0].sum())
+    if subnormals > 0 or largest >= 0x7F800000:
+        largest = int(_rare(bits, sub, subnormals > 0, largest))
+    _fold(local, sub, largest, counts, keys, row, replace)
