@@ -608,21 +608,29 @@ def named_loss(name: str, seed: int = 0) -> NamedLoss:
 def stand_in_line(*, inputs_synthetic: bool, loss: str, loss_synthetic: bool, labels: str | None = None) -> str:
     """One line saying what was invented for the run and how much the answer depends on it ('' if nothing).
 
-    ``labels`` is set when fp16probe drew the labels for the model's own loss.
+    ``labels`` is set when fp16probe drew the labels for the model's own loss. The
+    dependence is exact: backward is linear in the loss's gradient at the output, so
+    scaling that gradient by 2^k shifts every gradient, and the scale S, by k powers of two.
     """
-    made = []
-    if inputs_synthetic:
-        made.append("random inputs")
+    made = ["random inputs"] if inputs_synthetic else []
     if loss_synthetic and labels:
-        made.append(f"invented labels ({labels})")
+        made.append("labels (for the model's own loss)")
     elif loss_synthetic:
-        made.append(f"an invented loss ({loss})")
+        made.append(f"loss ({_short_loss(loss)})")
     if not made:
         return ""
-    return (f"this run used {' and '.join(made)}. Every gradient is linear in the loss's gradient at the "
-            "output: a loss 2^k times steeper or flatter there (another loss, real labels, a mean over 2^k "
-            "times more samples or tokens) moves the answer by k powers of two; pass --batches (and --loss) "
-            "to profile your own")
+    return (f"invented {' and '.join(made)}; S shifts by k powers of two when the loss's gradient at the "
+            "output is 2^k larger or smaller: pass --batches/--loss for your own")
+
+
+def _short_loss(description: str) -> str:
+    if description.startswith("default for class logits"):
+        return "cross-entropy against random labels"
+    if description.startswith("default: mean of squares"):
+        return "mean of squares of the outputs"
+    if description.startswith("--loss "):
+        return description.split(":", 1)[0] + " against invented targets"
+    return description
 
 
 def iter_plan(plan: Plan, seed: int) -> Iterator[Any]:
