@@ -103,7 +103,7 @@ def test_profile_summary_leads_with_the_answer_at_80_columns(long_names):
     assert '"cuda"' in pasted
     assert any("this profile ran on cpu" in ln for ln in lines[:code])
     # the invented inputs say so in one visible line
-    assert sum(ln.startswith("note: this run used random inputs") for ln in lines) == 1
+    assert sum(ln.startswith("note: invented random inputs") for ln in lines) == 1
     # the worst-modules table wraps the 114-character name after its dots; a part longer than
     # the column is shortened in its middle, its start and end kept
     longest = max(names, key=len)
