@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from fp16probe import formatting as num
 from fp16probe.errors import ReportError
 
 __all__ = ["DEFAULT_TOLERANCE", "RELATIVE_TOLERANCE", "Verification", "tolerance_for"]
@@ -73,8 +74,8 @@ class Verification:
     def summary(self) -> str:
         """Return one line of predicted against measured, for gates and logs."""
         return (f"{self.measured_overflow_steps} of {self.steps} steps overflowed "
-                f"({self.predicted_overflow_steps} predicted); {self.measured_zeroed_fraction * 100:.3g}% of "
-                f"{self.kind} values zeroed ({self.predicted_zeroed_fraction * 100:.3g}% predicted, tolerance "
+                f"({self.predicted_overflow_steps} predicted); {num.percent(self.measured_zeroed_fraction)} of "
+                f"{self.kind} values zeroed ({num.percent(self.predicted_zeroed_fraction)} predicted, tolerance "
                 f"±{self.tolerance * 100:.3g} percentage points), {self.precision} on {self.device}")
 
     def to_dict(self) -> dict[str, Any]:

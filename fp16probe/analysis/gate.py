@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from fp16probe import formatting as num
 from fp16probe.errors import ReportError
 from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
 from fp16probe.recommendation import Recommendation, Verdict
@@ -338,7 +339,7 @@ def compare(baseline: Snapshot, current: Snapshot, thresholds: Thresholds = Thre
 def _rise_check(name: str, before: float, after: float, limit: float, what: str) -> Check:
     rise = after - before
     return Check(name, rise <= limit, before, after, limit,
-                 f"{what} went from {_pct(before)} to {_pct(after)} ({_points(rise)}; allowed +{limit * 100:.3g})")
+                 f"{what} went from {num.percent(before)} to {num.percent(after)} ({_points(rise)}; allowed +{limit * 100:.3g})")
 
 
 def _at_baseline_scale(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
@@ -414,7 +415,7 @@ def _module_regressions(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
     shown = over[: t.worst_n]
     listed = {name: [before, after] for _, name, before, after in shown}
     if over:
-        named = ", ".join(f"{name} {_pct(before)} -> {_pct(after)}" for _, name, before, after in shown)
+        named = ", ".join(f"{name} {num.percent(before)} -> {num.percent(after)}" for _, name, before, after in shown)
         more = f" and {len(over) - len(shown)} more" if len(over) > len(shown) else ""
         message = (f"{len(over)} module(s) lose more at the baseline's {_scale(k)}: {named}{more} "
                    f"(allowed {_points(t.max_module_increase)} each)")
@@ -477,10 +478,6 @@ def _overflows(fmt: str, magnitude: float, log2_scale: int) -> bool:
 
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _pct(f: float) -> str:
-    return f"{f * 100:.3g}%"
 
 
 def _points(rise: float) -> str:
