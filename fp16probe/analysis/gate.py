@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 from fp16probe import formatting as num
 from fp16probe.errors import ReportError
+from fp16probe.analysis.whatif import flushed_fraction
 from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
 from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
@@ -233,12 +234,6 @@ def canonical_module_names(names: Iterable[str]) -> dict[str, str]:
 
 
 # -- the numbers of one report ----------------------------------------------------------------
-
-def flushed_fraction(h: Histogram, fmt: str, log2_scale: int = 0) -> float:
-    """Return the share of nonzero finite values that flush to zero at S = 2^log2_scale (0.0 when none)."""
-    n = h.nonzero_finite
-    return h.flushed(fmt, log2_scale) / n if n else 0.0
-
 
 def worst_modules(report: Report, fmt: str, kind: str, n: int, log2_scale: int = 0) -> tuple[tuple[str, float], ...]:
     """Return the ``n`` modules with the largest flushed share at S = 2^log2_scale (only those that lose any).

@@ -23,6 +23,7 @@ __all__ = [
     "ModuleFlush",
     "WhatIfRow",
     "WhatIfTable",
+    "flushed_fraction",
     "kinds_of",
     "what_if",
     "worst_modules",
@@ -54,6 +55,11 @@ def per_step(report: Report, kinds: Sequence[str]) -> list[Histogram] | None:
 def fraction(part: int, whole: int) -> float:
     """Return part / whole, 0.0 for an empty whole."""
     return part / whole if whole else 0.0
+
+
+def flushed_fraction(h: Histogram, fmt: str | Format, log2_scale: int = 0) -> float:
+    """Return the share of nonzero finite values that flush to zero at S = 2^log2_scale (0.0 when none)."""
+    return fraction(h.flushed(fmt, log2_scale), h.nonzero_finite)
 
 
 # -- what-if tables --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP
-from fp16probe.analysis.whatif import what_if, worst_modules
+from fp16probe.analysis.whatif import flushed_fraction, what_if, worst_modules
 from fp16probe.presentation.answer import recommendation_for, shorten_name, wrap_text
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, atomic_write_text
@@ -79,12 +79,6 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
         "min_normal": float(fmt.log2_min_normal),
         "max": math.log2(fmt.max),
     }
-
-
-def flushed_fraction(h: Histogram, fmt: str | Format, log2_scale: int = 0) -> float:
-    """Return the share of the nonzero finite values that become 0 when cast at S = 2^log2_scale."""
-    n = h.nonzero_finite
-    return h.flushed(fmt, log2_scale) / n if n else 0.0
 
 
 def _literal(text: str) -> str:

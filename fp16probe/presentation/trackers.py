@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
@@ -147,10 +148,6 @@ def _field(rec: Any, name: str, default: Any = None) -> Any:
     return getattr(rec, name, default)
 
 
-def _fraction(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
-
-
 def _exact_log2(x: float | None) -> int | None:
     if x is None or not x > 0 or not math.isfinite(x):
         return None
@@ -209,19 +206,18 @@ def tracker_series(
             lh = log_histogram(h, axis)
             if lh is not None:
                 histograms.append((tag, step, lh))
-            n = h.nonzero_finite
-            scalars.append((f"{tag}/flushed_fraction_at_1", step, _fraction(h.flushed(fmt, 0), n)))
+            scalars.append((f"{tag}/flushed_fraction_at_1", step, flushed_fraction(h, fmt, 0)))
             scalars.append((f"{tag}/max_abs", step, float(h.max_abs)))
-            scalars.append((f"{tag}/zero_fraction", step, _fraction(h.zero, h.total)))
+            scalars.append((f"{tag}/zero_fraction", step, fraction(h.zero, h.total)))
             scalars.append((f"{tag}/nonfinite", step, float(h.nonfinite)))
             if k == ACTIVATION:  # forward values are not multiplied by the loss scale
                 continue
             if k_in_force is not None:
                 scalars.append((f"{tag}/flushed_fraction_at_scale_in_force", step,
-                                _fraction(h.flushed(fmt, k_in_force), n)))
+                                flushed_fraction(h, fmt, k_in_force)))
             if rec_k is not None:
                 scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step,
-                                _fraction(h.flushed(fmt, int(rec_k)), n)))
+                                flushed_fraction(h, fmt, int(rec_k))))
         ceiling = getattr(trace, "ceiling", None)
         if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
             scalars.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
