@@ -454,17 +454,12 @@ def show(
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
     """What ``show`` prints, as JSON-ready data: metadata, the distribution at S = 1 and at S, worst modules, advice."""
-    from fp16probe.analysis.gate import flushed_fraction, natural_key
+    from fp16probe.analysis.whatif import flushed_fraction, fraction, worst_modules
 
     h = report.histogram(kind)
     k = rec.log2_scale
     n = h.nonzero_finite
-
-    def share(part: int) -> float:
-        return part / n if n else 0.0
-
-    modules = sorted(report.modules_of(kind),
-                     key=lambda m: (-flushed_fraction(m.histogram, fmt), natural_key(m.name)))[:top]
+    modules = [report.module(w.name, w.kind) for w in worst_modules(report, fmt, kind=kind, count=top)]
     return _finite({
         "report": source,
         "format": fmt,
@@ -472,10 +467,10 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
         "metadata": report.metadata.to_dict(),
         "distribution": {
             "values": h.total, "nonzero": n, "zero": h.zero, "inf": h.inf, "nan": h.nan, "max_abs": h.max_abs,
-            "flushed_fraction_at_1": share(h.flushed(fmt, 0)),
-            "subnormal_fraction_at_1": share(h.subnormal(fmt, 0)),
+            "flushed_fraction_at_1": flushed_fraction(h, fmt),
+            "subnormal_fraction_at_1": fraction(h.subnormal(fmt, 0), n),
             "log2_scale": k,
-            "flushed_fraction_at_scale": None if k is None else share(h.flushed(fmt, k)),
+            "flushed_fraction_at_scale": None if k is None else flushed_fraction(h, fmt, k),
             "bins": {str(e): c for e, c in ((e, h.count(e)) for e in range(h.lowest_exp or 0, (h.highest_exp or -1) + 1)) if c},
         },
         "worst_modules": [
