@@ -148,7 +148,7 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         if invented:
             lines.append(Line("invented", invented))
         lines += [Line("finding", f) for f in findings(report)]
-        verification = getattr(report, "verification", None)
+        verification = report.verification
         if verification is not None:
             lines.append(Line("verification", _verification_sentence(verification)))
     lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]

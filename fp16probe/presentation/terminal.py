@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from fp16probe.analysis.gate import GateResult
 from fp16probe.analysis.whatif import worst_modules
 from fp16probe.formats import get_format
 from fp16probe import formatting as num
@@ -29,6 +30,7 @@ from fp16probe.presentation.answer import (
 )
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
+from fp16probe.verification import Verification
 
 __all__ = [
     "Fitted",
@@ -119,7 +121,7 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
             yield _bins_table(report.histogram(kind), fmt)
         if top and report.modules_of(kind):
             yield from _worst_table(report, kind, fmt, k, top, width)
-        if explain and getattr(report, "verification", None) is not None:
+        if explain and report.verification is not None:
             yield from _verification(report.verification, width)
         if explain and rec is not None:
             yield from _explanation(rec, width)
@@ -168,7 +170,7 @@ def _answer(report: Report | None, rec: Recommendation, width: int, device: str 
         if line.kind == "code":
             yield from _lines(line.text.splitlines(), _STYLES["code"])
         elif line.kind == "verification":
-            held = getattr(getattr(report, "verification", None), "held", True)
+            held = report is None or report.verification is None or report.verification.held
             yield from _para(line.text, width, "green" if held else "bold red", "  ")
         else:
             yield from _para(line.text, width, _STYLES.get(line.kind, ""), "  ")
@@ -185,7 +187,7 @@ def _run_context(report: Report, width: int) -> Iterator[Any]:
         yield from _para(f"weight updates ({wul['measured_on']}): {wul['text']}", width, indent="  ")
 
 
-def _verification(v: Any, width: int) -> Iterator[Any]:
+def _verification(v: Verification, width: int) -> Iterator[Any]:
     """The recommended setting run for real: predicted against measured, and what it proves."""
     from rich.table import Table
 
@@ -346,7 +348,7 @@ def _worst_table(report: Report, kind: str, fmt_name: str, log2_scale: int | Non
     yield table
 
 
-def print_compare(console: Any, result: Any) -> None:
+def print_compare(console: Any, result: GateResult) -> None:
     """Print the gate's checks as a table and the overall outcome."""
     from rich.table import Table
     from rich.text import Text
@@ -359,7 +361,7 @@ def print_compare(console: Any, result: Any) -> None:
         table.add_row(Text(c.name), Text("pass") if c.passed else Text("FAIL", style="bold red"),
                       Text(c.message))
     console.print(table)
-    for w in getattr(result, "warnings", ()):
+    for w in result.warnings:
         console.print(Text.assemble(("warning: ", "yellow"), w), soft_wrap=True)
     if result.passed:
         console.print(Text("no regression", style="green"))

@@ -218,7 +218,7 @@ def tracker_series(
             if rec_k is not None:
                 scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step,
                                 flushed_fraction(h, fmt, int(rec_k))))
-        ceiling = getattr(trace, "ceiling", None)
+        ceiling = trace.ceiling
         if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
             scalars.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
         if scale is not None:
