@@ -30,10 +30,10 @@ import numpy as np
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MAX_EXP, MIN_EXP
-from fp16probe.analysis.ceiling import GRAD_KINDS, Ceiling
+from fp16probe.analysis.ceiling import Ceiling
 from fp16probe.analysis.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
-from fp16probe.report import Report, StepTrace
+from fp16probe.report import Report, StepTrace, kinds_named
 
 __all__ = [
     "DEFAULT_GROWTH_INTERVALS",
@@ -266,7 +266,7 @@ class _StepModel:
 
 
 def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepModel:
-    kinds = _kinds_of(kind)
+    kinds = kinds_named(kind)
     hists = [hs for hs in (trace.histograms.get(k) for k in kinds) if hs]
     if not hists:
         raise AnalysisError(
@@ -286,12 +286,6 @@ def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepMo
     for hs in hists:
         counts += np.asarray([h.counts for h in hs], dtype=np.int64)
     return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1))
-
-
-def _kinds_of(kind: str) -> tuple[str, ...]:
-    if kind == "all":
-        return GRAD_KINDS
-    return (kind,)
 
 
 def simulate(

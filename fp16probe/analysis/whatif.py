@@ -16,7 +16,7 @@ from fp16probe.analysis.ceiling import Ceiling
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import Histogram
-from fp16probe.report import ALL_GRADS, GRAD_KINDS, KINDS, Report
+from fp16probe.report import ALL_GRADS, KINDS, Report, kinds_named
 
 __all__ = [
     "ALL_GRADS",
@@ -32,11 +32,9 @@ __all__ = [
 
 def kinds_of(kind: str) -> tuple[str, ...]:
     """Return the record kinds that ``kind`` names (``all``: both gradient kinds)."""
-    if kind == ALL_GRADS:
-        return GRAD_KINDS
-    if kind not in KINDS:
+    if kind != ALL_GRADS and kind not in KINDS:
         raise AnalysisError(f"unknown kind {kind!r}: expected one of {', '.join(KINDS + (ALL_GRADS,))}")
-    return (kind,)
+    return kinds_named(kind)
 
 
 def merged(report: Report, kinds: Sequence[str]) -> Histogram:
