@@ -21,14 +21,13 @@ from torch import nn
 from fp16probe._version import __version__
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture.ceiling import CHANNEL, Ceiling, step_ceilings
-from fp16probe.capture.recorder import ROOT_NAME, Recorder, histogram_from, iter_tensors
+from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report
 
 __all__ = ["ROOT_NAME", "Probe", "iter_tensors", "select_modules"]
 
 GRANULARITIES = ("module", "op")
-_histogram_from = histogram_from  # the name older tests and callers import
 
 
 def select_modules(model: nn.Module, patterns: Sequence[str], types: tuple[type, ...], granularity: str) -> list[str]:

@@ -75,18 +75,6 @@ _HF_HEADS = (
     ("ForQuestionAnswering", "question_answering"),
     ("ForImageClassification", "image_classification"),
 )
-FAMILY_TITLES = {
-    "causal_lm": "Hugging Face causal LM",
-    "masked_lm": "Hugging Face masked LM",
-    "seq2seq_lm": "Hugging Face seq2seq LM",
-    "sequence_classification": "Hugging Face sequence classification",
-    "token_classification": "Hugging Face token classification",
-    "question_answering": "Hugging Face question answering",
-    "image_classification": "Hugging Face image classification",
-    "hf_base_text": "Hugging Face base model (text, no head)",
-    "hf_base_image": "Hugging Face base model (images, no head)",
-    "module": "nn.Module",
-}
 
 
 @dataclass(frozen=True)
