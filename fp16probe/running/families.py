@@ -48,9 +48,11 @@ __all__ = [
     "forward_signature",
     "hf_family",
     "hf_plan",
+    "mean_of_squares",
     "module_plan",
     "named_loss",
     "no_inputs_error",
+    "own_loss",
     "stand_in_line",
 ]
 
@@ -425,7 +427,8 @@ def _targets(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def _mean_of_squares(output: Any) -> torch.Tensor:
+def mean_of_squares(output: Any) -> torch.Tensor:
+    """Return the sum over the output's floating tensors that need a gradient of the mean of their squares."""
     terms = [t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not terms:
         raise InputError(
@@ -435,7 +438,8 @@ def _mean_of_squares(output: Any) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-def _own_loss(output: Any) -> torch.Tensor | None:
+def own_loss(output: Any) -> torch.Tensor | None:
+    """Return the model's own scalar ``.loss`` (or ``["loss"]``) as a 0-d tensor, None when it has none."""
     own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(own, torch.Tensor) and own.numel() == 1:
         return own.reshape(())
@@ -482,17 +486,17 @@ class DecidingLoss:
         if self._way is None:
             self._decide(output)
         if self._way == "own":
-            own = _own_loss(output)
+            own = own_loss(output)
             if own is None:
                 raise InputError("the model returned a .loss at the first step but not at this one; pass loss=")
             return own
         if self._way == "cross_entropy":
             logits = _prediction(output)
             return F.cross_entropy(logits.float(), self._labels(logits, (logits.shape[0],)))
-        return _mean_of_squares(output)
+        return mean_of_squares(output)
 
     def _decide(self, output: Any) -> None:
-        if _own_loss(output) is not None:
+        if own_loss(output) is not None:
             self._way = "own"
             self.decided = ("the model's own output .loss, on the labels the batches carry", False)
             return

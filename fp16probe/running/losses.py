@@ -7,13 +7,12 @@ a run without one gets, per model family, is :mod:`fp16probe.running.families`' 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fp16probe.capture.probe import iter_tensors
 from fp16probe.errors import InputError
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
@@ -45,16 +44,8 @@ class Loss:
 
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
     """Return the model's own ``.loss`` if it has one, else the mean of squares of its floating outputs."""
-    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(own, torch.Tensor) and own.numel() == 1:
-        return own.reshape(())
-    terms = [t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
-    if not terms:
-        raise InputError(
-            "the model's output holds no floating-point tensor that needs a gradient; pass loss= "
-            "(a function (output, batch) -> scalar loss, e.g. package.module:function)"
-        )
-    return torch.stack(terms).sum()
+    own = families.own_loss(output)
+    return own if own is not None else families.mean_of_squares(output)
 
 
 def check_loss_spec(loss: str | None) -> None:
@@ -103,10 +94,10 @@ def named(name: str, seed: int = 0) -> Loss:
 
 
 def _own_loss(output: Any, batch: Any) -> torch.Tensor:
-    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if not (isinstance(own, torch.Tensor) and own.numel() == 1):
+    own = families.own_loss(output)
+    if own is None:
         raise InputError("the model returned no .loss although the batch carried labels; pass loss=")
-    return own.reshape(())
+    return own
 
 
 def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_loss: bool = False, seed: int = 0) -> Loss:
