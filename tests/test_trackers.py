@@ -22,6 +22,7 @@ from fp16probe.cli import app
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.histogram import MIN_EXP
 from fp16probe.presentation.trackers import TrackerLog, export, log_histogram, tracker_series
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram
 from tests.fixtures.reports import hand_report
 
@@ -63,8 +64,11 @@ def test_log_histogram_has_one_bucket_per_log2_bin_and_zeros_apart():
 
 
 def test_series_scalars_are_the_closed_form_shares():
-    series = tracker_series(scaled_report(), "fp16",
-                            recommendation={"log2_scale": 8, "text": "advice", "caveats": ["one", "two"]})
+    rec = Recommendation(verdict=Verdict.CONSTANT, format="fp16", log2_scale=8, scale=256.0, grad_scaler_kwargs={},
+                         flushed_fraction_at_1=None, flushed_fraction_at_scale=None, overflow_steps_at_scale=None,
+                         headroom_bits=None, worst_modules=(), evidence={}, thresholds={}, citations=(),
+                         text="advice", caveats=("one", "two"))
+    series = tracker_series(scaled_report(), "fp16", recommendation=rec)
     by = {}
     for tag, step, value in series.scalars:
         by.setdefault(tag, {})[step] = value

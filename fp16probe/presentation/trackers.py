@@ -36,12 +36,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
 
 __all__ = [
@@ -139,15 +140,6 @@ class TrackerSeries:
         return tuple(sorted({s for _, s, _ in self.scalars} | {s for _, s, _ in self.histograms}))
 
 
-def _field(rec: Any, name: str, default: Any = None) -> Any:
-    """Read a field of a Recommendation, or of a mapping with its keys (``{"log2_scale": 8}``)."""
-    if rec is None:
-        return default
-    if isinstance(rec, Mapping):
-        return rec.get(name, default)
-    return getattr(rec, name, default)
-
-
 def _exact_log2(x: float | None) -> int | None:
     if x is None or not x > 0 or not math.isfinite(x):
         return None
@@ -160,7 +152,7 @@ def tracker_series(
     format: str | Format = "fp16",
     *,
     kind: str = ACTIVATION_GRAD,
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     modules: bool = False,
     axis: str = "log2",
     step_offset: int = 0,
@@ -175,12 +167,15 @@ def tracker_series(
     ``kind`` values yet).
     """
     fmt = get_format(format)
+    return _series(report, fmt, kind, _recommendation(report, recommendation, fmt, kind), modules=modules,
+                   axis=axis, step_offset=step_offset, since_step=since_step)
+
+
+def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, *, modules: bool = False,
+            axis: str = "log2", step_offset: int = 0, since_step: int | None = None) -> TrackerSeries:
+    """What :func:`tracker_series` computes, for a recommendation already chosen (None: no scale)."""
     trace = report.trace
-    try:
-        rec = _recommendation(report, recommendation, fmt, kind)
-    except Fp16ProbeError:  # e.g. no values of that kind yet
-        rec = None
-    rec_k = _field(rec, "log2_scale")
+    rec_k = None if rec is None else rec.log2_scale
     scaled = bool(report.metadata.grad_scaler) or any(s is not None for s in trace.scale)
     histograms: list[tuple[str, int, LogHistogram]] = []
     scalars: list[tuple[str, int, float]] = []
@@ -234,8 +229,8 @@ def tracker_series(
                 histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
     texts = []
     if rec is not None:
-        caveats = list(_field(rec, "caveats", ()) or ())
-        body = str(_field(rec, "text", "") or "").rstrip()
+        caveats = rec.caveats
+        body = rec.text.rstrip()
         if caveats:
             body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
         if body.strip():
@@ -447,7 +442,7 @@ def export(
     dest: Any = None,
     format: str | Format = "fp16",
     kind: str = ACTIVATION_GRAD,
-    recommendation: Any = None,
+    recommendation: Recommendation | None = None,
     modules: bool = False,
     axis: str = "log2",
     step_offset: int = 0,
@@ -474,12 +469,8 @@ def export(
     if to not in TRACKERS:
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
     fmt = get_format(format)
-    try:
-        rec = _recommendation(report, recommendation, fmt, kind)
-    except Fp16ProbeError:
-        rec = None
-    series = tracker_series(report, fmt, kind=kind, recommendation=rec, modules=modules, axis=axis,
-                            step_offset=step_offset)
+    rec = _recommendation(report, recommendation, fmt, kind)
+    series = _series(report, fmt, kind, rec, modules=modules, axis=axis, step_offset=step_offset)
     with _file_store_allowed(to, dest):
         sink = _open(to, dest, run_name=run_name, project=project)
         try:
@@ -573,12 +564,11 @@ class TrackerLog:
         self.recommend = recommend
         self.last_step: int | None = None
 
-    def log(self, report: Report, recommendation: Any = None) -> int:
+    def log(self, report: Report, recommendation: Recommendation | None = None) -> int:
         """Send the steps of ``report`` not sent yet; return how many steps were sent."""
-        rec = recommendation if recommendation is not None or self.recommend else _NO_RECOMMENDATION
-        series = tracker_series(report, self.format, kind=self.kind, recommendation=rec,
-                                modules=self.modules, axis=self.axis, step_offset=self.step_offset,
-                                since_step=self.last_step)
+        rec = _recommendation(report, recommendation, self.format, self.kind) if self.recommend else recommendation
+        series = _series(report, self.format, self.kind, rec, modules=self.modules, axis=self.axis,
+                         step_offset=self.step_offset, since_step=self.last_step)
         if not series.steps() or (self.last_step is not None and max(series.steps()) <= self.last_step):
             return 0  # no new step: module totals alone are not logged again
         self.sink.write(series)
@@ -589,10 +579,7 @@ class TrackerLog:
     def finish(self, report: Report) -> None:
         """Attach the final report's files where the tracker keeps files (MLflow: JSON, figures, HTML)."""
         if isinstance(self.sink, _MlflowSink):
-            try:
-                rec = _recommendation(report, None, self.format, self.kind)
-            except Fp16ProbeError:
-                rec = None
+            rec = _recommendation(report, None, self.format, self.kind)
             self.sink.artifacts(report, self.format, self.kind, rec)
 
     def close(self) -> None:
@@ -600,18 +587,8 @@ class TrackerLog:
         self.sink.close()
 
 
-class _NoRecommendation(dict):
-    """A recommendation with no scale: live logging without the per-interval analysis."""
-
-    def __init__(self) -> None:
-        super().__init__(log2_scale=None, text="", format=None)
-
-
-_NO_RECOMMENDATION = _NoRecommendation()
-
-
-def _recommendation(report: Report, given: Any, fmt: Format, kind: str) -> Any:
-    """The recommendation given, the report's own for ``fmt``, or a fresh analysis (None without values)."""
+def _recommendation(report: Report, given: Recommendation | None, fmt: Format, kind: str) -> Recommendation | None:
+    """The recommendation given, the report's own for ``fmt``, or a fresh analysis (None when none can be made)."""
     from fp16probe.presentation.answer import recommendation_for
 
     if given is not None:
@@ -621,4 +598,7 @@ def _recommendation(report: Report, given: Any, fmt: Format, kind: str) -> Any:
         return stored
     from fp16probe.analysis.recommend import analyze
 
-    return analyze(report, fmt.name, kind=kind)
+    try:
+        return analyze(report, fmt.name, kind=kind)
+    except Fp16ProbeError:  # e.g. no values of that kind yet
+        return None
