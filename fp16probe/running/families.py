@@ -403,11 +403,16 @@ def module_plan(model: nn.Module) -> Plan:
 # -- losses ----------------------------------------------------------------------------
 
 
+def _output_field(output: Any, name: str) -> Any:
+    """The output's entry ``name`` (a dict's key, a ModelOutput's or any object's attribute), None when absent."""
+    return output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+
+
 def _prediction(output: Any) -> torch.Tensor:
     """The tensor a loss compares with targets: the output, its ``logits``, or its first floating tensor."""
     if isinstance(output, torch.Tensor):
         return output
-    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    logits = _output_field(output, "logits")
     if isinstance(logits, torch.Tensor):
         return logits
     for t in iter_tensors(output):
@@ -440,7 +445,7 @@ def mean_of_squares(output: Any) -> torch.Tensor:
 
 def own_loss(output: Any) -> torch.Tensor | None:
     """Return the model's own scalar ``.loss`` (or ``["loss"]``) as a 0-d tensor, None when it has none."""
-    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    own = _output_field(output, "loss")
     if isinstance(own, torch.Tensor) and own.numel() == 1:
         return own.reshape(())
     return None
@@ -518,7 +523,7 @@ def _counts_logits(output: Any, pred: torch.Tensor) -> bool:
     """Whether ``pred`` is the output itself or its named ``logits`` (not some other tensor in it)."""
     if output is pred:
         return True
-    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    logits = _output_field(output, "logits")
     return logits is pred
 
 
