@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from fp16probe import formatting as num
 from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import Report
+from fp16probe.verification import Verification
 
 __all__ = [
     "KIND_WORDS",
@@ -215,7 +216,7 @@ def findings(report: Report) -> list[str]:
     return out
 
 
-def _verification_sentence(v: Any) -> str:
+def _verification_sentence(v: Verification) -> str:
     return (f"verification ({v.precision} autocast on {v.device}, {v.steps} steps): prediction "
             f"{'held' if v.held else 'did NOT hold'}; overflowing steps {v.predicted_overflow_steps} "
             f"predicted, {v.measured_overflow_steps} measured; zeroed {num.percent(v.predicted_zeroed_fraction)} "

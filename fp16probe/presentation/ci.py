@@ -9,10 +9,11 @@ escaped, and annotation text is escaped the way GitHub's workflow commands requi
 from __future__ import annotations
 
 import datetime
-from typing import Any
 import re
 from xml.sax.saxutils import escape as _xml_escape
 from xml.sax.saxutils import quoteattr as _xml_quoteattr
+
+from fp16probe.analysis.gate import GateResult
 
 __all__ = ["error_junit", "error_markdown", "github_annotations", "github_error_annotation", "to_junit", "to_markdown"]
 
@@ -37,7 +38,7 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def to_markdown(result: Any, title: str = "fp16probe compare") -> str:
+def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
     """Return a Markdown summary (for ``$GITHUB_STEP_SUMMARY``) that ends with a blank line.
 
     The blank line keeps two summaries appended to one file two tables: without it the
@@ -66,7 +67,7 @@ def _code(text: str) -> str:
     return str(text).replace("`", "'")
 
 
-def to_junit(result: Any, *, seconds: float | None = None, suite: str = SUITE,
+def to_junit(result: GateResult, *, seconds: float | None = None, suite: str = SUITE,
              timestamp: datetime.datetime | None = None) -> str:
     """Return JUnit XML: a ``testsuites`` root, one test case per check, times, and every check's numbers.
 
@@ -111,7 +112,7 @@ def _property(text: str) -> str:
     return _data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def github_annotations(result: Any) -> list[str]:
+def github_annotations(result: GateResult) -> list[str]:
     """Return GitHub Actions workflow commands: ``::error`` per failed check, ``::warning`` per warning.
 
     GitHub shows them as annotations on the run and the pull request.

@@ -336,7 +336,7 @@ class _MlflowSink:
         for tag, text in series.texts:
             self.client.log_text(self.run_id, text + "\n", f"{_mlflow_key(tag)}.txt")
 
-    def artifacts(self, report: Report, fmt: Format, kind: str, recommendation: Any) -> None:
+    def artifacts(self, report: Report, fmt: Format, kind: str, recommendation: Recommendation | None) -> None:
         """Upload the report JSON, its figures (PNG) and a standalone HTML report."""
         from fp16probe.presentation.html import report_html
 
