@@ -116,3 +116,85 @@ def test_a_module_whose_forward_is_bypassed_is_named():
     assert report.metadata.extra["unrecorded_modules"] == ["out_proj"]
     # The ceiling still sees out_proj's weight gradient and the attention internals.
     assert report.trace.ceiling[0] >= mha.out_proj.weight.grad.abs().max().item() > 0
+
+
+# -- the ceiling against a brute-force walk of every autograd node ----------------------
+class _AttnBlock(nn.Module):
+    """nn.MultiheadAttention (uses out_proj.weight directly) with functional code after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        h = x + a
+        return (self.head(torch.nn.functional.gelu(h)).flatten(1) * 2.0**-9).reshape(x.shape[0], -1)
+
+
+class _ConvNet(nn.Module):
+    """Conv, batch norm, in-place ReLU, pooling and a functional scale after the last module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu_(self.bn(self.conv(x)))
+        return self.fc(h.mean((2, 3))) * 3.0
+
+
+def _brute_force_max(loss: torch.Tensor) -> list[torch.Tensor]:
+    """Hook every node behind ``loss``; collect max |g| of each non-scalar gradient flowing in.
+
+    The ceiling's own rules: scalar gradients (the loss side's arithmetic) and nodes that the
+    dtype tracking marked as fp32 under autocast are left out.
+    """
+    from fp16probe.capture.ceiling import FP32_ONLY
+
+    seen: list[torch.Tensor] = []
+
+    def prehook(grads):
+        for g in grads:
+            if isinstance(g, torch.Tensor) and g.numel() > 1:
+                seen.append(g.detach().abs().max())
+
+    stack, visited = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if not node.metadata.get(FP32_ONLY):
+            node.register_prehook(prehook)
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def test_ceiling_equals_a_brute_force_max_over_every_node_gradient():
+    torch.manual_seed(0)
+    cases = [
+        (Scaled(), lambda: torch.randn(16, 8), lambda out: ((out - 1e-6) ** 2).mean()),
+        (_AttnBlock(), lambda: torch.randn(4, 6, 16), lambda out: (out.float() * 2.0**12).pow(2).mean()),
+        (_ConvNet(), lambda: torch.randn(4, 3, 8, 8), lambda out: torch.nn.functional.cross_entropy(
+            out, torch.arange(4) % 5)),
+    ]
+    for model, make_x, loss_fn in cases:
+        expected = []
+        with Probe(model) as probe:
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                loss = loss_fn(model(make_x()))
+                probe.watch(loss)
+                seen = _brute_force_max(loss)
+                loss.backward()
+                expected.append(max(float(m) for m in seen))
+                probe.step()
+        got = probe.report().trace.ceiling
+        assert got == tuple(expected), (type(model).__name__, got, expected)
+        assert len(set(got)) > 1 or type(model) is Scaled  # real data, not one constant

@@ -98,6 +98,10 @@ class _Out:
         self.node = node
 
 
+# Results of torch calls that hold no tensor: such a call needs no dtype or capture bookkeeping.
+_NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, torch.utils.hooks.RemovableHandle)
+
+
 class _OpCapture(TorchFunctionMode):
     """Hook the gradient of every differentiable op output while a forward runs."""
 
@@ -118,6 +122,10 @@ class _OpCapture(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, _NO_TENSORS):
+            # The probe's own calls in forward hooks (is_floating_point, register_hook, dim):
+            # no tensor out, so nothing to track; skip the bookkeeping (most calls on small layers).
+            return out
         try:
             if self.stack and args and out is args[0] and isinstance(out, torch.Tensor) and out.is_floating_point():
                 # x.to(torch.float32) on an fp32 profile returns x itself, but under autocast it

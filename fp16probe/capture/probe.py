@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -229,7 +229,7 @@ class Probe:
             if self._ceiling is not None:
                 ceiling = self._ceiling
                 self._handles.append(
-                    self.model.register_forward_hook(lambda m, a, out: ceiling.watch(iter_tensors(out)))
+                    self.model.register_forward_hook(lambda m, a, out: _untracked(ceiling.watch, iter_tensors(out)))
                 )
                 self._handles.append(ceiling)  # its remove() unhooks nodes that outlive a graph
             if self._capture[WEIGHT_GRAD]:
@@ -369,9 +369,18 @@ class Probe:
 
 def _output_hook(rec: Recorder, name: str, type_name: str):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        rec.capture_output(name, type_name, output)
+        # Outside the dtype-tracking mode (ops.py): the recorder's own calls (is_floating_point,
+        # register_hook) make no tensor, and intercepting them cost more than recording here.
+        with torch._C.DisableTorchFunction():
+            rec.capture_output(name, type_name, output)
 
     return hook
+
+
+def _untracked(fn: Callable[[Any], None], arg: Any) -> None:
+    """Call ``fn(arg)`` outside any torch function mode (the probe's bookkeeping makes no tensor)."""
+    with torch._C.DisableTorchFunction():
+        fn(arg)
 
 
 def _param_hook(rec: Recorder, i: int):
