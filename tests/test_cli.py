@@ -11,23 +11,15 @@ from typer.testing import CliRunner
 
 from fp16probe.cli import EXIT_GATE, EXIT_INTERRUPTED, EXIT_LOAD, EXIT_OK, EXIT_USAGE, app
 from fp16probe.report import Report
+from tests.fixtures.cli import prepare_cli_env, run
 
-FIXTURES = Path(__file__).parent / "fixtures"
 TINY = ["--input-shape", "5,8", "--steps", "2"]
 
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(FIXTURES))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "200")
-    torch.manual_seed(0)
+    prepare_cli_env(monkeypatch, tmp_path)
 
-
-def run(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def ok(*args: str):

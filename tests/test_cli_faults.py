@@ -8,13 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from typer.testing import CliRunner
 
-from fp16probe.cli import EXIT_LOAD, EXIT_TERMINATED, EXIT_USAGE, app
+from fp16probe.cli import EXIT_LOAD, EXIT_TERMINATED, EXIT_USAGE
 from fp16probe.report import Report
+from tests.fixtures.cli import FIXTURES, prepare_cli_env, run
 
-FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--input-shape", "5,8", "--steps", "2"]
 REAL = ["--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss"]
@@ -22,16 +20,8 @@ REAL = ["--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss"]
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(FIXTURES))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "200")
-    torch.manual_seed(0)
+    prepare_cli_env(monkeypatch, tmp_path)
 
-
-def run(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def one_error_line(result) -> str:

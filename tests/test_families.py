@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from fp16probe.cli import EXIT_OK, EXIT_USAGE, app
 from fp16probe.report import Report
+from tests.fixtures.cli import FIXTURES, prepare_cli_env
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 # family -> (words the recorded loss must contain, words the recorded labels must contain)
 EXPECTED = {
@@ -35,12 +35,7 @@ EXPECTED = {
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(FIXTURES))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.setenv("COLUMNS", "100")
-    torch.manual_seed(0)
+    prepare_cli_env(monkeypatch, tmp_path, columns=100)
 
 
 @pytest.fixture(scope="module")
