@@ -21,13 +21,12 @@ from pathlib import Path
 import hypothesis.strategies as st
 import jsonschema
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
-from torch import nn
 from typer.testing import CliRunner
 
-from fp16probe import Probe, Report, ReportError
+from fp16probe import Report, ReportError
 from fp16probe.cli import app
+from tests.fixtures.reports import tiny_report_json
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DOCUMENTED = {0, 1, 2, 3}
@@ -38,14 +37,7 @@ def fuzz(max_examples: int) -> settings:
 
 
 def _valid_report() -> dict:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with Probe(model) as probe:
-        for _ in range(2):
-            (model(torch.randn(3, 4)).pow(2).mean() * 1e-6).backward()
-            model.zero_grad()
-            probe.step()
-    return json.loads(probe.report().to_json())
+    return tiny_report_json()
 
 
 VALID = _valid_report()

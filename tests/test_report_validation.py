@@ -10,26 +10,18 @@ import copy
 import json
 
 import pytest
-import torch
-from torch import nn
 from typer.testing import CliRunner
 
-from fp16probe import Probe, Report, ReportError
+from fp16probe import Report, ReportError
 from fp16probe.cli import EXIT_USAGE, app
 from fp16probe.errors import ReportFieldError
+from tests.fixtures.reports import tiny_report_json
 
 
 @pytest.fixture(scope="module")
 def valid() -> dict:
     """A real report (two steps of a tiny MLP, activation and weight gradients), as JSON."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with Probe(model) as probe:
-        for _ in range(2):
-            (model(torch.randn(3, 4)).pow(2).mean() * 1e-6).backward()
-            model.zero_grad()
-            probe.step()
-    return json.loads(probe.report().to_json())
+    return tiny_report_json()
 
 
 def _set(d: dict, path: tuple, value) -> dict:
