@@ -34,21 +34,29 @@ def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 
 
 def main(out: Path) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fp16probe import Probe
-    from fp16probe.capture.distributed import gather_report, init_from_env, is_distributed, rank
+    from fp16probe.capture.distributed import init_from_env, is_distributed
 
     assert init_from_env() and is_distributed(), "launch with torchrun --nproc-per-node 2"
     model = make_model()
-    ddp = DDP(model)
+    train_and_save(DDP(model), model, out)
+
+
+def train_and_save(runner: nn.Module, model: nn.Module, out: Path) -> None:
+    """Train ``runner`` (the wrapped ``model``) STEPS steps under a Probe on ``model``; save each
+    rank's report and rank 0's merged one into ``out``, then leave the process group."""
+    import torch.distributed as dist
+
+    from fp16probe import Probe
+    from fp16probe.capture.distributed import gather_report, rank
+
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = Probe(model).start()
     for step in range(STEPS):
         opt.zero_grad()
-        loss = F.mse_loss(ddp(batch(step, rank())[0]), batch(step, rank())[1])
-        loss.backward()
+        x, y = batch(step, rank())
+        F.mse_loss(runner(x), y).backward()
         opt.step()
         probe.step()
     probe.stop()
@@ -59,7 +67,6 @@ def main(out: Path) -> None:
     else:
         assert merged is None
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))

@@ -10,19 +10,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).parent))
 import ddp_worker  # noqa: E402
 
 
 def main(out: Path) -> None:
-    import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from fp16probe import Probe
-    from fp16probe.capture.distributed import gather_report, init_from_env, is_distributed, rank
+    from fp16probe.capture.distributed import init_from_env, is_distributed
 
     assert init_from_env() and is_distributed(), "launch with torchrun --nproc-per-node 2"
     model = ddp_worker.make_model()
@@ -30,22 +25,7 @@ def main(out: Path) -> None:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    probe = Probe(model).start()
-    for step in range(ddp_worker.STEPS):
-        opt.zero_grad()
-        x, y = ddp_worker.batch(step, rank())
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        probe.step()
-    probe.stop()
-    probe.report().save(out / f"rank{rank()}.json")
-    merged = gather_report(probe)
-    if rank() == 0:
-        merged.save(out / "merged.json")
-    else:
-        assert merged is None
-    dist.destroy_process_group()
+    ddp_worker.train_and_save(model, model, out)
 
 
 if __name__ == "__main__":
