@@ -198,3 +198,134 @@ def test_ceiling_equals_a_brute_force_max_over_every_node_gradient():
         got = probe.report().trace.ceiling
         assert got == tuple(expected), (type(model).__name__, got, expected)
         assert len(set(got)) > 1 or type(model) is Scaled  # real data, not one constant
+
+
+# -- what the ceiling costs: marks reused, covered nodes left to the histograms ------------
+class _RMSNorm(nn.Module):
+    """Computes in fp32 whatever its input (as Llama's does): its internals stay fp32 under autocast."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h32 = h.to(torch.float32)
+        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h32.to(h.dtype)
+
+
+class _NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.norm = _RMSNorm(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        h = self.norm(self.a(x))
+        if extra:  # another graph: one more op, and the norm's internals come later in the walk
+            h = torch.tanh(h) * 2.0**6
+        return self.b(h)
+
+
+def _ceilings(model: nn.Module, batches: list[tuple[torch.Tensor, bool]]) -> tuple[tuple[float, ...], Probe]:
+    with Probe(model) as probe:
+        for x, extra in batches:
+            model.zero_grad(set_to_none=True)
+            model(x, extra).pow(2).mean().backward()
+            probe.step()
+    return probe.report().trace.ceiling, probe
+
+
+def test_dtype_marks_are_reused_while_the_graph_repeats(monkeypatch):
+    import fp16probe.capture.ceiling as ceiling_module
+
+    torch.manual_seed(0)
+    model = _NormNet()
+    batches = [(torch.randn(4, 5, 16) * 0.05, False) for _ in range(6)]  # small: the norm's rsqrt grads are large
+    reused, probe = _ceilings(model, batches)
+    assert (probe._ceiling.forwards_tracked, probe._ceiling.forwards_reused) == (1, 5)
+    monkeypatch.setattr(ceiling_module, "_RECHECK_EVERY", 0)  # track every forward
+    tracked, every = _ceilings(model, batches)
+    assert (every._ceiling.forwards_tracked, every._ceiling.forwards_reused) == (6, 0)
+    assert reused == tracked
+    monkeypatch.setattr(ceiling_module, "_RECHECK_EVERY", 2)
+    assert _ceilings(model, batches)[1]._ceiling.forwards_tracked == 2  # steps 1 and 4
+    # The marks matter: without them the norm's fp32 internals would set the ceiling.
+    blind = Probe(model)
+    blind._autocast_dtypes = False
+    with blind:
+        for x, extra in batches:
+            model.zero_grad(set_to_none=True)
+            model(x, extra).pow(2).mean().backward()
+            blind.step()
+    assert all(b > r for b, r in zip(blind.report().trace.ceiling, reused))
+
+
+def test_a_graph_that_changes_is_tracked_again_and_never_undercounted(monkeypatch):
+    import fp16probe.capture.ceiling as ceiling_module
+
+    torch.manual_seed(0)
+    model = _NormNet()
+    pattern = [False, False, True, True, False, True]
+    batches = [(torch.randn(4, 5, 16) * 0.05, extra) for extra in pattern]
+    got, probe = _ceilings(model, batches)
+    monkeypatch.setattr(ceiling_module, "_RECHECK_EVERY", 0)
+    truth, _ = _ceilings(model, batches)
+    # Steps 3 and 5 meet another graph than the marks': counted on the safe side (every node
+    # after the first difference), and the next forward is tracked: steps 1, 4 and 6.
+    assert probe._ceiling.forwards_tracked == 3
+    assert probe._ceiling.forwards_reused == 1  # step 2 (steps 3 and 5 tried and met another graph)
+    for step, (g, t) in enumerate(zip(got, truth)):
+        assert g >= t, step
+    assert [got[i] == truth[i] for i in (0, 1, 3, 5)] == [True] * 4  # tracked, or the same graph again
+
+
+def test_nodes_a_histogram_covers_get_no_hook_of_their_own():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(16, 8)
+
+    def run(**kw):
+        with Probe(model, **kw) as probe:
+            model.zero_grad(set_to_none=True)
+            (model(x) * 2.0**8).pow(2).sum().backward()
+            probe.step()
+        return probe.report().trace.ceiling, probe._ceiling.nodes_hooked
+
+    full, hooked = run()
+    without_histograms, hooked_all = run(activation_grads=False)
+    assert full == without_histograms  # the histograms' maximum stands in for the nodes they read
+    assert hooked == hooked_all - 3  # the two Linears' and the ReLU's output nodes
+
+
+class _Escapes(nn.Module):
+    """An intermediate left unhooked behind a transpose also feeds the loss through a side channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x @ self.w  # its only consumer in the model's graph is the transpose below
+        self.side = a
+        return self.head(a.t().contiguous() * 0.5)
+
+
+def test_a_node_passed_through_is_hooked_when_the_loss_reaches_it_another_way():
+    torch.manual_seed(0)
+    model = _Escapes()
+    with Probe(model) as probe:
+        model.zero_grad(set_to_none=True)
+        out = model(torch.randn(8, 8) * 2.0**-10)  # small: the weight gradients are small
+        loss = out.pow(2).mean() + (model.side * 2.0**10).pow(2).mean()
+        probe.watch(loss)
+        seen = _brute_force_max(loss)
+        loss.backward()
+        probe.step()
+    expected = max(float(m) for m in seen)
+    assert probe.report().trace.ceiling == (expected,)
+    # the side channel's gradient is the largest: only the re-hooked node holds it
+    histograms = max(max(probe.report().trace.global_max(k)) for k in ("activation_grad", "weight_grad"))
+    assert expected > 2.0**5 * histograms

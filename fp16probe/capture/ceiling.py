@@ -11,8 +11,14 @@ walked once, and every node gets a pre-hook that keeps only ``max |g|`` of the g
 flowing into it: one reduction per node, on the gradient's device, folded into one running
 maximum per step (the Recorder's ``note_max``). Nothing here brings a value to the host.
 
-With op-level capture, nodes whose gradient stays fp32 under autocast (marked by
-:mod:`fp16probe.capture.ops`) are walked through but not counted. Scalar gradients are left out: they are the loss side's own arithmetic (the seed
+Nodes whose gradient stays fp32 under autocast (marked by the dtype tracking of
+:mod:`fp16probe.capture.ops`) are walked through but not counted. Two kinds of node need no
+hook because their maximum is counted anyway: one whose every output gradient a histogram
+counts (a hooked module's output), and one whose only consumer is a layout node (``view``,
+``t``) that is seen. The dtype tracking costs tens of microseconds per op, so its marks are
+kept and reused while the graph repeats (see :meth:`Ceiling.begin_forward`); on a reused
+forward the gradient at an explicit cast (``h.float()`` in an RMSNorm) is seen only summed
+into its producer's, as it is in an fp32 graph. Scalar gradients are left out: they are the loss side's own arithmetic (the seed
 ``d loss / d loss = 1``, ``loss * weight``), fp32 under autocast. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
 Function's backward (one node each: only what flows in and out), and the recomputed graph
 of activation checkpointing (built during backward, after the walk).
@@ -30,14 +36,81 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHANNEL", "FP32_ONLY", "Ceiling", "step_ceilings"]
+__all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "Ceiling", "mark_covered", "step_ceilings"]
 
 CHANNEL = "ceiling"  # the Recorder's per-step maximum this feeds
 FP32_ONLY = "fp16probe.fp32_only"  # node.metadata mark (op capture): its gradient stays fp32 under autocast
+COVERED = "fp16probe.covered"  # node.metadata: outputs whose gradient a histogram counts whole
+CAST_VIEW = "fp16probe.cast_view"  # node.metadata: a view the dtype tracking made for a would-be cast
 
 _KEY = "fp16probe.ceiling"  # node.metadata entry marking a node hooked in the current generation
+_WALK = "fp16probe.walk"  # node.metadata entry marking a node visited in the current walk
+_POPS = "fp16probe.edges"  # node.metadata: edges into the node seen in the current walk
+_SEEN = "fp16probe.seen"  # node.metadata: the node's gradient maximum is counted in this step
+_SKIPPED = "fp16probe.passed"  # node.metadata: left unhooked as a layout node's input in this step
 _ACCUMULATE = "AccumulateGrad"
 _FOLD_EVERY = 256  # per-gradient extremes (two each) held before folding into the running maximum
+_RECHECK_EVERY = 64  # forwards between re-runs of the dtype tracking while its marks are reused
+
+
+def mark_covered(t: torch.Tensor) -> None:
+    """Note that a histogram counts the gradient of ``t`` whole (a gradient hook on ``t``).
+
+    The overflow ceiling takes the histograms' maximum too, so a node whose every output is
+    covered needs no hook of its own: it would read the same numbers a second time.
+    """
+    node = t.grad_fn
+    if node is None:
+        return
+    meta = node.metadata
+    got = meta.get(COVERED)
+    if got is None:
+        meta[COVERED] = {t.output_nr}
+    else:
+        got.add(t.output_nr)
+
+
+# Backward nodes of ops that only rearrange their one input's elements (same count): the
+# gradient into the input is the output's gradient, rearranged, with the same maximum.
+_LAYOUT_NODES = frozenset(
+    {
+        "AliasBackward0", "CloneBackward0", "PermuteBackward0", "ReshapeAliasBackward0", "SqueezeBackward0",
+        "SqueezeBackward1", "SqueezeBackward2", "TBackward0", "TransposeBackward0", "TransposeBackward1",
+        "UnsafeViewBackward0", "UnsqueezeBackward0", "ViewBackward0",
+    }
+)
+
+
+def _passed_through(node: Any, meta: dict, consumer: Any, token: object) -> bool:
+    """Whether ``node``'s gradient is its only consumer's, rearranged, and that consumer is seen.
+
+    Then its maximum is already counted; the node is marked so that a later walk of the step
+    that finds another consumer of it hooks it after all.
+    """
+    if consumer is None or meta[_POPS] != 1:
+        return False
+    cmeta = consumer.metadata
+    if cmeta.get(_SEEN) is not token or cmeta.get(CAST_VIEW) or consumer.name() not in _LAYOUT_NODES:
+        return False
+    if sum(1 for n, _ in consumer.next_functions if n is not None) != 1:
+        return False
+    try:
+        if len(node._input_metadata) != 1:  # one output: its gradient is all that flows in
+            return False
+    except Exception:  # a torch without Node._input_metadata: hook it, the safe side
+        return False
+    meta[_SKIPPED] = token
+    return True
+
+
+def _covered(node: Any, meta: dict) -> bool:
+    got = meta.get(COVERED)
+    if not got:
+        return False
+    try:
+        return len(got) == len(node._input_metadata)  # every output of the node
+    except Exception:  # a torch without Node._input_metadata: hook it, the safe side
+        return False
 
 
 class Ceiling:
@@ -68,35 +141,123 @@ class Ceiling:
         self._scale_read = False
         self._lasting: list[Any] = []  # handles of hooks on nodes shared between graphs
         self.nodes_hooked = 0  # nodes hooked over the Probe's life
+        # Reusing the dtype tracking's marks (see begin_forward): the marks of the last
+        # forward it ran on, as (node type, fp32 only) in walk order.
+        self._marks: list[tuple[type, bool]] | None = None
+        self._tracked_now = False  # the dtype tracking runs for the forward being watched
+        self._since_tracked = 0
+        self._reuse_ok = True  # False once two tracked forwards of one graph disagreed
+        self.forwards_tracked = 0
+        self.forwards_reused = 0
+
+    # -- dtype marks -------------------------------------------------------------------
+    def begin_forward(self) -> bool:
+        """Say whether the dtype tracking must run for the model forward that starts now.
+
+        The tracking (a ``TorchFunctionMode`` over every op, :mod:`fp16probe.capture.ops`)
+        costs tens of microseconds per op. Its marks depend on the graph, which is the same
+        from step to step in most models, so they are kept in walk order and reused on
+        forwards whose graph has the same node types in the same order. It runs again when
+        the graph changes, every ``_RECHECK_EVERY`` forwards, and always once two tracked
+        forwards of the same graph disagreed.
+        """
+        run = self._marks is None or not self._reuse_ok or self._since_tracked >= _RECHECK_EVERY
+        self._since_tracked = 0 if run else self._since_tracked + 1
+        self._tracked_now = run
+        return run
 
     # -- graph walk (forward side: Python only, no device work) ----------------------
-    def watch(self, tensors: Iterable[Any]) -> None:
-        """Hook every autograd node behind ``tensors`` not yet hooked in this step."""
+    def watch(self, tensors: Iterable[Any], *, model_output: bool = False) -> None:
+        """Hook every autograd node behind ``tensors`` not yet hooked in this step.
+
+        ``model_output``: the tensors are the probed model's outputs, watched right after its
+        forward; the dtype marks are then recorded (the tracking ran) or reused (it did not).
+
+        A node gets no hook of its own when its gradient stays fp32 under autocast (the
+        dtype marks), when a histogram counts its every output gradient (its maximum is in
+        the histograms'), or when its only consumer in the graph is a layout node
+        (``view``, ``t``, ``permute``, ...) with no other input that is itself seen: its
+        gradient is that node's, rearranged, with the same maximum. A later walk in the step
+        (:meth:`watch` on the loss) that reaches such a node through another consumer hooks it.
+        """
         if not self._enabled():
             return
         try:
             token = self._token
-            stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            order = self._walk(tensors, model_output, token)
             hook = self._hook(token)
-            while stack:
-                node = stack.pop()
-                meta = node.metadata
-                if meta.get(_KEY) is token:
+            for node, meta, consumer in order:
+                if meta.get(FP32_ONLY):
                     continue
-                meta[_KEY] = token
-                if not meta.get(FP32_ONLY):  # op capture found it never holds fp16 under autocast
-                    handle = node.register_prehook(hook)
-                    if _ACCUMULATE in node.name():
-                        # A parameter's AccumulateGrad node outlives a graph while another holds
-                        # it (the next forward runs before the last loss is freed): unhook it at
-                        # the step's end, or its hooks would pile up step after step.
-                        self._lasting.append(handle)
-                    self.nodes_hooked += 1
-                for nxt, _ in node.next_functions:
-                    if nxt is not None:
-                        stack.append(nxt)
+                meta[_SEEN] = token
+                if _covered(node, meta) or _passed_through(node, meta, consumer, token):
+                    continue
+                self._register(node, meta, hook)
         except Exception as e:  # a node type without hooks or metadata: note it, go on
             self._on_error(e)
+
+    def _walk(self, tensors: Iterable[Any], model_output: bool, token: object) -> list[tuple[Any, dict, Any]]:
+        """Visit the graph behind ``tensors``; return the nodes new in this step, each with its consumer.
+
+        Sets the dtype marks on reused forwards and records them on tracked ones. Counts, in
+        ``meta[_POPS]``, the edges into each node from this walk (a root counts twice: code
+        outside the graph consumes it). Hooks a node skipped by an earlier walk of the step
+        when this one reaches it: it has a consumer that walk did not see.
+        """
+        record = model_output and self._tracked_now
+        marks = self._marks if model_output and not self._tracked_now else None
+        self._tracked_now = False
+        seen: list[tuple[type, bool]] = []
+        walk = object()
+        order = []
+        stack = [(t.grad_fn, None) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node, consumer = stack.pop()
+            meta = node.metadata
+            if meta.get(_WALK) is walk:
+                meta[_POPS] += 1
+                continue
+            meta[_WALK] = walk
+            meta[_POPS] = 1 if consumer is not None else 2
+            if (record or marks is not None) and not meta.get(CAST_VIEW):  # only tracked graphs have those
+                # The marks go by first visit in this walk, which depends on the graph alone.
+                i = len(seen)
+                if marks is not None:
+                    if i < len(marks) and type(node) is marks[i][0]:
+                        if marks[i][1]:
+                            meta[FP32_ONLY] = True
+                    else:  # another graph: count the rest (the safe side), track the next forward
+                        marks = self._marks = None
+                seen.append((type(node), bool(meta.get(FP32_ONLY))))
+            if meta.get(_KEY) is token:
+                if meta.pop(_SKIPPED, None) is token:
+                    self._register(node, meta, self._hook(token))
+                continue
+            meta[_KEY] = token
+            order.append((node, meta, consumer))
+            for nxt, _ in node.next_functions:
+                if nxt is not None:
+                    stack.append((nxt, node))
+        if record:
+            self.forwards_tracked += 1
+            old = self._marks
+            if old is not None and [t for t, _ in old] == [t for t, _ in seen] and old != seen:
+                self._reuse_ok = False  # same graph, other marks: the dtypes hang on more than the graph
+            self._marks = seen or None
+        elif marks is not None:
+            self.forwards_reused += 1
+            if len(seen) != len(marks):
+                self._marks = None  # a longer or shorter graph: track the next forward
+        return order
+
+    def _register(self, node: Any, meta: dict, hook: Callable[[tuple[Any, ...]], None]) -> None:
+        handle = node.register_prehook(hook)
+        if _ACCUMULATE in node.name():
+            # A parameter's AccumulateGrad node outlives a graph while another holds it (the
+            # next forward runs before the last loss is freed): unhook it at the step's end,
+            # or its hooks would pile up step after step.
+            self._lasting.append(handle)
+        self.nodes_hooked += 1
 
     def _hook(self, token: object) -> Callable[[tuple[Any, ...]], None]:
         def prehook(grad_outputs: tuple[Any, ...]) -> None:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.ceiling import FP32_ONLY
+from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
@@ -109,6 +109,7 @@ class _OpCapture(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
         self.record = record  # False: only work out autocast dtypes, to mark nodes for the ceiling
+        self.wanted: Any = None  # record=False: a callable saying whether this forward needs the marks
         self.depth = [0]  # nesting of the probed model's forward calls (the mode is on while > 0)
         self.stack: list[_Frame] = []
         self.classes: dict[tuple[Any, str, bool], str] = {}  # (op, device type, fp32 run) -> class
@@ -136,6 +137,8 @@ class _OpCapture(TorchFunctionMode):
                     low = self._cast_low(op, args, kwargs or {})
                     if low is not None and low != self._is_low(out):
                         out = out.view_as(out)
+                        if out.grad_fn is not None:
+                            out.grad_fn.metadata[CAST_VIEW] = True  # not in untracked graphs
         except Exception as e:
             self.recorder.note_error(e)
         try:
@@ -252,6 +255,8 @@ class _OpCapture(TorchFunctionMode):
                 self.entries.append(entry)
                 if grad_i is not None:
                     t.register_hook(self._grad_hook(grad_i, entry))
+                    if not entry.fp32:  # fp32-only outputs are left unrecorded (and unhooked by the ceiling)
+                        mark_covered(t)
 
     def _grad_hook(self, i: int, entry: _Out):
         rec = self.recorder
@@ -391,12 +396,12 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
 
     def root_pre(module: nn.Module, args: Any) -> None:
         depth[0] += 1
-        if depth[0] == 1 and recorder.enabled and recorder.sampling:
+        if depth[0] == 1 and recorder.enabled and recorder.sampling and (mode.wanted is None or mode.wanted()):
             mode.stack.clear()
             mode.stack.append(_Frame(ROOT_NAME, "" in chosen))
             mode.__enter__()
         elif depth[0] == 1:
-            depth[0] = 0  # not recording: no mode, no stack, nothing to undo
+            depth[0] = 0  # not recording, or the marks are reused: no mode, no stack, nothing to undo
 
     def root_post(module: nn.Module, args: Any, output: Any) -> None:
         if depth[0] == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -219,7 +219,9 @@ class Probe:
                 # (norm internals) so the overflow ceiling leaves them out, as op capture does.
                 from fp16probe.capture import ops
 
-                self._handles.extend(ops.attach(self.model, (), rec, capture=self._op_capture(False)))
+                tracking = self._op_capture(False)
+                tracking.wanted = self._ceiling.begin_forward  # marks reused while the graph repeats
+                self._handles.extend(ops.attach(self.model, (), rec, capture=tracking))
             if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
                 modules = dict(self.model.named_modules())
                 for name in self._hooked:
@@ -228,9 +230,7 @@ class Probe:
                     self._handles.append(module.register_forward_hook(hook))
             if self._ceiling is not None:
                 ceiling = self._ceiling
-                self._handles.append(
-                    self.model.register_forward_hook(lambda m, a, out: _untracked(ceiling.watch, iter_tensors(out)))
-                )
+                self._handles.append(self.model.register_forward_hook(_ceiling_hook(ceiling)))
                 self._handles.append(ceiling)  # its remove() unhooks nodes that outlive a graph
             if self._capture[WEIGHT_GRAD]:
                 rows = rec.rows[WEIGHT_GRAD].index
@@ -377,10 +377,13 @@ def _output_hook(rec: Recorder, name: str, type_name: str):
     return hook
 
 
-def _untracked(fn: Callable[[Any], None], arg: Any) -> None:
-    """Call ``fn(arg)`` outside any torch function mode (the probe's bookkeeping makes no tensor)."""
-    with torch._C.DisableTorchFunction():
-        fn(arg)
+def _ceiling_hook(ceiling: Ceiling):
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        # Outside any torch function mode: the walk makes no tensor.
+        with torch._C.DisableTorchFunction():
+            ceiling.watch(iter_tensors(output), model_output=True)
+
+    return hook
 
 
 def _param_hook(rec: Recorder, i: int):

@@ -33,6 +33,7 @@ import torch
 
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture import engine
+from fp16probe.capture.ceiling import mark_covered
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
 from fp16probe.capture.scale import scale_source
 from fp16probe.histogram import Histogram
@@ -236,6 +237,7 @@ class Recorder:
                         self.record(ACTIVATION, act_i, output)
                     if grad_i is not None and output.requires_grad:
                         output.register_hook(self._grad_hook(grad_i))
+                        mark_covered(output)
                 return
             seen: set[int] = set()
             for t in iter_tensors(output):
@@ -248,6 +250,7 @@ class Recorder:
                     self.record(ACTIVATION, act_i, t)
                 if grad_i is not None and t.requires_grad:
                     t.register_hook(self._grad_hook(grad_i))
+                    mark_covered(t)
         except Exception as e:  # bookkeeping must never break training
             self.note_error(e)
 
