@@ -77,8 +77,8 @@ FULL = Sizes(
     small_tf=(8, 64, 192, 2, 1024),
     mid_tf=(4, 128, 256, 4, 2048),
     mlp=(32, 32, 100),
-    step_rounds=5,
-    steps_per_round=2,
+    step_rounds=9,
+    steps_per_round=3,
     memory_steps=(10, 100, 1000),
 )
 QUICK = Sizes(

@@ -329,3 +329,32 @@ def test_a_node_passed_through_is_hooked_when_the_loss_reaches_it_another_way():
     # the side channel's gradient is the largest: only the re-hooked node holds it
     histograms = max(max(probe.report().trace.global_max(k)) for k in ("activation_grad", "weight_grad"))
     assert expected > 2.0**5 * histograms
+
+
+class _Cancels(nn.Module):
+    """A view of a module's output is the model's output; the module's output also leaks out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.side = h
+        return h.view(-1)
+
+
+def test_a_view_over_a_covered_node_counts_itself_once_that_node_has_another_consumer():
+    torch.manual_seed(0)
+    model = _Cancels()
+    with Probe(model) as probe:
+        out = model(torch.randn(4, 8))
+        # d loss / d out = 2^10 everywhere, and the side channel cancels it at lin's output:
+        # only the view's own gradient holds 2^10.
+        loss = (out * 2.0**10).sum() - (model.side * 2.0**10).sum()
+        probe.watch(loss)
+        seen = _brute_force_max(loss)
+        loss.backward()
+        probe.step()
+    assert probe.report().trace.ceiling == (max(float(m) for m in seen),) == (2.0**10,)
+    assert probe._ceiling.nodes_mirrored == 1

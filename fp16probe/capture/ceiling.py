@@ -48,6 +48,9 @@ _WALK = "fp16probe.walk"  # node.metadata entry marking a node visited in the cu
 _POPS = "fp16probe.edges"  # node.metadata: edges into the node seen in the current walk
 _SEEN = "fp16probe.seen"  # node.metadata: the node's gradient maximum is counted in this step
 _SKIPPED = "fp16probe.passed"  # node.metadata: left unhooked as a layout node's input in this step
+_FRESH = "fp16probe.fresh"  # node.metadata: the walk that first reached the node in this step
+_MIRROR = "fp16probe.mirror"  # node.metadata: (walk, chain metadata) of a layout node over a covered one
+_EXTRA = "fp16probe.extra"  # node.metadata: a later walk of the step found another consumer
 _ACCUMULATE = "AccumulateGrad"
 _FOLD_EVERY = 256  # per-gradient extremes (two each) held before folding into the running maximum
 _RECHECK_EVERY = 64  # forwards between re-runs of the dtype tracking while its marks are reused
@@ -94,13 +97,56 @@ def _passed_through(node: Any, meta: dict, consumer: Any, token: object) -> bool
         return False
     if sum(1 for n, _ in consumer.next_functions if n is not None) != 1:
         return False
-    try:
-        if len(node._input_metadata) != 1:  # one output: its gradient is all that flows in
-            return False
-    except Exception:  # a torch without Node._input_metadata: hook it, the safe side
+    if not _one_output(node):  # one output: its gradient is all that flows in
         return False
     meta[_SKIPPED] = token
     return True
+
+
+def _mark_mirrors(order: list[tuple[Any, dict, Any]], walk: object) -> None:
+    """Mark each layout node whose gradient has the maximum of a covered node down a chain.
+
+    A layout node ``C`` with one input ``N`` that this walk reached from ``C`` alone, with
+    one output, is ``N``'s gradient rearranged; when ``N`` is covered by a histogram, or is
+    such a node itself, ``C``'s maximum is counted. ``meta[_MIRROR]`` holds the walk and the
+    metadata of the chain below ``C``: another consumer of any of them breaks the equality.
+    Children come after their only consumer in the walk, so the walk runs backwards here.
+    """
+    for node, meta, _ in reversed(order):
+        if meta.get(FP32_ONLY) or meta.get(CAST_VIEW) or node.name() not in _LAYOUT_NODES:
+            continue
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            continue
+        child = nexts[0].metadata
+        if child.get(_FRESH) is not walk or child[_POPS] != 1 or child.get(FP32_ONLY):
+            continue
+        below = child.get(_MIRROR)
+        if below is not None and below[0] is walk:
+            meta[_MIRROR] = (walk, [child, *below[1]])
+        elif _covered(nexts[0], child) and _one_output(nexts[0]):
+            meta[_MIRROR] = (walk, [child])
+
+
+def _unless_consumed_elsewhere(
+    hook: Callable[[tuple[Any, ...]], None], chain: list[dict], token: object
+) -> Callable[[tuple[Any, ...]], None]:
+    """``hook``, run only when a later walk found another consumer of a node down ``chain``."""
+
+    def prehook(grad_outputs: tuple[Any, ...]) -> None:
+        for meta in chain:
+            if meta.get(_EXTRA) is token:
+                hook(grad_outputs)
+                return
+
+    return prehook
+
+
+def _one_output(node: Any) -> bool:
+    try:
+        return len(node._input_metadata) == 1
+    except Exception:  # a torch without Node._input_metadata: the safe side
+        return False
 
 
 def _covered(node: Any, meta: dict) -> bool:
@@ -141,6 +187,7 @@ class Ceiling:
         self._scale_read = False
         self._lasting: list[Any] = []  # handles of hooks on nodes shared between graphs
         self.nodes_hooked = 0  # nodes hooked over the Probe's life
+        self.nodes_mirrored = 0  # nodes hooked only in case a later walk finds another consumer
         # Reusing the dtype tracking's marks (see begin_forward): the marks of the last
         # forward it ran on, as (node type, fp32 only) in walk order.
         self._marks: list[tuple[type, bool]] | None = None
@@ -179,30 +226,44 @@ class Ceiling:
         (``view``, ``t``, ``permute``, ...) with no other input that is itself seen: its
         gradient is that node's, rearranged, with the same maximum. A later walk in the step
         (:meth:`watch` on the loss) that reaches such a node through another consumer hooks it.
+        The other way round, a layout node whose one input is consumed by it alone and is
+        covered by a histogram (directly or down a chain of such nodes) has the same maximum
+        as that input: its hook reads nothing unless a later walk found another consumer
+        somewhere down the chain.
         """
         if not self._enabled():
             return
         try:
             token = self._token
-            order = self._walk(tensors, model_output, token)
+            order, walk = self._walk(tensors, model_output, token)
             hook = self._hook(token)
+            _mark_mirrors(order, walk)
             for node, meta, consumer in order:
                 if meta.get(FP32_ONLY):
                     continue
                 meta[_SEEN] = token
                 if _covered(node, meta) or _passed_through(node, meta, consumer, token):
                     continue
-                self._register(node, meta, hook)
+                chain = meta.get(_MIRROR)
+                if chain is not None and chain[0] is walk:
+                    self._register(node, meta, _unless_consumed_elsewhere(hook, chain[1], token))
+                    self.nodes_mirrored += 1
+                else:
+                    self._register(node, meta, hook)
+                    self.nodes_hooked += 1
         except Exception as e:  # a node type without hooks or metadata: note it, go on
             self._on_error(e)
 
-    def _walk(self, tensors: Iterable[Any], model_output: bool, token: object) -> list[tuple[Any, dict, Any]]:
+    def _walk(
+        self, tensors: Iterable[Any], model_output: bool, token: object
+    ) -> tuple[list[tuple[Any, dict, Any]], object]:
         """Visit the graph behind ``tensors``; return the nodes new in this step, each with its consumer.
 
         Sets the dtype marks on reused forwards and records them on tracked ones. Counts, in
         ``meta[_POPS]``, the edges into each node from this walk (a root counts twice: code
-        outside the graph consumes it). Hooks a node skipped by an earlier walk of the step
-        when this one reaches it: it has a consumer that walk did not see.
+        outside the graph consumes it). A node an earlier walk of the step saw, reached
+        again, has a consumer that walk did not see: it is marked (``_EXTRA``), and hooked if
+        that walk left it unhooked. Also returns this walk's identity (``meta[_WALK]``).
         """
         record = model_output and self._tracked_now
         marks = self._marks if model_output and not self._tracked_now else None
@@ -230,10 +291,13 @@ class Ceiling:
                         marks = self._marks = None
                 seen.append((type(node), bool(meta.get(FP32_ONLY))))
             if meta.get(_KEY) is token:
+                meta[_EXTRA] = token
                 if meta.pop(_SKIPPED, None) is token:
                     self._register(node, meta, self._hook(token))
+                    self.nodes_hooked += 1
                 continue
             meta[_KEY] = token
+            meta[_FRESH] = walk
             order.append((node, meta, consumer))
             for nxt, _ in node.next_functions:
                 if nxt is not None:
@@ -248,7 +312,7 @@ class Ceiling:
             self.forwards_reused += 1
             if len(seen) != len(marks):
                 self._marks = None  # a longer or shorter graph: track the next forward
-        return order
+        return order, walk
 
     def _register(self, node: Any, meta: dict, hook: Callable[[tuple[Any, ...]], None]) -> None:
         handle = node.register_prehook(hook)
@@ -257,7 +321,6 @@ class Ceiling:
             # next forward runs before the last loss is freed): unhook it at the step's end,
             # or its hooks would pile up step after step.
             self._lasting.append(handle)
-        self.nodes_hooked += 1
 
     def _hook(self, token: object) -> Callable[[tuple[Any, ...]], None]:
         def prehook(grad_outputs: tuple[Any, ...]) -> None:

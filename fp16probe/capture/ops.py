@@ -414,7 +414,7 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
 
     handles.append(model.register_forward_pre_hook(root_pre))
     for name, module in model.named_modules():
-        if name == "":
+        if name == "" or not mode.record:  # dtypes only: no op is named, one frame is enough
             continue
         handles.append(module.register_forward_pre_hook(push(name)))
         handles.append(module.register_forward_hook(pop, always_call=True))
