@@ -72,3 +72,16 @@ def test_usual_ways_run_on_the_same_hooks() -> None:
     bench.tensorboard_way(torch.randn(10))
     bench.one_read(torch.randn(10))
     bench.wandb_way(torch.randn(10))
+
+
+@pytest.mark.slow
+def test_peak_memory_script_runs_both_variants(tmp_path: Path) -> None:
+    from bench import peak_memory
+
+    out = tmp_path / "peak.json"
+    args = ["--steps", "1", "--batch", "2", "--image", "32", "--repeats", "1", "--json", str(out)]
+    assert peak_memory.main(args) == 0
+    got = json.loads(out.read_text())
+    assert len(got["peak_rss_kib"]["plain"]) == len(got["peak_rss_kib"]["probe"]) == 1
+    assert got["peak_rss_kib"]["probe"][0] > 100 * 1024  # a real process with torch loaded
+    assert got["fp16probe"].endswith("fp16probe")
