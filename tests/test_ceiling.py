@@ -357,4 +357,48 @@ def test_a_view_over_a_covered_node_counts_itself_once_that_node_has_another_con
         loss.backward()
         probe.step()
     assert probe.report().trace.ceiling == (max(float(m) for m in seen),) == (2.0**10,)
-    assert probe._ceiling.nodes_mirrored == 1
+    assert probe._ceiling.nodes_mirrored == 2  # the view, and lin.weight's transpose over its counted gradient
+
+
+class _Gain(nn.Module):
+    """A parameter used as it is (no transpose between it and its AccumulateGrad node)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_gradient_accumulation_keeps_each_backward_in_the_ceiling():
+    """Parameters' AccumulateGrad nodes are left to the weight counts: every backward still counts.
+
+    The second micro-batch's gradient is the first's times ``factor``: at -0.5 the first
+    backward alone holds the maximum (kept when the second replaces the counts), at -2 the
+    second does (its AccumulateGrad node is hooked, also when both forwards ran first).
+    """
+    torch.manual_seed(0)
+    x = torch.randn(16, 8) * 2.0**10  # large inputs: the weight gradients dominate
+    cases = [(model, factor, first) for model in (nn.Linear(8, 4), _Gain(8)) for factor in (-0.5, -2.0)
+             for first in (False, True)]
+    for model, factor, both_forwards_first in cases:
+        y = torch.randn(16, model(x).shape[1])
+        with Probe(model) as probe:
+            model.zero_grad(set_to_none=True)
+            seen: list[list[torch.Tensor]] = []  # filled as backward runs
+            losses = []
+            for sign in (1.0, factor):
+                losses.append(sign * ((model(x) - y) ** 2).mean())
+                probe.watch(losses[-1])
+                seen.append(_brute_force_max(losses[-1]))
+                if not both_forwards_first:
+                    losses.pop().backward()
+            for loss in losses:
+                loss.backward()
+            probe.step()
+        expected = max(float(m) for got in seen for m in got)
+        report = probe.report()
+        assert report.trace.ceiling == (expected,), (type(model).__name__, factor, both_forwards_first)
+        assert expected > 2 * max(report.trace.global_max("activation_grad"))
+        assert expected > max(report.trace.global_max("weight_grad"))  # not the accumulated sum

@@ -51,6 +51,7 @@ _SKIPPED = "fp16probe.passed"  # node.metadata: left unhooked as a layout node's
 _FRESH = "fp16probe.fresh"  # node.metadata: the walk that first reached the node in this step
 _MIRROR = "fp16probe.mirror"  # node.metadata: (walk, chain metadata) of a layout node over a covered one
 _EXTRA = "fp16probe.extra"  # node.metadata: a later walk of the step found another consumer
+_PARAM_COUNTED = "fp16probe.param"  # node.metadata: an AccumulateGrad the weight histograms cover this step
 _ACCUMULATE = "AccumulateGrad"
 _FOLD_EVERY = 256  # per-gradient extremes (two each) held before folding into the running maximum
 _RECHECK_EVERY = 64  # forwards between re-runs of the dtype tracking while its marks are reused
@@ -103,6 +104,24 @@ def _passed_through(node: Any, meta: dict, consumer: Any, token: object) -> bool
     return True
 
 
+def _mark_counted_params(order: list[tuple[Any, dict, Any]], counted: frozenset[int], token: object) -> None:
+    """Mark as covered the AccumulateGrad nodes of parameters the weight histograms count.
+
+    Only while the parameter has no gradient yet: the first backward's incoming gradient
+    then becomes ``.grad`` as it is, and the recorder counts it at the end of that backward
+    (and keeps its maximum if a later backward of the step replaces the count). A node
+    that already has a gradient to add to keeps its hook; so does one a later walk of the
+    step reaches again (``_SKIPPED``).
+    """
+    for node, meta, _ in order:
+        if meta.get(FP32_ONLY) or _ACCUMULATE not in node.name():
+            continue
+        var = node.variable
+        if id(var) in counted and var.grad is None:
+            meta[_PARAM_COUNTED] = token
+            meta[_SKIPPED] = token
+
+
 def _mark_mirrors(order: list[tuple[Any, dict, Any]], walk: object) -> None:
     """Mark each layout node whose gradient has the maximum of a covered node down a chain.
 
@@ -150,6 +169,8 @@ def _one_output(node: Any) -> bool:
 
 
 def _covered(node: Any, meta: dict) -> bool:
+    if _PARAM_COUNTED in meta and meta[_PARAM_COUNTED] is meta.get(_KEY):  # counted in this step
+        return True
     got = meta.get(COVERED)
     if not got:
         return False
@@ -188,6 +209,9 @@ class Ceiling:
         self._lasting: list[Any] = []  # handles of hooks on nodes shared between graphs
         self.nodes_hooked = 0  # nodes hooked over the Probe's life
         self.nodes_mirrored = 0  # nodes hooked only in case a later walk finds another consumer
+        # ids of parameters whose gradient the weight histograms count at the end of each
+        # backward (the owner sets it; empty under DDP, which all-reduces first).
+        self.counted_params: frozenset[int] = frozenset()
         # Reusing the dtype tracking's marks (see begin_forward): the marks of the last
         # forward it ran on, as (node type, fp32 only) in walk order.
         self._marks: list[tuple[type, bool]] | None = None
@@ -237,6 +261,8 @@ class Ceiling:
             token = self._token
             order, walk = self._walk(tensors, model_output, token)
             hook = self._hook(token)
+            if self.counted_params:
+                _mark_counted_params(order, self.counted_params, token)
             _mark_mirrors(order, walk)
             for node, meta, consumer in order:
                 if meta.get(FP32_ONLY):

@@ -252,6 +252,11 @@ def _triton_available() -> bool:
     return _TRITON
 
 
+def max_abs_of_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The largest finite |x| over rows' keys, as a float32 device scalar (0.0 if none; no sync)."""
+    return keys.amax().sub(_KEY_OFFSET).clamp_min(0).view(torch.float32)
+
+
 def max_abs_from_key(key: int) -> float:
     """Turn a key from :func:`count_into` into the largest finite |x| (0.0 if none)."""
     if key < _KEY_OFFSET:

@@ -232,6 +232,12 @@ class Probe:
                 ceiling = self._ceiling
                 self._handles.append(self.model.register_forward_hook(_ceiling_hook(ceiling)))
                 self._handles.append(ceiling)  # its remove() unhooks nodes that outlive a graph
+            if self._ceiling is not None:
+                # Weight gradients counted at the end of backward cover their AccumulateGrad
+                # nodes; under DDP they are counted after the all-reduce, so not there.
+                self._ceiling.counted_params = frozenset(
+                    id(p) for _, _, p in self._parameters() if self._capture[WEIGHT_GRAD] and not rec.defer_to_ddp
+                )
             if self._capture[WEIGHT_GRAD]:
                 rows = rec.rows[WEIGHT_GRAD].index
                 for pname, _, p in self._parameters():

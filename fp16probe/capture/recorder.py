@@ -33,7 +33,7 @@ import torch
 
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture import engine
-from fp16probe.capture.ceiling import mark_covered
+from fp16probe.capture.ceiling import CHANNEL, mark_covered
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
 from fp16probe.capture.scale import scale_source
 from fp16probe.histogram import Histogram
@@ -185,6 +185,7 @@ class Recorder:
         self._state = _State(0, True, 0, {}, {}, {})
         self._trace: list[_StepRecord] = []
         self._pending_params: list[tuple[int, torch.Tensor]] = []
+        self._params_counted_in: _State | None = None  # the step state weight rows were last counted in
         self._device: str | None = None
         self.errors = 0
         self.first_error: str | None = None
@@ -287,9 +288,17 @@ class Recorder:
 
     def _count_params(self) -> None:
         pending, self._pending_params = self._pending_params, []
+        st = self._state
+        table = st.open.get(WEIGHT_GRAD)
+        if table is not None and self._params_counted_in is st:
+            # A second backward in the step (gradient accumulation) replaces the rows: keep
+            # the maximum of what the last one counted for the overflow ceiling (which leaves
+            # parameters' AccumulateGrad nodes to these counts).
+            self.note_max(CHANNEL, engine.max_abs_of_keys(table[1]))
         for i, p in pending:
             if p.grad is not None:
                 self.record(WEIGHT_GRAD, i, p.grad, replace=True)
+        self._params_counted_in = self._state  # record() may have committed a new state (first rows)
 
     def record(self, kind: str, i: int, t: torch.Tensor, *, replace: bool = False) -> None:
         """Count ``t`` into row ``i`` of ``kind`` (gradients unscaled); never raises.
