@@ -7,15 +7,18 @@ gradients of functional code between and after modules (``out * gain``,
 (``nn.MultiheadAttention`` uses ``out_proj.weight`` directly) and the weight gradients.
 Every one of them is the input of some autograd node. So after each probed forward the
 graph behind the model's outputs (and, through :meth:`Ceiling.watch`, behind the loss) is
-walked once, and every node gets a pre-hook that keeps only ``max |g|`` of the gradients
-flowing into it: one reduction per node, on the gradient's device, folded into one running
-maximum per step (the Recorder's ``note_max``). Nothing here brings a value to the host.
+walked once, and every node whose maximum nothing else counts gets a pre-hook that keeps
+only ``max |g|`` of the gradients flowing into it: one reduction per node, on the gradient's
+device, folded into one running maximum per step (the Recorder's ``note_max``). Nothing here
+brings a value to the host.
 
 Nodes whose gradient stays fp32 under autocast (marked by the dtype tracking of
-:mod:`fp16probe.capture.ops`) are walked through but not counted. Two kinds of node need no
-hook because their maximum is counted anyway: one whose every output gradient a histogram
-counts (a hooked module's output), and one whose only consumer is a layout node (``view``,
-``t``) that is seen. The dtype tracking costs tens of microseconds per op, so its marks are
+:mod:`fp16probe.capture.ops`) are walked through but not counted. Nodes whose maximum is
+counted anyway need no read of their own: one whose every output gradient a histogram
+counts (a hooked module's output, a parameter's ``AccumulateGrad`` node before its first
+backward of the step), one whose only consumer is a layout node (``view``, ``t``) that is
+seen, and a layout node over a covered node (hooked, reading only if a later walk finds
+another consumer below it). The dtype tracking costs tens of microseconds per op, so its marks are
 kept and reused while the graph repeats (see :meth:`Ceiling.begin_forward`); on a reused
 forward the gradient at an explicit cast (``h.float()`` in an RMSNorm) is seen only summed
 into its producer's, as it is in an fp32 graph. Scalar gradients are left out: they are the loss side's own arithmetic (the seed
