@@ -30,29 +30,10 @@ if not os.environ.get("PYTHONPATH") and ROOT not in sys.path:  # this checkout u
     sys.path.insert(0, ROOT)
 
 
-class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3x3 conv-BN pairs and a shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = (
-            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-            if stride != 1 or cin != cout
-            else nn.Identity()
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + self.down(x))
-
-
 def resnet18(classes: int = 10) -> nn.Module:
     """ResNet-18's layout (He et al. 2015, arXiv:1512.03385): stem, four stages of two basic blocks."""
+    from models import BasicBlock  # bench/models.py (this script's folder is on sys.path)
+
     layers: list[nn.Module] = [
         nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)
     ]

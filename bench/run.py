@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/run.py` from anywhere uses this checkout
     sys.path.insert(0, str(ROOT))
 
+from bench.models import BasicBlock  # noqa: E402
 from fp16probe import Probe  # noqa: E402
 from fp16probe.capture import engine  # noqa: E402
 
@@ -103,35 +104,15 @@ class ConvNet(nn.Module):
         super().__init__()
         w = width
         self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
-        self.stage1 = _Block(w, w, 1)
-        self.stage2 = _Block(w, 2 * w, 2)
-        self.stage3 = _Block(2 * w, 4 * w, 2)
+        self.stage1 = BasicBlock(w, w, 1)
+        self.stage2 = BasicBlock(w, 2 * w, 2)
+        self.stage3 = BasicBlock(2 * w, 4 * w, 2)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(4 * w, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stage3(self.stage2(self.stage1(self.stem(x))))
         return self.head(self.pool(x).flatten(1))
-
-
-class _Block(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu1 = nn.ReLU()
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.relu2 = nn.ReLU()
-        self.skip = (
-            nn.Identity()
-            if stride == 1 and cin == cout
-            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.relu1(self.bn1(self.conv1(x)))
-        return self.relu2(self.bn2(self.conv2(y)) + self.skip(x))
 
 
 class GPT(nn.Module):
