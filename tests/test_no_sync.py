@@ -176,6 +176,28 @@ def test_no_sync_with_a_grad_scaler_under_autocast_and_sampling() -> None:
     assert report.histogram("weight_grad").total > 0
 
 
+def test_no_sync_with_gradient_accumulation_and_a_watched_loss() -> None:
+    """Micro-batches: later walks re-hook nodes, the weight counts' maximum is folded; no sync."""
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 4, 4)
+    calls: list[str] = []
+    with Probe(model) as probe:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with forbid_host_sync() as seen:
+                for _ in range(2):
+                    loss = model(x).square().mean() * 2.0
+                    probe.watch(loss)
+                    loss.backward()
+                probe.step()
+            calls += seen
+    assert calls == []
+    report = probe.report()
+    assert "hook_errors" not in report.metadata.extra
+    assert len(report.trace.ceiling) == 3 and all(c > 0 for c in report.trace.ceiling)
+
+
 def test_a_syncing_ceiling_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard sees a sync in the ceiling's node hooks, so the test above covers them."""
     real = torch.aminmax
