@@ -26,6 +26,9 @@ the machine.
 3. Memory the Probe holds after 10, 100 and 1000 steps.
 4. End to end: ``fp16probe.profile()`` (the path the CLI, callbacks and notebooks take) on
    the demo, against the same forward+backward loop without it; analysis included.
+
+Peak extra memory needs fresh processes: ``bench/peak_memory.py`` measures it on a
+ResNet-18 layout.
 """
 
 from __future__ import annotations
