@@ -22,6 +22,7 @@ from fp16probe.capture.engine import (
     SLOT_NAN,
     SLOT_ZERO,
     count_into,
+    count_many,
     histogram,
     max_abs_from_key,
     new_table,
@@ -235,6 +236,37 @@ def test_counts_go_into_a_row_and_replace_overwrites_it():
     assert histogram_from(counts[1].tolist(), int(keys[1])) == histogram_of(torch.cat([a, b]))
     count_into(b, counts, keys, 1, replace=True)  # the last value of a parameter's gradient wins
     assert histogram_from(counts[1].tolist(), int(keys[1])) == histogram_of(b)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_counting_many_at_once_gives_each_row_its_own_counts(replace, scaled):
+    """count_many (weight gradients at the end of backward) equals count_into one tensor at a time."""
+    from fp16probe.capture import _cpu_kernel
+
+    torch.manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5_000,), dtype=torch.int64).to(torch.int32)
+    xs = [
+        bits.view(torch.float32),  # subnormals, inf, NaN payloads
+        torch.relu(torch.randn(3, 333)),
+        torch.randn(40, 30).t(),  # not contiguous: counted on its own
+        torch.randn(77).half(),  # not fp32: counted on its own
+        torch.empty(0),
+        torch.tensor(2.0**-149),
+        torch.randn(_cpu_kernel.SPLIT_AT + 5) * 1e-30,  # above the batch's size: split across threads
+    ]
+    rows = [4, 0, 2, 6, 1, 5, 3]
+    inv = torch.tensor(2.0**-12) if scaled else None
+    batched, one_by_one = new_table(8), new_table(8)
+    earlier = torch.randn(10), torch.randn(10) * 1e-3
+    for table in (batched, one_by_one):
+        count_into(earlier[0], *table, 0)  # rows already holding counts: added to or replaced
+        count_into(earlier[1], *table, 4)
+    count_many(xs, *batched, rows, replace=replace, inv=inv)
+    for x, row in zip(xs, rows):
+        count_into(x, *one_by_one, row, replace=replace, inv=inv)
+    assert torch.equal(batched[0], one_by_one[0]) and torch.equal(batched[1], one_by_one[1])
+    assert batched[0][7].sum() == 0 and batched[1][7] == -1  # a row nobody named
 
 
 def test_relu_masked_data_counts_the_zeros_between_values():

@@ -30,8 +30,9 @@ _LANES = 8  # interleaved sub-histograms in the counting loop
 _pool: ThreadPoolExecutor | None = None
 
 try:  # numba is optional: ``pip install "fp16probe[fast]"``
-    from numba import njit
+    from numba import carray, njit, types
     from numba.cpython.unsafe.numbers import leading_zeros
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised where numba is absent
     njit = None
 
@@ -121,6 +122,33 @@ if njit is not None:
         if subnormals > 0 or largest >= 0x7F800000:
             largest = _rare(bits, sub, subnormals > 0, largest)
         _fold(local, sub, largest, counts, keys, row, replace)
+
+
+    @intrinsic
+    def _int32_pointer(typingctx, address):  # pragma: no cover - compiled
+        """An int64 address as an ``int32*`` (the caller keeps the memory alive)."""
+        sig = types.CPointer(types.int32)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
+
+        return sig, codegen
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _count_many(addresses, lengths, rows, counts, keys, replace):  # pragma: no cover - compiled
+        for t in range(addresses.shape[0]):
+            _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys, rows[t], replace)
+
+
+SPLIT_AT = _SPLIT_AT
+
+
+def count_many(
+    addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
+) -> None:
+    """:func:`count_into` for several buffers in one call: contiguous fp32 at ``addresses[t]``, ``lengths[t]``
+    elements (each below ``SPLIT_AT``), into ``rows[t]``. The caller keeps the buffers alive."""
+    _count_many(addresses, lengths, rows, counts, keys, replace)
 
 
 def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -54,8 +55,10 @@ __all__ = [
     "SLOT_NAN",
     "SLOT_ZERO",
     "count_into",
+    "count_many",
     "histogram",
     "max_abs_from_key",
+    "max_abs_of_keys",
     "new_table",
 ]
 
@@ -130,11 +133,7 @@ def count_into(
             arr = (x.detach() if x.requires_grad else x).numpy()
             if arr.dtype != np.float32:
                 arr = arr.astype(np.float32)
-            host = _host_views.get(id(counts))
-            if host is None or host[0] is not counts or host[2] is not keys:
-                if len(_host_views) > 64:
-                    _host_views.clear()
-                host = _host_views[id(counts)] = (counts, counts.numpy(), keys, keys.numpy())
+            host = _host_view(counts, keys)
             kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace)
             return
     elif x.device.type == "cuda" and counts.device == x.device and _triton_available():
@@ -169,6 +168,55 @@ def count_into(
     else:
         out.index_add_(0, idx, torch.ones((), dtype=torch.int64, device=bits.device).expand(idx.numel()))
     torch.maximum(key_slot, key, out=key_slot)
+
+
+def count_many(
+    xs: Sequence[torch.Tensor],
+    counts: torch.Tensor,
+    keys: torch.Tensor,
+    rows: Sequence[int],
+    *,
+    replace: bool = False,
+    inv: torch.Tensor | None = None,
+) -> None:
+    """:func:`count_into` for ``xs[t]`` into ``rows[t]``; the same counts.
+
+    On the CPU with the numba engine, contiguous fp32 tensors (not unscaled) go to the
+    kernel in one call, so a model of many small parameters pays the Python and dispatch
+    cost once per backward instead of once per tensor. Everything else goes one by one.
+    """
+    kernel = _numba_kernel() if counts.is_cpu and inv is None else None
+    if kernel is None:
+        for x, row in zip(xs, rows):
+            count_into(x, counts, keys, row, replace=replace, inv=inv)
+        return
+    batch: list[torch.Tensor] = []
+    batch_rows: list[int] = []
+    for x, row in zip(xs, rows):
+        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and 0 < x.numel() < kernel.SPLIT_AT \
+                and x.is_contiguous():
+            batch.append(x)
+            batch_rows.append(row)
+        else:
+            count_into(x, counts, keys, row, replace=replace)
+    if batch:
+        host = _host_view(counts, keys)
+        kernel.count_many(
+            np.array([x.data_ptr() for x in batch], dtype=np.int64),
+            np.array([x.numel() for x in batch], dtype=np.int64),
+            np.array(batch_rows, dtype=np.int64),
+            host[1], host[3], replace,
+        )  # ``batch`` keeps the tensors alive until the kernel returns
+
+
+def _host_view(counts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:
+    """numpy views of a CPU table, cached (no torch dispatch on the hot path)."""
+    host = _host_views.get(id(counts))
+    if host is None or host[0] is not counts or host[2] is not keys:
+        if len(_host_views) > 64:
+            _host_views.clear()
+        host = _host_views[id(counts)] = (counts, counts.numpy(), keys, keys.numpy())
+    return host
 
 
 def _unscaled(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:

@@ -295,10 +295,35 @@ class Recorder:
             # the maximum of what the last one counted for the overflow ceiling (which leaves
             # parameters' AccumulateGrad nodes to these counts).
             self.note_max(CHANNEL, engine.max_abs_of_keys(table[1]))
+        plain: list[tuple[int, torch.Tensor]] = []
         for i, p in pending:
-            if p.grad is not None:
-                self.record(WEIGHT_GRAD, i, p.grad, replace=True)
-        self._params_counted_in = self._state  # record() may have committed a new state (first rows)
+            g = p.grad
+            if g is None:
+                continue
+            if type(g) is torch.Tensor and g.is_floating_point() and not g.is_sparse and g.device == pending[0][1].device:
+                plain.append((i, g))
+            else:  # a DTensor, a sparse or non-float gradient, another device: one by one
+                self.record(WEIGHT_GRAD, i, g, replace=True)
+        if plain:
+            self._record_many(WEIGHT_GRAD, plain, replace=True)
+        self._params_counted_in = self._state  # recording may have committed a new state (first rows)
+
+    def _record_many(self, kind: str, items: Sequence[tuple[int, torch.Tensor]], *, replace: bool) -> None:
+        """:meth:`record` for plain tensors on one device, counted by one engine call; never raises."""
+        try:
+            device = items[0][1].device
+            with self.lock:
+                st = self._state
+                inv = self._inv_scale(st, device) if self.scaler is not None and kind != ACTIVATION else None
+                table = st.open.get(kind)
+                if table is None:
+                    st = self._allocate(kind, device)
+                    table = st.open[kind]
+                engine.count_many([t for _, t in items], table[0], table[1], [i for i, _ in items],
+                                  replace=replace, inv=inv)
+                st.dirty = True
+        except Exception as e:
+            self.note_error(e)
 
     def record(self, kind: str, i: int, t: torch.Tensor, *, replace: bool = False) -> None:
         """Count ``t`` into row ``i`` of ``kind`` (gradients unscaled); never raises.
