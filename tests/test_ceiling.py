@@ -262,6 +262,21 @@ def test_dtype_marks_are_reused_while_the_graph_repeats(monkeypatch):
     assert all(b > r for b, r in zip(blind.report().trace.ceiling, reused))
 
 
+def test_a_forward_without_a_graph_keeps_the_marks():
+    """A validation forward under no_grad between training steps does not make the next one track again."""
+    torch.manual_seed(0)
+    model = _NormNet()
+    x = torch.randn(4, 5, 16) * 0.05
+    with Probe(model) as probe:
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            with torch.no_grad():
+                model(x)
+            probe.step()
+    assert (probe._ceiling.forwards_tracked, probe._ceiling.forwards_reused) == (1, 3)
+
+
 def test_a_graph_that_changes_is_tracked_again_and_never_undercounted(monkeypatch):
     import fp16probe.capture.ceiling as ceiling_module
 

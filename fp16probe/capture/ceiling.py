@@ -294,13 +294,16 @@ class Ceiling:
         again, has a consumer that walk did not see: it is marked (``_EXTRA``), and hooked if
         that walk left it unhooked. Also returns this walk's identity (``meta[_WALK]``).
         """
+        walk = object()
+        order: list[tuple[Any, dict, Any]] = []
+        stack = [(t.grad_fn, None) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not stack:  # no graph (a forward under no_grad): nothing to hook, the marks stay as they are
+            self._tracked_now = False
+            return order, walk
         record = model_output and self._tracked_now
         marks = self._marks if model_output and not self._tracked_now else None
         self._tracked_now = False
         seen: list[tuple[type, bool]] = []
-        walk = object()
-        order = []
-        stack = [(t.grad_fn, None) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             node, consumer = stack.pop()
             meta = node.metadata
