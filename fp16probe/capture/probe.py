@@ -132,6 +132,9 @@ class Probe:
             else None
         )
         self._handles: list[Any] = []
+        self._params: list[tuple[str, str, nn.Parameter]] = []  # set by start()
+        self._output_hooks: list[tuple[nn.Module, Any]] = []
+        self._param_hooks: list[tuple[nn.Parameter, Any]] = []
         # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
         # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
         self._autocast_dtypes = True
@@ -163,7 +166,16 @@ class Probe:
             raise ProbeError("this Probe is already started")
         # DDP all-reduces weight gradients after their accumulate hooks fire: read them later.
         self.recorder.defer_to_ddp = _distributed.is_distributed()
+        # The model as it is now: rows, parameters and output hooks, reused at every attach.
+        self._params = self._parameters()
         self._register_rows()
+        modules = dict(self.model.named_modules())
+        rec = self.recorder
+        self._output_hooks = [
+            (modules[name], _output_hook(rec, name or ROOT_NAME, type(modules[name]).__name__)) for name in self._hooked
+        ]
+        rows = rec.rows[WEIGHT_GRAD].index if self._capture[WEIGHT_GRAD] else {}
+        self._param_hooks = [(p, _param_hook(rec, rows[pname])) for pname, _, p in self._params if pname in rows]
         self._active = self.recorder.enabled = True
         if self.recorder.sampling:
             self._attach()
@@ -192,7 +204,7 @@ class Probe:
                     if self._capture[kind]:
                         rec.register(kind, name or ROOT_NAME, tname)
         if self._capture[WEIGHT_GRAD]:
-            for pname, tname, _ in self._parameters():
+            for pname, tname, _ in self._params:
                 rec.register(WEIGHT_GRAD, pname, tname)
 
     def _parameters(self) -> list[tuple[str, str, nn.Parameter]]:
@@ -223,25 +235,17 @@ class Probe:
                 tracking.wanted = self._ceiling.begin_forward  # marks reused while the graph repeats
                 self._handles.extend(ops.attach(self.model, (), rec, capture=tracking))
             if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
-                modules = dict(self.model.named_modules())
-                for name in self._hooked:
-                    module = modules[name]
-                    hook = _output_hook(rec, name or ROOT_NAME, type(module).__name__)
+                for module, hook in self._output_hooks:
                     self._handles.append(module.register_forward_hook(hook))
             if self._ceiling is not None:
                 ceiling = self._ceiling
                 self._handles.append(self.model.register_forward_hook(_ceiling_hook(ceiling)))
                 self._handles.append(ceiling)  # its remove() unhooks nodes that outlive a graph
-            if self._ceiling is not None:
                 # Weight gradients counted at the end of backward cover their AccumulateGrad
                 # nodes; under DDP they are counted after the all-reduce, so not there.
-                self._ceiling.counted_params = frozenset(
-                    id(p) for _, _, p in self._parameters() if self._capture[WEIGHT_GRAD] and not rec.defer_to_ddp
-                )
-            if self._capture[WEIGHT_GRAD]:
-                rows = rec.rows[WEIGHT_GRAD].index
-                for pname, _, p in self._parameters():
-                    self._handles.append(p.register_post_accumulate_grad_hook(_param_hook(rec, rows[pname])))
+                ceiling.counted_params = frozenset(id(p) for p, _ in self._param_hooks if not rec.defer_to_ddp)
+            for p, hook in self._param_hooks:
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
         except BaseException:
             self._detach()
             raise
