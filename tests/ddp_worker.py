@@ -66,6 +66,9 @@ def train_and_save(runner: nn.Module, model: nn.Module, out: Path) -> None:
         merged.save(out / "merged.json")
     else:
         assert merged is None
+    # Leave together: a rank tearing gloo down while the other still talks to it can abort
+    # ("terminate called without an active exception", seen once on a loaded machine).
+    dist.barrier()
     dist.destroy_process_group()
 
 if __name__ == "__main__":

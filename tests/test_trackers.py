@@ -186,6 +186,8 @@ def _wandb_records(path):
             pos += block - pos % block
             continue
         _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + n > len(data):  # a record still being written: read up to it
+            return
         chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # full record, or the last piece of one
             record = wandb_internal_pb2.Record()
@@ -194,6 +196,16 @@ def _wandb_records(path):
             yield record
         elif kind in (2, 3):
             pending += chunk
+
+
+def _has_exit_record(path):
+    """Whether the run file is complete; a record caught half-written reads as not yet."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(path))
+    except DecodeError:
+        return False
 
 
 def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
@@ -205,7 +217,7 @@ def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     deadline = time.monotonic() + 60
     # wandb's service process may still be writing the file when finish() returns
-    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+    while not _has_exit_record(run_file):
         assert time.monotonic() < deadline, "the wandb run file never got its exit record"
         time.sleep(0.2)
     rows = []
