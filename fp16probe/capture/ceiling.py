@@ -49,7 +49,6 @@ CAST_VIEW = "fp16probe.cast_view"  # node.metadata: a view the dtype tracking ma
 _KEY = "fp16probe.ceiling"  # node.metadata entry marking a node hooked in the current generation
 _WALK = "fp16probe.walk"  # node.metadata entry marking a node visited in the current walk
 _POPS = "fp16probe.edges"  # node.metadata: edges into the node seen in the current walk
-_SEEN = "fp16probe.seen"  # node.metadata: the node's gradient maximum is counted in this step
 _SKIPPED = "fp16probe.passed"  # node.metadata: left unhooked as a layout node's input in this step
 _FRESH = "fp16probe.fresh"  # node.metadata: the walk that first reached the node in this step
 _MIRROR = "fp16probe.mirror"  # node.metadata: (walk, chain metadata) of a layout node over a covered one
@@ -91,13 +90,15 @@ _LAYOUT_NODES = frozenset(
 def _passed_through(node: Any, meta: dict, consumer: Any, token: object) -> bool:
     """Whether ``node``'s gradient is its only consumer's, rearranged, and that consumer is seen.
 
-    Then its maximum is already counted; the node is marked so that a later walk of the step
-    that finds another consumer of it hooks it after all.
+    The consumer was reached earlier in the same walk, so it is seen (hooked, covered or
+    passed through itself) unless its gradient stays fp32. Then ``node``'s maximum is already
+    counted; it is marked so that a later walk of the step that finds another consumer of it
+    hooks it after all.
     """
     if consumer is None or meta[_POPS] != 1:
         return False
     cmeta = consumer.metadata
-    if cmeta.get(_SEEN) is not token or cmeta.get(CAST_VIEW) or consumer.name() not in _LAYOUT_NODES:
+    if cmeta.get(FP32_ONLY) or cmeta.get(CAST_VIEW) or consumer.name() not in _LAYOUT_NODES:
         return False
     if sum(1 for n, _ in consumer.next_functions if n is not None) != 1:
         return False
@@ -270,7 +271,6 @@ class Ceiling:
             for node, meta, consumer in order:
                 if meta.get(FP32_ONLY):
                     continue
-                meta[_SEEN] = token
                 if _covered(node, meta) or _passed_through(node, meta, consumer, token):
                     continue
                 chain = meta.get(_MIRROR)
