@@ -300,7 +300,9 @@ class Recorder:
             g = p.grad
             if g is None:
                 continue
-            if type(g) is torch.Tensor and g.is_floating_point() and not g.is_sparse and g.device == pending[0][1].device:
+            if type(g) is torch.Tensor and g.is_floating_point() and not g.is_sparse and (
+                not plain or g.device == plain[0][1].device
+            ):
                 plain.append((i, g))
             else:  # a DTensor, a sparse or non-float gradient, another device: one by one
                 self.record(WEIGHT_GRAD, i, g, replace=True)
@@ -311,19 +313,24 @@ class Recorder:
     def _record_many(self, kind: str, items: Sequence[tuple[int, torch.Tensor]], *, replace: bool) -> None:
         """:meth:`record` for plain tensors on one device, counted by one engine call; never raises."""
         try:
-            device = items[0][1].device
             with self.lock:
-                st = self._state
-                inv = self._inv_scale(st, device) if self.scaler is not None and kind != ACTIVATION else None
-                table = st.open.get(kind)
-                if table is None:
-                    st = self._allocate(kind, device)
-                    table = st.open[kind]
+                st, table, inv = self._open_table(kind, items[0][1].device)
                 engine.count_many([t for _, t in items], table[0], table[1], [i for i, _ in items],
                                   replace=replace, inv=inv)
                 st.dirty = True
         except Exception as e:
             self.note_error(e)
+
+    def _open_table(self, kind: str, device: torch.device) -> tuple[_State, Table, torch.Tensor | None]:
+        """The open step's state, its table of ``kind`` (allocated on first use) and the
+        reciprocal scale that unscales ``kind`` on ``device`` (None: not scaled). Caller holds the lock."""
+        st = self._state
+        inv = self._inv_scale(st, device) if self.scaler is not None and kind != ACTIVATION else None
+        table = st.open.get(kind)
+        if table is None:
+            st = self._allocate(kind, device)
+            table = st.open[kind]
+        return st, table, inv
 
     def record(self, kind: str, i: int, t: torch.Tensor, *, replace: bool = False) -> None:
         """Count ``t`` into row ``i`` of ``kind`` (gradients unscaled); never raises.
@@ -339,12 +346,7 @@ class Recorder:
                 if kind == WEIGHT_GRAD:
                     self.sharded_weight_grads = True
             with self.lock:
-                st = self._state
-                inv = self._inv_scale(st, t.device) if self.scaler is not None and kind != ACTIVATION else None
-                table = st.open.get(kind)
-                if table is None:
-                    st = self._allocate(kind, t.device)
-                    table = st.open[kind]
+                st, table, inv = self._open_table(kind, t.device)
                 engine.count_into(t, table[0], table[1], i, replace=replace, inv=inv)
                 st.dirty = True
         except Exception as e:
