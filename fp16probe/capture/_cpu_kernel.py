@@ -24,7 +24,7 @@ import numpy as np
 
 NUM_BINS = 281  # fp16probe.histogram.NUM_BINS (kept literal: numba compiles the constant in)
 _KEY_OFFSET = 1 << 23  # engine._KEY_OFFSET: a finite |bits| becomes a positive key
-_SPLIT_AT = 1 << 21  # tensors this large are split across threads
+SPLIT_AT = 1 << 21  # tensors this large are split across threads
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
 _LANES = 8  # interleaved sub-histograms in the counting loop
 _pool: ThreadPoolExecutor | None = None
@@ -140,9 +140,6 @@ if njit is not None:
             _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys, rows[t], replace)
 
 
-SPLIT_AT = _SPLIT_AT
-
-
 def count_many(
     addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
 ) -> None:
@@ -154,7 +151,7 @@ def count_many(
 def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool) -> None:
     """Add the int32 bit patterns ``bits`` into ``counts[row]`` / ``keys[row]`` (replacing them when ``replace``)."""
     n = bits.shape[0]
-    if n < _SPLIT_AT or _THREADS < 2:
+    if n < SPLIT_AT or _THREADS < 2:
         _count_into(bits, counts, keys, row, replace)
         return
     global _pool
