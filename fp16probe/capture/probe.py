@@ -167,9 +167,9 @@ class Probe:
         # DDP all-reduces weight gradients after their accumulate hooks fire: read them later.
         self.recorder.defer_to_ddp = _distributed.is_distributed()
         # The model as it is now: rows, parameters and output hooks, reused at every attach.
-        self._params = self._parameters()
-        self._register_rows()
         modules = dict(self.model.named_modules())
+        self._params = self._parameters(modules)
+        self._register_rows(modules)
         rec = self.recorder
         self._output_hooks = [
             (modules[name], _output_hook(rec, name or ROOT_NAME, type(modules[name]).__name__)) for name in self._hooked
@@ -193,11 +193,10 @@ class Probe:
         return self._active
 
     # -- rows and hooks ----------------------------------------------------------------
-    def _register_rows(self) -> None:
+    def _register_rows(self, modules: Mapping[str, nn.Module]) -> None:
         """Give every hooked module and parameter its row now, so rows follow the model's order."""
         rec = self.recorder
         if self.granularity == "module":
-            modules = dict(self.model.named_modules())
             for name in self._hooked:
                 tname = type(modules[name]).__name__
                 for kind in (ACTIVATION, ACTIVATION_GRAD):
@@ -207,8 +206,7 @@ class Probe:
             for pname, tname, _ in self._params:
                 rec.register(WEIGHT_GRAD, pname, tname)
 
-    def _parameters(self) -> list[tuple[str, str, nn.Parameter]]:
-        modules = dict(self.model.named_modules())
+    def _parameters(self, modules: Mapping[str, nn.Module]) -> list[tuple[str, str, nn.Parameter]]:
         out = []
         for pname, p in self.model.named_parameters():
             if p.requires_grad:
