@@ -47,28 +47,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.models import HookMix  # noqa: E402
 from fp16probe import Probe  # noqa: E402
 from fp16probe.capture import engine  # noqa: E402
 from fp16probe.report import WEIGHT_GRAD  # noqa: E402
 
 
-class _Net(nn.Module):
-    """Conv, norm, attention and a head: every kind of hook the Probe uses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.act = nn.ReLU()
-        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
-        self.norm = nn.LayerNorm(32)
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.bn(self.conv(x)))  # [B, 8, 8, 8]
-        seq = h.flatten(2).transpose(1, 2).reshape(x.shape[0], 16, 32)
-        a, _ = self.attn(seq, seq, seq)
-        return self.head(self.norm(a + seq)).mean(1)
+def _Net() -> nn.Module:
+    """Every kind of hook the Probe uses (bench/models.HookMix), sized for the GPU check: [B, 3, 8, 8] in."""
+    return HookMix(channels=8, dim=32, heads=4, classes=5)
 
 
 def _amp_step(model: nn.Module, x: torch.Tensor, opt, scaler, device: str, probe: Probe | None,

@@ -1,4 +1,4 @@
-"""Model pieces the benchmarks share; nothing here imports fp16probe.
+"""Model pieces the benchmarks and tests share; nothing here imports fp16probe.
 
 ``bench/peak_memory.py`` measures other checkouts of fp16probe (``PYTHONPATH``) with these,
 so they must not pull in this checkout's package.
@@ -30,3 +30,27 @@ class BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.relu1(self.bn1(self.conv1(x)))
         return self.relu2(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class HookMix(nn.Module):
+    """Conv, batch norm, attention, layer norm and a head: every kind of hook the Probe uses.
+
+    Takes ``[B, 3, S, S]`` images; the conv's ``channels * S * S`` values per sample are read
+    as a sequence of ``dim``-wide tokens for the attention.
+    """
+
+    def __init__(self, channels: int, dim: int, heads: int, classes: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.conv(x)))
+        seq = h.flatten(2).transpose(1, 2).reshape(x.shape[0], -1, self.dim)
+        a, _ = self.attn(seq, seq, seq)
+        return self.head(self.norm(a + seq)).mean(1)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import fp16probe
+from bench.models import HookMix
 from fp16probe import Probe
 from fp16probe.capture import engine as histogram_module
 
@@ -100,21 +101,9 @@ def forbid_host_sync() -> Iterator[list[str]]:
             setattr(owner, name, original)
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.act = nn.ReLU()
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.norm = nn.LayerNorm(8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.bn(self.conv(x)))  # [B, 4, 4, 4]
-        seq = h.flatten(2).transpose(1, 2).reshape(x.shape[0], 8, 8)
-        a, _ = self.attn(seq, seq, seq)
-        return self.head(self.norm(a + seq)).mean(1)
+def _Net() -> nn.Module:
+    """Every kind of hook the Probe uses (bench/models.HookMix, shared with bench/gpu_check.py): [B, 3, 4, 4] in."""
+    return HookMix(channels=4, dim=8, heads=2, classes=3)
 
 
 def _probed_steps(model: nn.Module, x: torch.Tensor, probe: Probe, steps: int, *, guard: bool) -> list[str]:
