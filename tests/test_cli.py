@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fp16probe.cli import EXIT_GATE, EXIT_INTERRUPTED, EXIT_LOAD, EXIT_OK, EXIT_USAGE, app
 from fp16probe.report import Report
-from tests.fixtures.cli import prepare_cli_env, run
+from tests.fixtures.cli import one_error_line, prepare_cli_env, run
 
 TINY = ["--input-shape", "5,8", "--steps", "2"]
 
@@ -26,14 +26,6 @@ def ok(*args: str):
     result = run(*args)
     assert result.exit_code == EXIT_OK, result.output
     return result
-
-
-def one_error_line(result) -> str:
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # -- profile: each MODEL kind --------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from fp16probe.cli import EXIT_LOAD, EXIT_TERMINATED, EXIT_USAGE
 from fp16probe.report import Report
-from tests.fixtures.cli import FIXTURES, prepare_cli_env, run
+from tests.fixtures.cli import FIXTURES, one_error_line, prepare_cli_env, run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--input-shape", "5,8", "--steps", "2"]
@@ -22,14 +22,6 @@ REAL = ["--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss"]
 def _env(monkeypatch, tmp_path):
     prepare_cli_env(monkeypatch, tmp_path)
 
-
-
-def one_error_line(result) -> str:
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,expect", [
