@@ -111,17 +111,21 @@ def _reference() -> tuple[Report, Report]:
     return acts.report(), weights.report()
 
 
-@pytest.mark.slow
-def test_torchrun_two_ranks_merge_equals_single_process(tmp_path):
+def _torchrun_two_ranks(worker: str, out: Path) -> tuple[Report, Report, Report]:
+    """Run ``tests/<worker>`` on two gloo ranks; return the merged report and each rank's."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path),
+        str(Path(__file__).parent / worker), str(out),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    merged = Report.load(tmp_path / "merged.json")
-    rank0, rank1 = (Report.load(tmp_path / f"rank{r}.json") for r in range(2))
+    return Report.load(out / "merged.json"), Report.load(out / "rank0.json"), Report.load(out / "rank1.json")
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_merge_equals_single_process(tmp_path):
+    merged, rank0, rank1 = _torchrun_two_ranks("ddp_worker.py", tmp_path)
     ref_act, ref_weight = _reference()
 
     assert merged.metadata.world_size == 2

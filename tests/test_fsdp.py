@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from fp16probe import Report
 from fp16probe.capture.distributed import merge_rank_reports
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 import ddp_worker  # noqa: E402
-from test_distributed import _reference, _report  # noqa: E402
+from test_distributed import _reference, _report, _torchrun_two_ranks  # noqa: E402
 
 
 def test_empty_weight_gradients_on_every_rank_are_not_called_identical():
@@ -36,15 +32,7 @@ def test_a_rank_marked_sharded_is_summed_even_when_shards_look_alike():
 
 @pytest.mark.slow
 def test_fsdp2_two_gloo_ranks_give_the_single_process_weight_gradient_counts(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(Path(__file__).parent / "fsdp_worker.py"), str(tmp_path),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    merged = Report.load(tmp_path / "merged.json")
-    rank0, rank1 = (Report.load(tmp_path / f"rank{r}.json") for r in range(2))
+    merged, rank0, rank1 = _torchrun_two_ranks("fsdp_worker.py", tmp_path)
     ref_act, ref_weight = _reference()
 
     for rep in (rank0, rank1, merged):
