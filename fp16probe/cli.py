@@ -3,8 +3,9 @@
 Human output goes to stderr through rich (see :mod:`fp16probe.presentation.terminal`); ``--json`` puts
 machine output alone on stdout. Exit codes are stable and documented in the README:
 0 fine, 1 a gate failed, 2 bad usage or input, 3 the model could not be loaded, its loading
-was refused, or it failed while running, 4 an internal error, 130 interrupted (Ctrl-C) and
-143 terminated (SIGTERM); after 130, 143 or a failure part-way, a partial report is written.
+was refused, or it failed while running (on any rank), 4 an internal error, 129 hung up
+(SIGHUP), 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM); after 129, 130, 143 or a
+failure part-way, a partial report is written (see docs/faults.md).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Deferred:
 
 Report: Any = _Deferred("fp16probe.report", "Report")
 atomic_write_text: Any = _Deferred("fp16probe.report", "atomic_write_text")
+append_text: Any = _Deferred("fp16probe.report", "append_text")
 # The choices --format and --kind offer, spelled here so that --help needs no torch;
 # tests/test_cli_help.py checks them against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
 FORMAT_NAMES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
@@ -60,7 +62,7 @@ ACTIVATION_GRAD = "activation_grad"
 WEIGHT_GRAD = "weight_grad"
 
 __all__ = [
-    "EXIT_GATE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
+    "EXIT_GATE", "EXIT_HANGUP", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
     "app", "as_flags", "main",
 ]
 
@@ -69,6 +71,7 @@ EXIT_GATE = 1
 EXIT_USAGE = 2
 EXIT_LOAD = 3
 EXIT_INTERNAL = 4
+EXIT_HANGUP = 129  # 128 + SIGHUP: the terminal or ssh session closed
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
@@ -190,26 +193,36 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
     """Turn errors into one line on stderr and a stable exit code."""
     from fp16probe.presentation.terminal import print_error
 
+    from fp16probe.running.signals import Hangup, Terminated
+
     try:
         yield
     except typer.Exit:
         raise
-    except KeyboardInterrupt:
-        print_error(console, "interrupted")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as e:
+        what, code = (("hung up (SIGHUP)", EXIT_HANGUP) if isinstance(e, Hangup)
+                      else ("terminated (SIGTERM)", EXIT_TERMINATED) if isinstance(e, Terminated)
+                      else ("interrupted", EXIT_INTERRUPTED))
+        print_error(console, what)
+        raise typer.Exit(code) from None
     except SystemExit as e:  # user code (a factory, a loss) called sys.exit: never a silent success
         _fail(console, f"user code called sys.exit({e.code!r}) while fp16probe was loading or running it; "
               "a factory or loss must return, not exit", EXIT_LOAD, debug, print_error)
     except (ModelLoadError, ModelError) as e:
-        _fail(console, as_flags(str(e)), EXIT_LOAD, debug, print_error)
+        _fail(console, as_flags(str(e)), EXIT_LOAD, debug, _quiet(e, print_error))
     except Fp16ProbeError as e:  # ReportError, InputError, UnknownFormatError, ProbeError
-        _fail(console, as_flags(str(e)), EXIT_USAGE, debug, print_error)
+        _fail(console, as_flags(str(e)), EXIT_USAGE, debug, _quiet(e, print_error))
     except Exception as e:
         _fail(
             console,
             f"internal error {type(e).__name__}: {e}; rerun with --debug and report it",
             EXIT_INTERNAL, debug, print_error,
         )
+
+
+def _quiet(e: Fp16ProbeError, print_error: Any) -> Any:
+    """``print_error``, or nothing on a rank whose error rank 0 prints for the whole run."""
+    return (lambda console, message: None) if e.reported_elsewhere else print_error
 
 
 def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) -> None:
@@ -302,16 +315,20 @@ def profile(
     from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
     from fp16probe.running.loading import load_model
     from fp16probe.running.losses import check_loss_spec, make_loss
-    from fp16probe.running.profile import Terminated, check_settings
+    from fp16probe.running.profile import Hangup, Terminated, check_settings
     from fp16probe.running.profile import profile as run
+    from fp16probe.running.ranks import timeout_s
+    from fp16probe.running.signals import stop_signals
 
     console = render.make_console()
     print_error = render.print_error
     with _errors(console, debug), contextlib.ExitStack() as stack:
+        shield = stack.enter_context(stop_signals())  # a second Ctrl-C never aborts the partial report
         # Everything that can be refused is refused before the model loads or runs.
         inputs = [Path(model)] if model and Path(model).exists() else []
         if weights is not None:
             inputs.append(weights)
+        inputs += _code_files({"MODEL": model, "--batches": batches, "--loss": loss})
         _check_output(out, "--out")
         _refuse_overwrite(out, inputs, "--out")
         _check_writable(out, "--out")
@@ -323,7 +340,9 @@ def profile(
         opt = None if optimizer is OptimizerName.none else optimizer.value
         check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                        format=format.value, kind=kind.value, verify=verify)
-        is_dist = distributed.init_from_env()
+        is_dist = distributed.init_from_env(timeout=timeout_s())
+        if is_dist:
+            shield.keep()  # torchrun's SIGTERM, once another rank exits, must not cut this one's exit short
         rank = distributed.rank()
         dev = pick_device(device.value)
         if is_dist and dev.type == "cuda":
@@ -360,6 +379,9 @@ def profile(
                              precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                              format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
                              extra=extra, modules=modules or None, granularity=granularity.value)
+        except Hangup:
+            print_error(console, "hung up (SIGHUP) before the first step finished; no report written")
+            raise typer.Exit(EXIT_HANGUP) from None
         except Terminated:
             print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
             raise typer.Exit(EXIT_TERMINATED) from None
@@ -374,7 +396,7 @@ def profile(
                 raise type(e)(f"{e}; the {steps_done} step(s) before it are in the partial report {out}") from e
             raise
         if report is None:  # a rank other than 0: rank 0 writes and prints
-            raise typer.Exit(EXIT_OK)
+            raise typer.Exit(shield.exit_code or EXIT_OK)
         with _writing(out, "--out"):
             report.save(out)
         rec = report.recommendation
@@ -385,13 +407,33 @@ def profile(
             sys.stdout.write(report.to_json() + "\n")
         else:
             render.print_summary(console, report, rec, kind=kind.value, explain=explain, out=str(out))
-    raise typer.Exit(_exit_code(report))
+    # A signal that came after the loop (while the report was made and written) still says so.
+    raise typer.Exit(_exit_code(report) or shield.exit_code or EXIT_OK)
+
+
+def _code_files(specs: dict[str, Optional[str]]) -> list[Path]:
+    """The source files behind ``module:function`` inputs, found without running them (an output must not replace one)."""
+    from fp16probe.running.loading import module_file
+
+    files = []
+    for spec in specs.values():
+        if spec and ":" in spec and not Path(spec).exists():
+            found = module_file(spec.split(":", 1)[0])
+            if found is not None:
+                files.append(found)
+    return files
 
 
 def _save_figures(report: Report, path: Path, **options: Any) -> None:
     """Draw the figures into a temporary file beside ``path``, then rename it: a full disk never truncates the old one."""
+    from fp16probe.outputs import output_target
     from fp16probe.presentation import figures
 
+    target = output_target(path)
+    if target.in_place:  # a FIFO or a device: written where it is, never replaced
+        figures.save_figures(report, path, **options)
+        return
+    path = target.path  # through a symlink, its target is replaced
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # same extension: same file type
     try:
         figures.save_figures(report, tmp, **options)
@@ -404,8 +446,9 @@ def _save_figures(report: Report, path: Path, **options: Any) -> None:
 def _exit_code(report: Report) -> int:
     """0 for a whole run; the interruption's code for a partial one; 1 when a verification did not hold."""
     stopped = report.metadata.extra.get("stopped")
-    if stopped in ("interrupted", "terminated"):
-        return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_TERMINATED
+    codes = {"interrupted": EXIT_INTERRUPTED, "terminated": EXIT_TERMINATED, "hangup": EXIT_HANGUP}
+    if stopped in codes:
+        return codes[stopped]
     if report.verification is not None and not report.verification.held:
         return EXIT_GATE
     return EXIT_OK
@@ -413,6 +456,18 @@ def _exit_code(report: Report) -> int:
 
 def _check_writable(path: Path, option: str) -> None:
     """Refuse, before the run, an output that cannot be written: create and remove a file beside it."""
+    from fp16probe.outputs import output_target
+
+    try:
+        target = output_target(path)
+    except OSError as e:
+        raise InputError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}); "
+                         "choose a writable path") from e
+    if target.in_place:  # a device, a FIFO or our own descriptor: written in place, nothing made beside it
+        if target.fd is None and not os.access(target.path, os.W_OK):
+            raise InputError(f"{option} {path}: cannot write there (Permission denied); choose a writable path")
+        return
+    path = target.path
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -617,8 +672,7 @@ def _write_gate_outputs(outputs: dict[str, Any], markdown: str, junit_xml: str, 
     targets = {Path(p): option for option, p in outputs.items() if p and option != "--junit"}
     for target, option in targets.items():
         with _writing(target, option):  # appended, as GitHub expects, but never half-written
-            old = target.read_text(encoding="utf-8") if target.exists() else ""
-            atomic_write_text(target, old + markdown)
+            append_text(target, markdown)
     junit = outputs.get("--junit")
     if junit is not None:
         with _writing(junit, "--junit"):

@@ -8,9 +8,13 @@ class Fp16ProbeError(RuntimeError):
 
     ``report`` is set when a run failed part-way (see :func:`fp16probe.profile`): the partial
     Report of the steps finished before the failure, so nothing collected is lost.
+    ``reported_elsewhere`` is set on a rank other than 0 when rank 0 prints the error.
     """
 
     report: object | None = None
+    # Under torch.distributed: rank 0 prints this error for every rank, so this rank's
+    # command line exits with its code without a line of its own.
+    reported_elsewhere: bool = False
 
 
 class UnknownFormatError(Fp16ProbeError, ValueError):

@@ -32,6 +32,7 @@ __all__ = [
     "ModuleStats",
     "Report",
     "StepTrace",
+    "append_text",
     "atomic_write_text",
 ]
 
@@ -477,6 +478,18 @@ def _check_report_fields(d: Mapping[str, Any]) -> None:
         validation.check_depth(d["verification"], "verification")
 
 
+def append_text(path: str | os.PathLike[str], text: str) -> None:
+    """Append ``text`` to ``path``: a regular file is rewritten whole (atomically), a device or FIFO written in place."""
+    from fp16probe.outputs import output_target, write_in_place
+
+    target = output_target(path)
+    if target.in_place:
+        write_in_place(target, text.encode("utf-8"), append=True)
+        return
+    old = target.path.read_text(encoding="utf-8") if target.path.exists() else ""
+    atomic_write_text(target.path, old + text)
+
+
 def _mode_for(path: Path) -> int:
     """The permission bits ``open(path, "w")`` would leave: the replaced file's, else 0666 less the umask."""
     try:
@@ -497,8 +510,16 @@ def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
 
     The file gets the mode an ordinary ``open(path, "w")`` would give it (the user's
     umask, or the mode of the file it replaces), not the temporary file's private 0600.
+    A symlink's target is the file replaced; a device, a FIFO or ``/dev/stdout`` is
+    written in place, never replaced, and a directory is refused (see :mod:`fp16probe.outputs`).
     """
-    path = Path(path)
+    from fp16probe.outputs import output_target, write_in_place
+
+    target = output_target(path)
+    if target.in_place:
+        write_in_place(target, text if isinstance(text, bytes) else text.encode("utf-8"))
+        return
+    path = target.path
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

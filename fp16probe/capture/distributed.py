@@ -67,11 +67,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def init_from_env(backend: str | None = None) -> bool:
+def init_from_env(backend: str | None = None, timeout: float | None = None) -> bool:
     """Join the process group that torchrun describes in the environment.
 
     Returns whether the run is distributed. Without ``WORLD_SIZE`` > 1 in the environment
     nothing happens. The backend defaults to nccl when CUDA is available, else gloo.
+    ``timeout`` (seconds) bounds every collective's wait for the other ranks, so that a
+    rank that died or hangs stops the others (torch's own default is 10 or 30 minutes).
     """
     if is_distributed():
         return True
@@ -87,7 +89,12 @@ def init_from_env(backend: str | None = None) -> bool:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    if timeout is None:
+        dist.init_process_group(backend)
+    else:
+        from datetime import timedelta
+
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return world_size() > 1
 
 

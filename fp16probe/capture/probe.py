@@ -282,6 +282,14 @@ class Probe:
             else:
                 self._detach()
 
+    def discard_step(self) -> None:
+        """Drop what the open step recorded so far (a step another rank never finished)."""
+        for capture in self._op_captures.values():
+            capture.reset()
+        if self._ceiling is not None:
+            self._ceiling.close_step()  # folds its pending values into the step being dropped
+        self.recorder.discard_step()
+
     def watch(self, loss: torch.Tensor) -> None:
         """Also cover the gradients between the model's output and ``loss`` in the overflow ceiling.
 

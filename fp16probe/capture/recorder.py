@@ -456,6 +456,18 @@ class Recorder:
             self._state = new  # commit
         self._pending_params = []
 
+    def discard_step(self) -> None:
+        """Drop what the open step recorded (a step cut short), keeping every closed step."""
+        with self.lock:
+            st = self._state
+            for counts, keys in st.open.values():
+                counts.zero_()
+                keys.fill_(-1)
+            new = _State(st.step_index, st.sampling, st.closed, st.open, st.spare, st.totals)
+            del self._trace[st.closed :]
+            self._state = new  # commit: not dirty, no scale or maxima of the dropped step
+        self._pending_params = []
+
     def _record_of(self, st: _State) -> _StepRecord:
         """The trace record of ``st``'s open step, built out of place."""
         kinds = {k: (c.sum(0), keys.clone()) for k, (c, keys) in st.open.items()}

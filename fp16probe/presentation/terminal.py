@@ -35,6 +35,7 @@ from fp16probe.verification import Verification
 __all__ = [
     "Fitted",
     "make_console",
+    "one_line",
     "print_compare",
     "print_error",
     "print_recommendation",
@@ -56,10 +57,25 @@ def make_console(stderr: bool = True) -> Any:
 
 
 def print_error(console: Any, message: str) -> None:
-    """Print one line: what was wrong and what to do."""
+    """Print one line: what was wrong and what to do (control characters escaped, see :func:`one_line`)."""
     from rich.text import Text
 
-    console.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    console.print(Text.assemble(("error: ", "bold red"), one_line(message)), soft_wrap=True)
+
+
+_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def one_line(message: str) -> str:
+    """``message`` with its control characters escaped (a newline as ``\\n``, others as ``\\xNN``).
+
+    A path or a name with a newline in it would otherwise split the one error line, or
+    forge a second ``error:`` line for a script that reads them.
+    """
+    return "".join(
+        _CONTROL_ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 else c)
+        for c in message
+    )
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ __all__ = [
     "is_import_string",
     "load_model",
     "load_state_dict_file",
+    "module_file",
     "quiet_transformers",
     "read_hf_config",
     "resolve_import",
@@ -111,6 +112,25 @@ def load_model(
 
 
 # -- import strings ------------------------------------------------------------------
+
+
+def module_file(module_name: str) -> Path | None:
+    """The source file an import of ``module_name`` would run, found as :func:`resolve_import` finds it; None if not found.
+
+    Only its parent packages are imported (as the import itself would); the module's own code does not run.
+    """
+    import importlib.util
+
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:  # a parent package that fails to import: the import itself will say so
+        return None
+    if spec is None or not spec.origin or not spec.has_location:
+        return None
+    return Path(spec.origin)
 
 
 def resolve_import(spec: str, what: str = "MODEL") -> Any:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import re
-import signal
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +24,12 @@ from fp16probe.report import ALL_GRADS, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
+from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
 __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
+    "Hangup",
     "RunResult",
     "RunSettings",
     "Terminated",
@@ -42,12 +43,8 @@ __all__ = [
 PRECISIONS = ("fp32", "fp16", "bf16")
 STOPPED_INTERRUPTED = "interrupted"  # Ctrl-C (KeyboardInterrupt)
 STOPPED_TERMINATED = "terminated"  # SIGTERM, as timeout, docker and Kubernetes send
-STOPPED_ERROR = "error"  # the model, the loss or the batches raised
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during :func:`profile`; handled like Ctrl-C (a partial report)."""
-
+STOPPED_HANGUP = "hangup"  # SIGHUP: the terminal or ssh session closed
+STOPPED_ERROR = "error"  # the model, the loss or the batches raised (on this rank or another)
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -77,11 +74,14 @@ class RunResult:
     # ("Mixed Precision Training", arXiv:1710.03740).
     weights_before: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     updates: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    # Under torch.distributed: every rank's status and finished steps, when an agreement
+    # before backward found another rank stopped (see fp16probe.running.ranks).
+    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False)
 
     @property
     def interrupted(self) -> bool:
-        """Whether Ctrl-C or SIGTERM stopped the run early."""
-        return self.stopped in (STOPPED_INTERRUPTED, STOPPED_TERMINATED)
+        """Whether Ctrl-C, SIGTERM or SIGHUP stopped the run early."""
+        return self.stopped in (STOPPED_INTERRUPTED, STOPPED_TERMINATED, STOPPED_HANGUP)
 
 
 def check_settings(
@@ -186,9 +186,13 @@ def profile(
         call it (the model runs under DistributedDataParallel); rank 0 gets the merged
         report and the other ranks None.
 
-    Ctrl-C or SIGTERM stop the run early and return a partial report
+    Ctrl-C, SIGTERM or SIGHUP stop the run early and return a partial report
     (``report.metadata.partial``, ``metadata.extra["stopped"]``) of the steps finished; with
-    none finished, the KeyboardInterrupt (or :class:`Terminated`) propagates. A failure of
+    none finished, the KeyboardInterrupt (or :class:`Terminated`, :class:`Hangup`) propagates.
+    Only the first signal stops the run: later ones, while the report is being made, are
+    noted and never abort it (see :mod:`fp16probe.running.signals`). Under torch.distributed
+    a rank that fails stops every rank within a bound (``$FP16PROBE_DIST_TIMEOUT``, see
+    :mod:`fp16probe.running.ranks`), and every rank raises the failing rank's error. A failure of
     the model, the loss or the batches part-way raises :class:`ModelError` or
     :class:`InputError` naming the step and the exception's own message, with the partial
     report of the steps before it as the error's ``report``.
@@ -203,15 +207,25 @@ def profile(
     settings = RunSettings(steps=steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
-    runner = _distributed_runner(model)
-    initial = copy.deepcopy(model) if verify else None  # the weights before the run, for verify()
-    with probe, _sigterm_as_interrupt():
-        result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
-                             optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                             keep_batches=verify)
-    if result.steps_done == 0:
+    with stop_signals() as shield:
+        guard = _rank_guard(model)
+        runner = _distributed_runner(model)
+        initial = copy.deepcopy(model) if verify else None  # the weights before the run, for verify()
+        with probe:
+            result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
+                                 optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+                                 keep_batches=verify, guard=guard)
+        shield.disarm()  # the loop is over: a second Ctrl-C or a SIGTERM no longer aborts the report
+        gather: Any = None
+        if guard is not None:
+            result, gather = _settle(guard, result, probe)
+    if result.steps_done == 0 or gather == "nothing":
         if result.error is not None:
             raise result.error
+        if gather == "nothing" and guard is not None and guard.rank != 0:
+            return None  # rank 0 speaks for the run
+        if result.stopped == STOPPED_HANGUP:
+            raise Hangup()
         if result.stopped == STOPPED_TERMINATED:
             raise Terminated()
         if result.interrupted:
@@ -221,7 +235,11 @@ def profile(
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra)
+    if isinstance(gather, dict):  # rank 0 alone: what the report holds, and why
+        extra.update(gather)
+        gather = "local"
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra,
+                     gather=gather)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -301,25 +319,66 @@ def _distributed_runner(model: nn.Module) -> nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Terminated` while the run lasts, where no handler of the caller's is set."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
+def _rank_guard(model: nn.Module) -> Any:
+    """Under torch.distributed, the control group that keeps the ranks in step (checking the models match)."""
+    from fp16probe.capture import distributed
 
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated()
+    if not distributed.is_distributed():
+        return None
+    from fp16probe.running.ranks import RankGuard
 
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    guard = RankGuard()
+    guard.check_same_model(model)
+    return guard
+
+
+def _settle(guard: Any, result: RunResult, probe: Any) -> tuple[RunResult, Any]:
+    """After the loop, agree with the other ranks on how it ended; the result to report and how to gather it.
+
+    Returns the result (with the failing rank's error, when a rank failed) and ``None``
+    (gather over the default group, as a whole run does), ``guard.group`` (every rank
+    finished the same steps: gather over the control group), a dict of metadata (rank 0
+    writes its own steps alone) or ``"nothing"`` (no step to report on this rank).
+    """
+    from fp16probe.running import ranks
+
+    if result.agreed is not None:  # another rank's stop was heard before backward
+        statuses, done = result.agreed
+    else:
+        statuses, done = guard.agree(result.steps_done, ranks.status_of(
+            result.error, exhausted=result.exhausted, stopped=result.interrupted))
+    if all(s == ranks.OK for s in statuses) or (all(s == ranks.EXHAUSTED for s in statuses) and len(set(done)) == 1):
+        return result, None
+    probe.discard_step()  # a step some rank did not finish is no step every rank finished
+    said = str(result.error) if result.error is not None else guard.failure or result.stopped or ""
+    settled = guard.settle(statuses, done, said)
+    error = settled.error(guard.rank)
+    if error is not None:
+        if error is not result.error:
+            error.__cause__ = result.error
+        # Rank 0 prints the one error line; another rank stays quiet when rank 0 heard its message.
+        error.reported_elsewhere = guard.rank != 0 and settled.messages is not None
+    stopped = result.stopped if error is None else STOPPED_ERROR
+    result = dataclasses.replace(result, error=error, stopped=stopped)
+    if settled.same_steps:
+        return result, guard.group
+    if guard.rank != 0 or result.steps_done == 0:
+        return result, "nothing"
+    cause = settled.cause
+    return result, {
+        "ranks_in_report": [0],
+        "rank_fault": {
+            "rank": cause, "steps_finished_per_rank": list(done),
+            "lost_contact": settled.broken,
+        },
+        "notes": [f"only rank 0's own {result.steps_done} step(s): "
+                  + ("the other ranks could not be reached" if settled.broken
+                     else f"the ranks finished {', '.join(map(str, done))} step(s)")],
+    }
 
 
 def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, settings: RunSettings, *,
-            format: str, kind: str, notes: list[str], extra: Mapping[str, Any]) -> Report | None:
+            format: str, kind: str, notes: list[str], extra: Mapping[str, Any], gather: Any = None) -> Report | None:
     """Gather the report (every rank), add what the run knows, and analyse it."""
     from fp16probe.analysis.weight_updates import weight_update_loss
     from fp16probe.running.families import stand_in_line
@@ -356,20 +415,24 @@ def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, setti
         wul.pop("parameters")
         wul["measured_on"] = "the last optimizer step that moved the weights"
         meta["weight_update_loss"] = wul
-    return conclude(probe, partial=result.stopped is not None, extra=meta, format=format, kind=kind)
+    return conclude(probe, partial=result.stopped is not None, extra=meta, format=format, kind=kind, group=gather)
 
 
 def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
-             format: str = "fp16", kind: str = ALL_GRADS) -> Report | None:
+             format: str = "fp16", kind: str = ALL_GRADS, group: Any = None) -> Report | None:
     """Merge every rank's statistics and analyse them: the Report with its recommendation on rank 0, else None.
 
     The last step of :func:`profile`, and of the training-loop callbacks. Every rank must
-    call it (the merge is a collective); it synchronises with the device.
+    call it (the merge is a collective over ``group``, the default group when None); it
+    synchronises with the device. ``group="local"``: this rank's own report, no collective.
     """
     from fp16probe.analysis.recommend import analyze
     from fp16probe.capture import distributed
 
-    report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}))
+    if group == "local":
+        report: Report | None = probe.report(partial=partial, extra=dict(extra or {}))
+    else:
+        report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}), group=group)
     if report is None:  # a rank other than 0: rank 0 analyses and writes
         return None
     return report.with_recommendation(analyze(report, format, kind=kind))
@@ -429,13 +492,16 @@ def run_profile(
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[int], None] | None = None,
     keep_batches: bool = False,
+    guard: Any = None,
 ) -> RunResult:
     """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C or a failure stops early.
 
     A failure of user code (the batches, the model, the loss, backward, the optimizer) ends
     the loop and comes back as ``RunResult.error`` beside the steps already finished. The
     loss is checked for inf/NaN each step, which synchronises with the device once per
-    step; a non-finite loss is recorded (a finding), never raised.
+    step; a non-finite loss is recorded (a finding), never raised. With a ``guard``
+    (:class:`fp16probe.running.ranks.RankGuard`) the ranks agree before each backward that
+    all of them got this far; when one did not, every rank stops here.
     """
     device = torch.device(settings.device)
     if optimizer is None and settings.optimizer:
@@ -448,6 +514,7 @@ def run_profile(
     exhausted = False
     stopped: str | None = None
     error: Fp16ProbeError | None = None
+    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     model.train()
     try:
         for step in range(settings.steps):
@@ -475,6 +542,12 @@ def run_profile(
                         f"the loss ({loss.description}) does not depend on any trainable parameter; "
                         "check that the model's parameters require grad"
                     )
+                if guard is not None:  # before DDP's all-reduce: did every rank get this far?
+                    statuses, finished = guard.agree(done)
+                    if any(statuses):
+                        agreed = (statuses, finished)
+                        stopped = STOPPED_ERROR
+                        break
                 what = "backward"
                 probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
                 (scaler.scale(value) if scaler is not None else value).backward()
@@ -490,7 +563,11 @@ def run_profile(
                 stopped = STOPPED_ERROR
                 break
             except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
-                if what == "batches":
+                if guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
+                    error = ModelError(f"step {step + 1}: waited for the other ranks in the {what} and gave up "
+                                       f"({_first_line(e)})")
+                    error.__cause__ = e
+                elif what == "batches":
                     error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {_first_line(e)}")
                     error.__cause__ = e
                 else:
@@ -507,6 +584,8 @@ def run_profile(
             done += 1
             if on_step is not None:
                 on_step(done)
+    except Hangup:
+        stopped = STOPPED_HANGUP
     except Terminated:
         stopped = STOPPED_TERMINATED
     except KeyboardInterrupt:
@@ -519,7 +598,13 @@ def run_profile(
         updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
     return RunResult(done, stopped=stopped, exhausted=exhausted, error=error,
                      nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses), batches=tuple(used),
-                     weights_before=before, updates=updates)
+                     weights_before=before, updates=updates, agreed=agreed)
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    from fp16probe.running.ranks import is_collective_error
+
+    return is_collective_error(e)
 
 
 def _taken_step(optimizer: torch.optim.Optimizer, scaler: Any, loss_val: float) -> bool:
