@@ -86,8 +86,14 @@ class _OneLineErrors(typer.core.TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        _COMMAND_STARTED.clear()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if code == EXIT_INTERRUPTED and not _COMMAND_STARTED:
+                # Ctrl-C while typer parsed the command line: it exits 130 without a word.
+                from fp16probe.presentation.terminal import make_console, print_error
+
+                print_error(make_console(), "interrupted")
         except _CLICK_EXCEPTION as e:
             if type(e).__name__ == "NoArgsIsHelpError":
                 e.show()  # bare ``fp16probe``: its help is the answer, not an error line
@@ -102,6 +108,9 @@ class _OneLineErrors(typer.core.TyperGroup):
             sys.exit(code or 0)
         return code
 
+
+# Set when a command's own error handling took over (it then says why it stops).
+_COMMAND_STARTED: list[bool] = []
 
 # typer vendors click from 0.2x on and uses the real one before: take the class it raises.
 _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -195,6 +204,7 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
 
     from fp16probe.running.signals import Hangup, Terminated
 
+    _COMMAND_STARTED.append(True)
     try:
         yield
     except typer.Exit:
@@ -720,4 +730,8 @@ def export(
 
 def main() -> None:
     """Entry point of the ``fp16probe`` console script."""
-    app(prog_name="fp16probe")
+    try:
+        app(prog_name="fp16probe")
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before a command took over its signals (typer builds the
+        sys.stderr.write("error: interrupted\n")  # command line from the annotations first)
+        sys.exit(EXIT_INTERRUPTED)

@@ -117,6 +117,9 @@ class Settled:
         return kind(f"rank {cause}: {said}; every rank stopped")
 
 
+_GROUPS: dict[tuple[int, float], Any] = {}
+
+
 class RankGuard:
     """One control process group and the agreements on it (see the module docstring).
 
@@ -132,10 +135,20 @@ class RankGuard:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         # Twice the default group's timeout: a rank stuck there for the whole timeout still
-        # finds the others waiting on this group.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * self.timeout))
+        # finds the others waiting on this group. One per process and timeout (a group is
+        # never freed before the default group is), made by every rank in the same order.
+        key = (self.size, self.timeout)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * self.timeout))
+        self.group = _GROUPS[key]
+        self._key = key
         self.broken = False
         self.failure = ""  # what the control collective that failed said
+
+    def _break(self) -> None:
+        """A control collective failed: no more collectives here, and the next guard makes a new group."""
+        self.broken = True
+        _GROUPS.pop(self._key, None)
 
     def check_same_model(self, model: torch.nn.Module) -> None:
         """Refuse, on every rank at once, models whose parameters differ between ranks.
@@ -148,7 +161,7 @@ class RankGuard:
         try:
             self._dist.all_gather_object(every, mine, group=self.group)
         except RuntimeError as e:
-            self.broken = True
+            self._break()
             raise ModelError(f"rank {self.rank}: the other ranks did not answer while comparing models: "
                              f"{_first_line(e)}") from e
         for r, theirs in enumerate(every):
@@ -170,7 +183,7 @@ class RankGuard:
         try:
             self._dist.all_reduce(t, group=self.group)
         except RuntimeError as e:
-            self.broken = True
+            self._break()
             self.failure = f"step {done + 1}: the agreement before backward failed ({_first_line(e)})"
             t[self.rank] = max(status, LOST)
             t[:self.rank] = LOST  # no word from the others: count them lost too
@@ -187,7 +200,7 @@ class RankGuard:
                 self._dist.all_gather_object(every, message, group=self.group)
                 messages = tuple(str(m) for m in every)
             except RuntimeError as e:
-                self.broken = True
+                self._break()
                 self.failure = self.failure or f"exchanging the ranks' messages failed ({_first_line(e)})"
         return Settled(statuses, done, messages, self.broken, message)
 

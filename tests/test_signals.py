@@ -1,0 +1,152 @@
+"""Signals at random moments to a real process: nothing collected is lost, and the exit code says which signal.
+
+Each trial forks the warm test process (tests/fixtures/signal_runs.py) to run ``fp16probe
+profile`` on a tiny model for many steps, and sends it real signals at a random moment:
+two SIGINTs 10-300 ms apart (a user pressing Ctrl-C twice), SIGHUP (a closed terminal),
+or SIGTERM then SIGINT. 20 trials each. Whatever the moment, the process ends with the
+first signal's code (or 0 when the run was over before it), one line on stderr when it
+stopped before any report, and otherwise a report that ``fp16probe show`` reads; when a
+step had finished, a report is always written. A SIGTERM or SIGHUP in the few milliseconds
+before the command takes over its signals (typer still parsing) has its default effect.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from fp16probe.cli import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_TERMINATED
+from fp16probe.report import Report
+from tests.fixtures.cli import FIXTURES, prepare_cli_env, run
+from tests.fixtures.signal_runs import fork_cli
+
+TRIALS = 20
+ARGS = ["profile", "cli_models:TinyMLP", "--batches", "signal_runs:steps_batches", "--loss", "cli_models:mse_loss",
+        "--steps", "150", "--out", "r.json"]
+FIRST_SIGNAL_WITHIN_S = 0.8  # a warm run of ARGS takes about 0.5-1 s here: before, during and after the loop
+CONCURRENT = 4
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    prepare_cli_env(monkeypatch, tmp_path)
+
+
+def _warm(tmp_path: Path) -> None:
+    """Run ARGS once in this process, so a forked child starts with everything imported and compiled."""
+    result = run(*ARGS[:-1], tmp_path / "warm.json")
+    assert result.exit_code == 0, result.output
+
+
+def _trials(tmp_path: Path, signals: tuple[int, ...], gap_ms: tuple[int, int]) -> list[tuple[Path, int]]:
+    """Run TRIALS forked CLIs, CONCURRENT at a time; send each ``signals`` (the first at a random moment,
+    each next one ``gap_ms`` later); return each trial's folder and exit status."""
+    rng = random.Random(22)
+    outcomes: list[tuple[Path, int]] = []
+    for start in range(0, TRIALS, CONCURRENT):
+        batch = []
+        for i in range(start, min(start + CONCURRENT, TRIALS)):
+            where = tmp_path / f"trial{i}"
+            where.mkdir()
+            plan = [rng.uniform(0.0, FIRST_SIGNAL_WITHIN_S)]
+            for _ in signals[1:]:
+                plan.append(plan[-1] + rng.uniform(*gap_ms) / 1000)
+            batch.append((where, fork_cli(ARGS, where), time.monotonic(), plan))
+        pending = [(where, pid, t0, when, sig) for where, pid, t0, plan in batch for when, sig in zip(plan, signals)]
+        for where, pid, t0, when, sig in sorted(pending, key=lambda p: p[2] + p[3]):
+            delay = t0 + when - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass  # the run was over before this signal
+        for where, pid, _, _ in batch:
+            _, status = os.waitpid(pid, 0)
+            outcomes.append((where, os.waitstatus_to_exitcode(status)))
+    return outcomes
+
+
+def _check(outcomes: list[tuple[Path, int]], code: int, first: int) -> dict[str, int]:
+    """Every trial ended cleanly; count how (before the first step, partial, whole)."""
+    seen = {"before the first step": 0, "partial": 0, "whole": 0}
+    for where, status in outcomes:
+        output = (where / "output.txt").read_text()
+        assert "Traceback" not in output, output
+        report_file = where / "r.json"
+        if status == -first:  # before the command took over its signals: their default action, nothing lost
+            assert not report_file.exists() and not (where / "step1_done").exists(), where.name
+            seen["before the first step"] += 1
+            continue
+        assert status in (code, 0), (where.name, status, output[-2000:])
+        if not report_file.exists():
+            assert status == code, output
+            assert not (where / "step1_done").exists(), f"{where.name}: a step had finished, yet no report:\n{output}"
+            errors = [ln for ln in output.splitlines() if ln.strip()]
+            assert len(errors) == 1 and errors[0].startswith("error: "), output  # before the loop: "interrupted"
+            seen["before the first step"] += 1
+            continue
+        report = Report.load(report_file)
+        shown = run("show", report_file)
+        assert shown.exit_code == 0, shown.output
+        if report.metadata.partial:
+            assert status == code
+            seen["partial"] += 1
+        else:
+            seen["whole"] += 1
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals,gap_ms,code", [
+    ((signal.SIGINT, signal.SIGINT), (10, 300), EXIT_INTERRUPTED),
+    ((signal.SIGHUP,), (0, 0), EXIT_HANGUP),
+    ((signal.SIGTERM, signal.SIGINT), (10, 300), EXIT_TERMINATED),
+], ids=["two-sigints", "sighup", "sigterm-then-sigint"])
+def test_signals_at_random_moments_lose_nothing(signals, gap_ms, code, tmp_path):
+    _warm(tmp_path)
+    seen = _check(_trials(tmp_path, signals, gap_ms), code, signals[0])
+    assert seen["partial"] >= 1, seen  # the random moments did land inside the loop
+    print(seen)
+
+
+def test_a_second_sigint_while_the_partial_report_is_made_does_not_abort_it(tmp_path, monkeypatch):
+    """Deterministic: the second SIGINT arrives while the report is being analysed."""
+    import fp16probe.running.profile as running_profile
+
+    real = running_profile.conclude
+
+    def conclude_under_fire(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, in the middle of the write path
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(running_profile, "conclude", conclude_under_fire)
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    result = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:interrupting_batches",
+                 "--loss", "cli_models:mse_loss", "--steps", "5", "--out", "r.json")
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    report = Report.load("r.json")
+    assert report.metadata.partial and report.metadata.steps_seen == 3
+    assert report.metadata.extra["stopped"] == "interrupted"
+
+
+def test_a_signal_after_the_loop_still_writes_the_whole_report_then_exits_with_its_code(monkeypatch):
+    import fp16probe.running.profile as running_profile
+
+    real = running_profile.conclude
+
+    def conclude_under_fire(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(running_profile, "conclude", conclude_under_fire)
+    result = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches",
+                 "--loss", "cli_models:mse_loss", "--steps", "3", "--out", "r.json")
+    assert result.exit_code == EXIT_TERMINATED, result.output
+    report = Report.load("r.json")
+    assert not report.metadata.partial and report.metadata.steps_seen == 3
