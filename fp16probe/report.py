@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypedDict
 
 from fp16probe import validation
-from fp16probe.errors import ReportError
+from fp16probe.errors import InputError, ReportError
 from fp16probe.histogram import Histogram
 from fp16probe.recommendation import Recommendation
 from fp16probe.verification import Verification
@@ -388,6 +388,14 @@ def merge_reports(reports: Sequence[Report], *, how: str = "auto") -> Report:
     first = reports[0]
     if how == "auto":
         how = "ranks" if all(r.trace.steps == first.trace.steps for r in reports) else "runs"
+    if how == "ranks":
+        for i, r in enumerate(reports[1:], 1):
+            if len(r.trace.steps) != len(first.trace.steps):
+                raise InputError(
+                    f"merge(how='ranks') needs the ranks of one run, over the same steps: report 0 holds "
+                    f"{len(first.trace.steps)} step(s), report {i} {len(r.trace.steps)}; merge separate runs "
+                    "with how='runs'"
+                )
 
     by_key: dict[tuple[str, str], ModuleStats] = {}
     for r in reports:
@@ -472,6 +480,7 @@ def _check_report_fields(d: Mapping[str, Any]) -> None:
         if key not in d:
             raise KeyError(key)
     validation.check_modules(d["modules"])
+    validation.check_steps_agree(d["metadata"], d["trace"])
     if d.get("recommendation") is not None:
         validation.check_recommendation(d["recommendation"])
     if d.get("verification") is not None:

@@ -26,6 +26,7 @@ __all__ = [
     "check_module",
     "check_modules",
     "check_recommendation",
+    "check_steps_agree",
     "check_trace",
 ]
 
@@ -230,6 +231,18 @@ def check_trace(d: Any, path: str = "trace") -> None:
         for i, c in enumerate(per_step(d["ceiling"], f"{path}.ceiling")):
             if c != "inf":  # a step whose gradients held inf or NaN
                 _number(c, f"{path}.ceiling[{i}]")
+
+
+def check_steps_agree(metadata: Any, trace: Any) -> None:
+    """Check that ``metadata.steps_seen`` counts the trace's steps (an edited or forged count is refused)."""
+    if not (isinstance(metadata, Mapping) and isinstance(trace, Mapping)):
+        return  # the parts' own checks say what is wrong with them
+    seen, steps = metadata.get("steps_seen"), trace.get("steps")
+    if type(seen) is int and isinstance(steps, list) and seen != len(steps):
+        raise ReportFieldError(
+            "metadata.steps_seen",
+            f"metadata.steps_seen is {seen} but the trace holds {len(steps)} step(s); the two must agree",
+        )
 
 
 def check_metadata(d: Any, path: str = "metadata") -> None:

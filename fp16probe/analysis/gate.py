@@ -300,6 +300,10 @@ def _workload(report: Report) -> dict[str, Any]:
         "loss": extra.get("loss"),
         "loss_scale": extra.get("loss_scale"),
         "format": None if report.recommendation is None else report.recommendation.format,
+        # A run stopped early (Ctrl-C, a signal, a failure): what it holds, so the gate can say so.
+        "partial": None if not meta.partial else {
+            "steps": meta.steps_seen, "requested": extra.get("steps_requested"), "stopped": extra.get("stopped"),
+        },
     }
 
 
@@ -436,6 +440,13 @@ def _verified(b: Snapshot, c: Snapshot, t: Thresholds) -> Check | None:
 
 def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[str, ...]:
     warnings = []
+    for snap, label in ((b, "baseline"), (c, "current")):
+        partial = snap.workload.get("partial")
+        if partial:
+            of = f" of {partial['requested']}" if partial.get("requested") else ""
+            why = f" ({partial['stopped']})" if partial.get("stopped") else ""
+            warnings.append(f"the {label} report is partial: the run stopped early{why} after {partial['steps']}{of} "
+                            "step(s), so its numbers cover only those steps")
     labels = {"model_class": "model", "precision": "precision", "captured": "captured kinds",
               "inputs": "inputs", "loss": "loss", "loss_scale": "loss scale", "format": "target format"}
     for key, label in labels.items():

@@ -107,6 +107,12 @@ class Probe:
             raise ProbeError("nothing to capture: enable activation_grads, weight_grads or activations")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise ProbeError(
+                f"{type(model).__name__} has tensors on the meta device (shapes only, no values), so there "
+                "are no gradients to count; materialise them (model.to_empty(device=...) and initialise, "
+                "or load weights) before probing"
+            )
         self.granularity = granularity
         self.model = model
         self.every = int(every)

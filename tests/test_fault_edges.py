@@ -1,0 +1,131 @@
+"""The smaller faults: code files as inputs, partial reports at the gate, forged step counts,
+control characters in error lines, meta-device models and merges of unequal runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fp16probe import Probe
+from fp16probe.cli import EXIT_GATE, EXIT_OK, EXIT_USAGE
+from fp16probe.errors import InputError, ProbeError, ReportError
+from fp16probe.report import Report
+from tests.fixtures.cli import one_error_line, prepare_cli_env, run
+
+MODULE = '''
+import torch
+from torch import nn
+
+def small():
+    torch.manual_seed(0)
+    return nn.Linear(8, 4)
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        yield torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+
+def loss(output, batch):
+    return nn.functional.mse_loss(output, batch[1])
+'''
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    prepare_cli_env(monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("flag,spec,victim", [
+    ("--out", "MODEL", "mymodel.py"),
+    ("--out", "--batches", "mydata.py"),
+    ("--out", "--loss", "myloss.py"),
+    ("--plot", "MODEL", "pkg/net.py"),
+])
+def test_an_output_onto_the_code_behind_an_import_string_is_refused_before_the_run(flag, spec, victim, monkeypatch):
+    import fp16probe.running.profile as running_profile
+
+    Path("pkg").mkdir()
+    Path("pkg/__init__.py").write_text("")
+    for name in ("mymodel.py", "mydata.py", "myloss.py", "pkg/net.py"):
+        Path(name).write_text(MODULE)
+    specs = {"MODEL": "mymodel:small", "--batches": "mydata:batches", "--loss": "myloss:loss"}
+    if victim == "pkg/net.py":
+        specs["MODEL"] = "pkg.net:small"
+    monkeypatch.setattr(running_profile, "run_profile", lambda *a, **k: pytest.fail("ran before checking"))
+    out = ["--out", victim] if flag == "--out" else ["--out", "r.json", "--plot", victim]
+    result = run("profile", specs["MODEL"], "--batches", specs["--batches"], "--loss", specs["--loss"],
+                 "--steps", "2", *out)
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith(f"error: {flag} {victim} would overwrite the input ")
+    assert Path(victim).read_text() == MODULE
+
+
+def _reports() -> tuple[Path, Path]:
+    whole = ["cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss"]
+    assert run("profile", *whole, "--steps", "4", "--out", "whole.json").exit_code == EXIT_OK
+    partial = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:interrupting_batches",
+                  "--loss", "cli_models:mse_loss", "--steps", "5", "--out", "partial.json")
+    assert partial.exit_code == 130, partial.output
+    return Path("whole.json"), Path("partial.json")
+
+
+def test_compare_warns_on_a_partial_report_and_require_same_workload_refuses_it():
+    whole, partial = _reports()
+    result = run("compare", whole, partial, "--json")
+    assert result.exit_code in (EXIT_OK, EXIT_GATE), result.output
+    warnings = json.loads(result.stdout)["warnings"]
+    assert any(w.startswith("the current report is partial: the run stopped early (interrupted) after 3 of 5 step(s)")
+               for w in warnings), warnings
+    refused = run("compare", whole, partial, "--require-same-workload")
+    assert refused.exit_code == EXIT_USAGE, refused.output
+    assert one_error_line(refused).startswith("error: --require-same-workload: the current report is partial")
+    assert run("compare", whole, whole, "--require-same-workload").exit_code == EXIT_OK
+
+
+def test_a_steps_seen_that_disagrees_with_the_trace_is_refused():
+    whole, _ = _reports()
+    data = json.loads(whole.read_text())
+    data["metadata"]["steps_seen"] = 10**6
+    Path("forged.json").write_text(json.dumps(data))
+    with pytest.raises(ReportError, match=r"metadata.steps_seen is 1000000 but the trace holds 4 step\(s\)"):
+        Report.load("forged.json")
+    result = run("show", "forged.json")
+    assert result.exit_code == EXIT_USAGE
+    assert "metadata.steps_seen is 1000000" in one_error_line(result)
+
+
+def test_control_characters_in_a_path_cannot_split_or_forge_the_error_line():
+    result = run("show", "bad\nerror: forged.json")
+    assert result.exit_code == EXIT_USAGE
+    line = one_error_line(result)  # one line, though the name holds a newline
+    assert "bad\\nerror: forged.json" in line
+    result = run("show", "tab\tand\x1b[31mred.json")
+    assert "tab\\tand\\x1b[31mred.json" in one_error_line(result)
+
+
+def test_a_probe_on_a_meta_device_model_is_refused_in_one_line():
+    with torch.device("meta"):
+        model = nn.Linear(8, 4)
+    with pytest.raises(ProbeError, match="meta device") as e:
+        Probe(model)
+    assert "\n" not in str(e.value)
+
+
+def test_merging_ranks_of_unequal_step_counts_is_the_projects_own_error():
+    def report_of(steps: int) -> Report:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        with Probe(model) as probe:
+            for _ in range(steps):
+                model(torch.randn(5, 8)).pow(2).mean().backward()
+                probe.step()
+        return probe.report()
+
+    three, two = report_of(3), report_of(2)
+    with pytest.raises(InputError, match=r"report 0 holds 3 step\(s\), report 1 2; merge separate runs"):
+        three.merge(two, how="ranks")
+    assert three.merge(two, how="runs").metadata.steps_seen == 5
