@@ -150,3 +150,21 @@ def test_a_signal_after_the_loop_still_writes_the_whole_report_then_exits_with_i
     assert result.exit_code == EXIT_TERMINATED, result.output
     report = Report.load("r.json")
     assert not report.metadata.partial and report.metadata.steps_seen == 3
+
+
+def test_ctrl_c_during_verify_stops_it_and_keeps_the_report(monkeypatch):
+    """--verify can run as long as the profile: a Ctrl-C there stops it, and the profile's report is kept."""
+    import fp16probe.running.verify as running_verify
+
+    def verify_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the shield is armed again: this raises here
+        time.sleep(5)
+        pytest.fail("the Ctrl-C did not stop the verification")
+
+    monkeypatch.setattr(running_verify, "verify", verify_interrupted)
+    result = run("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches",
+                 "--loss", "cli_models:mse_loss", "--steps", "3", "--verify", "--out", "r.json")
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    report = Report.load("r.json")
+    assert not report.metadata.partial and report.verification is None
+    assert report.metadata.extra["verification_stopped"] == "interrupted"

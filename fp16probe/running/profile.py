@@ -244,10 +244,34 @@ def profile(
         result.error.report = report
         raise result.error
     if verify and report is not None and not report.metadata.partial:
-        from fp16probe.running.verify import verify as run_verification
-
-        report = report.with_verification(run_verification(initial, report, result.batches, loss, device=dev))
+        report = _verified(report, initial, result.batches, loss, dev)
     return report
+
+
+def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device) -> Report:
+    """The report with its verification; a Ctrl-C or signal during it keeps the report, marked, without one."""
+    from fp16probe.running.signals import STOP_SIGNALS, active
+    from fp16probe.running.verify import verify as run_verification
+
+    shield = active()  # the command line's: disarmed since the loop ended
+    if shield is not None and shield.received:  # a signal came while the report was made: stop here
+        return _marked(report, STOP_SIGNALS[shield.received[0]][1])
+    if shield is not None:
+        shield.armed = True  # a long verification stays interruptible
+    try:
+        return report.with_verification(run_verification(initial, report, batches, loss, device=dev))
+    except KeyboardInterrupt as e:
+        return _marked(report, STOPPED_HANGUP if isinstance(e, Hangup) else
+                       STOPPED_TERMINATED if isinstance(e, Terminated) else STOPPED_INTERRUPTED)
+    finally:
+        if shield is not None:
+            shield.disarm()
+
+
+def _marked(report: Report, why: str) -> Report:
+    """``report`` noting that its verification did not run to the end (``why``: interrupted, terminated, hangup)."""
+    extra = {**report.metadata.extra, "verification_stopped": why}
+    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
 
 
 def prepare_model(model: nn.Module, device: str | torch.device | None) -> tuple[nn.Module, torch.device, list[str]]:
