@@ -27,9 +27,9 @@ from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
 from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
 __all__ = [
+    "Hangup",
     "OPTIMIZERS",
     "PRECISIONS",
-    "Hangup",
     "RunResult",
     "RunSettings",
     "Terminated",

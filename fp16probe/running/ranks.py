@@ -29,7 +29,7 @@ import torch
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "RankGuard", "Settled", "is_collective_error", "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RankGuard", "Settled", "TIMEOUT_ENV", "is_collective_error", "status_of", "timeout_s"]
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "FP16PROBE_DIST_TIMEOUT"

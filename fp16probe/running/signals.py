@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "Hangup", "StopSignals", "Terminated", "active", "stop_signals"]
+__all__ = ["Hangup", "STOP_SIGNALS", "StopSignals", "Terminated", "active", "stop_signals"]
 
 
 class Terminated(KeyboardInterrupt):
