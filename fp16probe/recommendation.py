@@ -159,6 +159,7 @@ class Evidence(TypedDict, total=False):
     log2_scale_without_loss_cap: int  # what S would be with the loss computed in fp32
     custom_functions: list[str]  # custom autograd.Function nodes: their backward is opaque to the ceiling
     fix_code: str  # the code to paste for a forward verdict
+    fix_modules: list[str]  # the modules that code keeps in fp32
     backward_verdict: str  # the loss-scale verdict the gradients alone give, once the forward is fixed
     backward_log2_scale: int | None
 

@@ -38,7 +38,7 @@ from fp16probe.analysis.provenance import (
     SIMULATION_CAVEAT,
     UNDERFLOW_MECHANISM,
 )
-from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings, target_of
+from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
 from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError

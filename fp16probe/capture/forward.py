@@ -109,7 +109,7 @@ class ForwardAudit:
         self._params = {id(p): n for n, p in model.named_parameters()}
         self._stack: list[list[Any]] = []  # [module name, op counts]
         self._low: dict[int, tuple[weakref.ref, dict[str, bool]]] = {}
-        self._seen: dict[int, weakref.ref] = {}
+        self._seen: dict[int, tuple[weakref.ref, str, torch.Tensor, torch.Tensor]] = {}  # id -> (ref, module, amax, stats)
         self.entries: dict[str, _Entry] = {}
         self.step_index = -1
         self.steps: list[int] = []
@@ -228,27 +228,29 @@ class ForwardAudit:
         if fp16_targets:
             for t in outs:
                 self._measure(t, name, frame[0], op, "output", fp16_targets)
-        # Inputs autocast casts to fp16 for this op: fp32 in, fp16 out.
-        if self.regime == "autocast" and fp16_targets and op not in _CASTS:
+        if fp16_targets and op not in _CASTS:
             for t, lin in zip(floats_in, lows_in):
-                cast_to = {target for target in fp16_targets if not lin[target]}
-                if cast_to and t.dim() > 0:
+                if t.dim() == 0:
+                    continue
+                cast_to = {target for target in fp16_targets if not lin[target]} if self.regime == "autocast" else set()
+                if cast_to:  # autocast casts this fp32 input to fp16 for the op
                     pname = self._params.get(id(t))
                     label = pname if pname is not None else f"{name}:in"
                     self._measure(t, label, frame[0], op, "weight" if pname is not None else "input", cast_to)
+                    continue
+                # An fp16 input made in another module: this module consumes it (an overflow
+                # there is this module's problem too, whoever made it).
+                seen = self._seen.get(id(t))
+                if seen is not None and seen[0]() is t and seen[1] != frame[0]:
+                    self._record(f"{name}:in", frame[0], op, "input", fp16_targets, seen[2], seen[3])
         return out
 
     def _measure(self, t: torch.Tensor, name: str, module: str, op: str, role: str, targets: set[str]) -> None:
         if t.numel() == 0 or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return
         seen = self._seen.get(id(t))
-        if seen is not None and seen() is t:
+        if seen is not None and seen[0]() is t:
             return
-        self._seen[id(t)] = weakref.ref(t)
-        entry = self.entries.get(name)
-        if entry is None:
-            entry = self.entries[name] = _Entry(name, module, op, role, len(self.entries))
-        entry.targets |= targets
         with torch.no_grad(), torch._C.DisableTorchFunction():
             a = t.detach().abs().float()
             amax = a.amax()
@@ -259,10 +261,20 @@ class ForwardAudit:
                 ((a > FLUSH_AT) & (a < SUBNORMAL_BELOW)).sum(),
                 (a >= OVERFLOW_AT).sum() + (~torch.isfinite(a)).sum(),
             ])
-            old = entry.steps.get(self.step_index)
-            if old is not None:  # the same name twice in a step (a module called twice): add up
+        self._seen[id(t)] = (weakref.ref(t), module, amax, stats)
+        self._record(name, module, op, role, targets, amax, stats)
+
+    def _record(self, name: str, module: str, op: str, role: str, targets: set[str], amax: torch.Tensor,
+                stats: torch.Tensor) -> None:
+        entry = self.entries.get(name)
+        if entry is None:
+            entry = self.entries[name] = _Entry(name, module, op, role, len(self.entries))
+        entry.targets |= targets
+        old = entry.steps.get(self.step_index)
+        if old is not None:  # the same name twice in a step (a module called twice): add up
+            with torch._C.DisableTorchFunction():
                 amax, stats = torch.maximum(old[0], amax), old[1] + stats
-            entry.steps[self.step_index] = (amax, stats)
+        entry.steps[self.step_index] = (amax, stats)
 
     # -- results ----------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
