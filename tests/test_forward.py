@@ -325,3 +325,41 @@ def test_the_audit_leaves_the_run_unchanged():
         audited = model(batches[0])
     assert torch.equal(plain, audited)
     assert audit.result()["tensors"]
+
+
+# -- --verify runs the fix, the regime, and names the cause ---------------------------------------
+
+
+def test_verify_applies_the_forward_fix_and_proves_the_run_finite():
+    model, batches = HotMLP(), _batches()
+    report = fp16probe.profile(copy.deepcopy(model), batches, _mse, steps=3, verify=True)
+    v = report.verification
+    assert report.recommendation.verdict == "forward_overflow"
+    assert report.metadata.extra["target"] == "cpu"  # verify on a CPU checks the CPU's prediction
+    assert v.held and v.measured_overflow_steps == 0 and any("kept in fp32" in n for n in v.notes)
+
+
+def test_verify_names_the_cause_it_sees_when_the_forward_overflows():
+    import dataclasses
+
+    model, batches = HotMLP(), _batches()
+    report = fp16probe.profile(copy.deepcopy(model), batches, _mse, steps=3)
+    extra = {k: v for k, v in report.metadata.extra.items() if k not in ("forward", "forward_max")}
+    blind = dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
+    blind = blind.with_recommendation(analyze(blind, target="cpu"))  # what the gradients alone would say
+    assert blind.recommendation.verdict not in ("forward_overflow", "forward_underflow")
+    v = fp16probe.verify(copy.deepcopy(model), blind, batches, _mse)
+    assert not v.held
+    assert any("loss was inf/NaN from step 1" in n for n in v.notes)
+    assert any("first module whose fp16 forward output held inf/NaN was fc1" in n for n in v.notes)
+
+
+def test_verify_of_a_half_model_runs_it_as_half():
+    torch.manual_seed(0)
+    model = DemoNet(depth=8, width=32).half()
+    batches = [b for _, b in zip(range(3), demo_batches(width=32, batch=64))]
+    report = fp16probe.profile(copy.deepcopy(model), batches, demo_loss, steps=3, verify=True)
+    v = report.verification
+    assert any(".half(), no autocast" in n for n in v.notes)
+    assert v.measured_overflow_steps == 0
+    assert v.by_kind["weight_grad"]["relative_error"] is not None

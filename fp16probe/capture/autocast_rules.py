@@ -145,7 +145,9 @@ def _ask_fake(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Ca
         mode = _fake_mode
         device = "cuda" if target == "cuda" else "cpu"
 
-        with warnings.catch_warnings():
+        # DisableTorchFunction: the fake calls are not the model's, and no torch function mode
+        # (the audit, op capture) may see them.
+        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
             warnings.simplefilter("ignore")
             with mode:
                 def fake(obj: Any) -> Any:
