@@ -43,7 +43,7 @@ class TensorFinding:
     name: str
     module: str
     op: str
-    role: str  # output | input | weight | module_output
+    role: str  # output | input (cast to fp16) | consumer (an fp16 input from another module) | weight | module_output
     max_abs: float | None
     headroom_bits: float | None  # log2(65504 / max_abs); negative when it overflows
     nonzero: int
@@ -156,6 +156,8 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
         if not isinstance(fm, Mapping) or not isinstance(fm.get("modules"), Mapping):
             return None
         source, regime, loss_fp16, custom = "modules", str(fm.get("regime", "autocast")), None, ()
+        if target is None and "fp16" in str(report.metadata.precision):  # values seen in a real fp16 run
+            tgt = str(report.metadata.device).split(":")[0] or tgt
         steps = list(report.trace.steps)
         for name, v in fm["modules"].items():
             m = _num(v)
@@ -169,7 +171,9 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
     # Weights cast to fp16 are left out of the flushing: a weight below 2^-25 adds nothing a
     # forward value can see, and the fp32 master copy keeps it (a weight update is another matter,
     # fp16probe.analysis.weight_updates).
-    flushing = tuple(sorted((r for r in rows if r.role != "weight" and r.flushed_fraction > max_flushed_fraction),
+    # Consumer rows repeat their producer's values: counted once, at the producer.
+    flushing = tuple(sorted((r for r in rows if r.role not in ("weight", "consumer")
+                             and r.flushed_fraction > max_flushed_fraction),
                             key=lambda r: -r.flushed_fraction))
     return ForwardFindings(target=tgt, regime=regime, source=source, overflowing=overflowing, low_headroom=low,
                            flushing=flushing, loss_fp16=loss_fp16, custom_functions=custom, tensors=len(rows))

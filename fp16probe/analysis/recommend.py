@@ -857,9 +857,12 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
                 f"{keep} Or rescale the values (the op that makes them this small) into fp16's range. {after}")
     text += (f" Mixed-precision training keeps such ops in fp32 for this reason: fp16 holds magnitudes from 2^-24 to "
              f"65504 only ({PAPER}).")
+    caveats = inner.caveats
+    if verdict is Verdict.FORWARD_OVERFLOW:  # the inf came from the forward, not from the scale in force
+        caveats = tuple(c for c in caveats if "held inf/NaN at the scale in force" not in c)
     return Recommendation(
         verdict=verdict, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
         flushed_fraction_at_1=inner.flushed_fraction_at_1, flushed_fraction_at_scale=None,
         overflow_steps_at_scale=None, headroom_bits=None, worst_modules=inner.worst_modules, evidence=ev,
-        thresholds=th, citations=(CITATION_PAPER,), text=text, kind=inner.kind, caveats=inner.caveats,
+        thresholds=th, citations=(CITATION_PAPER,), text=text, kind=inner.kind, caveats=caveats,
     )

@@ -16,7 +16,9 @@ on the tensor's device and without a host sync: the largest magnitude, and how m
 values would overflow (|x| >= 65520), flush to zero (|x| <= 2^-25) or go subnormal
 (2^-25 < |x| < 2^-14 - 2^-25), the rounding edges of a cast from fp32. Names are
 ``"<module>/<op>"`` for op outputs (the innermost module the op ran in) and
-``"<module>/<op>:in"`` for casts into a lowered op. Everything comes to the host in
+``"<module>/<op>:in"`` for casts into a lowered op (role ``input``) and for fp16 tensors a
+module takes in from another module (role ``consumer``: the same values as their producer's,
+named so that a fix knows which modules consume an overflowing tensor). Everything comes to the host in
 :meth:`ForwardAudit.result`, as JSON for ``metadata.extra["forward"]``.
 
 It also finds custom ``torch.autograd.Function`` nodes in the graph: their backward is
@@ -242,7 +244,7 @@ class ForwardAudit:
                 # there is this module's problem too, whoever made it).
                 seen = self._seen.get(id(t))
                 if seen is not None and seen[0]() is t and seen[1] != frame[0]:
-                    self._record(f"{name}:in", frame[0], op, "input", fp16_targets, seen[2], seen[3])
+                    self._record(f"{name}:in", frame[0], op, "consumer", fp16_targets, seen[2], seen[3])
         return out
 
     def _measure(self, t: torch.Tensor, name: str, module: str, op: str, role: str, targets: set[str]) -> None:

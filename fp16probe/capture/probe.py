@@ -112,8 +112,8 @@ class Probe:
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
         if int(every) < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every!r}")
-        if not (activation_grads or weight_grads or activations):
-            raise ProbeError("nothing to capture: enable activation_grads, weight_grads or activations")
+        if not (activation_grads or weight_grads or activations or forward):
+            raise ProbeError("nothing to capture: enable activation_grads, weight_grads, activations or forward")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         if target not in (None, "cuda", "cpu"):
