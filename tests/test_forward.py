@@ -363,3 +363,19 @@ def test_verify_of_a_half_model_runs_it_as_half():
     assert any(".half(), no autocast" in n for n in v.notes)
     assert v.measured_overflow_steps == 0
     assert v.by_kind["weight_grad"]["relative_error"] is not None
+
+
+def test_the_device_check_that_bench_gpu_check_runs_on_a_gpu_agrees_on_this_cpu():
+    from fp16probe.capture.autocast_rules import compare_with_device
+
+    got = compare_with_device("cpu")
+    assert got["checked"] >= 20 and got["disagree"] == [] and got["agree"] == got["checked"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_rules_agree_with_cuda_autocast_on_a_gpu():
+    from fp16probe.capture.autocast_rules import compare_with_device
+
+    got = compare_with_device("cuda")
+    assert got["disagree"] == [], got["disagree"]

@@ -193,3 +193,93 @@ def _first_float(obj: Any) -> torch.dtype | None:
             if got is not None:
                 return got
     return None
+
+
+def _op_cases() -> list[tuple[str, Callable[[Callable[..., torch.Tensor]], Any]]]:
+    """(name, run) pairs: ``run(make)`` calls the op on tensors from ``make(shape, low)``."""
+    F = torch.nn.functional
+    return [
+        ("mm", lambda t: torch.mm(t((4, 4), False), t((4, 4), False))),
+        ("matmul", lambda t: torch.matmul(t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("linear", lambda t: F.linear(t((4, 4), False), t((4, 4), False))),
+        ("conv2d", lambda t: F.conv2d(t((1, 2, 4, 4), False), t((2, 2, 3, 3), False))),
+        ("bmm", lambda t: torch.bmm(t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("baddbmm", lambda t: torch.baddbmm(t((2, 4, 4), False), t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("addmm", lambda t: torch.addmm(t((4, 4), False), t((4, 4), False), t((4, 4), False))),
+        ("pow", lambda t: t((4, 4), True).pow(2)),
+        ("sum", lambda t: t((4, 4), True).sum()),
+        ("softmax", lambda t: torch.softmax(t((4, 4), True), -1)),
+        ("log_softmax", lambda t: torch.log_softmax(t((4, 4), True), -1)),
+        ("layer_norm", lambda t: F.layer_norm(t((4, 4), True), (4,))),
+        ("group_norm", lambda t: F.group_norm(t((2, 4, 3), True), 2)),
+        ("exp", lambda t: torch.exp(t((4, 4), True))),
+        ("log", lambda t: torch.log(t((4, 4), True))),
+        ("cumsum", lambda t: torch.cumsum(t((4, 4), True), 0)),
+        ("mse_loss", lambda t: F.mse_loss(t((4, 4), True), t((4, 4), True))),
+        ("abs", lambda t: t((4, 4), True).abs()),
+        ("mean", lambda t: t((4, 4), True).mean()),
+        ("add", lambda t: t((4, 4), True) + t((4, 4), True)),
+        ("addcmul", lambda t: torch.addcmul(t((4, 4), False), t((4, 4), True), t((4, 4), True))),
+        ("cat", lambda t: torch.cat([t((4, 4), True), t((4, 4), False)])),
+    ]
+
+
+def compare_with_device(device: str = "cuda") -> dict[str, Any]:
+    """Check the answers this module gives for ``device`` against torch's autocast run there for real.
+
+    Runs each of a list of ops (matmuls, convolutions, reductions, norms, losses, pointwise,
+    promotion) on real tensors of ``device`` under fp16 autocast and compares the output's
+    dtype with :func:`output_is_low` (the fake-tensor answer, with the documented CUDA lists as
+    its fallback). On ``"cuda"`` it needs a GPU (``bench/gpu_check.py`` runs it there); on
+    ``"cpu"`` it runs anywhere. Returns ``{"device", "checked", "agree", "disagree": [...]}``.
+    """
+    rows: list[dict[str, Any]] = []
+    low_ids: set[int] = set()
+
+    def is_low(t: torch.Tensor) -> bool:
+        return id(t) in low_ids
+
+    for name, run in _op_cases():
+        real_inputs: list[tuple[tuple[int, ...], bool]] = []
+
+        def real(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+            real_inputs.append((shape, low))
+            x = torch.rand(shape, device=device) + 0.5
+            return x.half() if low else x
+
+        try:
+            with torch.autocast(device, dtype=torch.float16):
+                got = run(real).dtype == torch.float16
+        except Exception as e:  # an op the device cannot run: reported, not judged
+            rows.append({"op": name, "error": f"{type(e).__name__}: {e}"})
+            continue
+        made: list[torch.Tensor] = []
+
+        def stand_in(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+            with torch._C.DisableTorchFunction():  # made outside the op under test
+                x = torch.rand(shape) + 0.5  # fp32 on the CPU; is_low says what it would be
+            made.append(x)
+            if low:
+                low_ids.add(id(x))
+            return x
+
+        recorded: list[bool] = []
+
+        class _Ask(torch.overrides.TorchFunctionMode):
+            """Ask output_is_low about the op the case calls (the last torch call it makes)."""
+
+            def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.is_floating_point():
+                    recorded.append(output_is_low(func, args, kwargs, is_low, device))
+                return out
+
+        with _Ask():
+            run(stand_in)
+        predicted = recorded[-1] if recorded else None
+        rows.append({"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got})
+    judged = [r for r in rows if "agree" in r]
+    return {"device": device, "torch": torch.__version__, "checked": len(judged),
+            "agree": sum(1 for r in judged if r["agree"]), "disagree": [r for r in judged if not r["agree"]],
+            "errors": [r for r in rows if "error" in r]}
