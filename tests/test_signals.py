@@ -72,8 +72,8 @@ def _trials(tmp_path: Path, signals: tuple[int, ...], gap_ms: tuple[int, int]) -
     return outcomes
 
 
-def _check(outcomes: list[tuple[Path, int]], code: int, first: int) -> dict[str, int]:
-    """Every trial ended cleanly; count how (before the first step, partial, whole)."""
+def _check(outcomes: list[tuple[Path, int]], codes: tuple[int, ...], first: int) -> dict[str, int]:
+    """Every trial ended cleanly with one of ``codes``; count how (before the first step, partial, whole)."""
     seen = {"before the first step": 0, "partial": 0, "whole": 0}
     for where, status in outcomes:
         output = (where / "output.txt").read_text()
@@ -83,9 +83,9 @@ def _check(outcomes: list[tuple[Path, int]], code: int, first: int) -> dict[str,
             assert not report_file.exists() and not (where / "step1_done").exists(), where.name
             seen["before the first step"] += 1
             continue
-        assert status in (code, 0), (where.name, status, output[-2000:])
+        assert status in (*codes, 0), (where.name, status, output[-2000:])
         if not report_file.exists():
-            assert status == code, output
+            assert status in codes, output
             assert not (where / "step1_done").exists(), f"{where.name}: a step had finished, yet no report:\n{output}"
             errors = [ln for ln in output.splitlines() if ln.strip()]
             assert len(errors) == 1 and errors[0].startswith("error: "), output  # before the loop: "interrupted"
@@ -95,7 +95,7 @@ def _check(outcomes: list[tuple[Path, int]], code: int, first: int) -> dict[str,
         shown = run("show", report_file)
         assert shown.exit_code == 0, shown.output
         if report.metadata.partial:
-            assert status == code
+            assert status in codes
             seen["partial"] += 1
         else:
             seen["whole"] += 1
@@ -103,14 +103,16 @@ def _check(outcomes: list[tuple[Path, int]], code: int, first: int) -> dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signals,gap_ms,code", [
-    ((signal.SIGINT, signal.SIGINT), (10, 300), EXIT_INTERRUPTED),
-    ((signal.SIGHUP,), (0, 0), EXIT_HANGUP),
-    ((signal.SIGTERM, signal.SIGINT), (10, 300), EXIT_TERMINATED),
+# SIGTERM then SIGINT: when both arrive while Python is inside one C call (a loaded machine),
+# CPython runs their handlers in signal-number order, SIGINT first: either code is the first seen.
+@pytest.mark.parametrize("signals,gap_ms,codes", [
+    ((signal.SIGINT, signal.SIGINT), (10, 300), (EXIT_INTERRUPTED,)),
+    ((signal.SIGHUP,), (0, 0), (EXIT_HANGUP,)),
+    ((signal.SIGTERM, signal.SIGINT), (10, 300), (EXIT_TERMINATED, EXIT_INTERRUPTED)),
 ], ids=["two-sigints", "sighup", "sigterm-then-sigint"])
-def test_signals_at_random_moments_lose_nothing(signals, gap_ms, code, tmp_path):
+def test_signals_at_random_moments_lose_nothing(signals, gap_ms, codes, tmp_path):
     _warm(tmp_path)
-    seen = _check(_trials(tmp_path, signals, gap_ms), code, signals[0])
+    seen = _check(_trials(tmp_path, signals, gap_ms), codes, signals[0])
     assert seen["partial"] >= 1, seen  # the random moments did land inside the loop
     print(seen)
 
