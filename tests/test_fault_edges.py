@@ -129,3 +129,28 @@ def test_merging_ranks_of_unequal_step_counts_is_the_projects_own_error():
     with pytest.raises(InputError, match=r"report 0 holds 3 step\(s\), report 1 2; merge separate runs"):
         three.merge(two, how="ranks")
     assert three.merge(two, how="runs").metadata.steps_seen == 5
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+def test_a_bad_dist_timeout_is_refused_in_one_line(value, monkeypatch):
+    monkeypatch.setenv("FP16PROBE_DIST_TIMEOUT", value)
+    result = run("profile", "cli_models:TinyMLP", "--input-shape", "5,8", "--steps", "1", "--out", "r.json")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith(f"error: FP16PROBE_DIST_TIMEOUT={value!r}: expected a number of seconds")
+
+
+def test_the_settled_error_names_the_failing_rank_and_keeps_its_kind():
+    from fp16probe.errors import ModelError
+    from fp16probe.running import ranks
+
+    said = ("", "step 3: the forward raised RuntimeError: boom")
+    error = ranks.Settled((ranks.OK, ranks.MODEL), (2, 2), said, broken=False).error(0)
+    assert isinstance(error, ModelError) and str(error) == f"rank 1: {said[1]}; every rank stopped"
+    error = ranks.Settled((ranks.LOST, ranks.INPUT), (2, 2), ("waited", "step 3: the batches raised OSError: x"),
+                          broken=False).error(0)
+    assert isinstance(error, InputError) and str(error).startswith("rank 1: step 3: the batches raised")
+    ran_out = ranks.Settled((ranks.OK, ranks.EXHAUSTED), (2, 2), ("", ""), broken=False).error(0)
+    assert isinstance(ran_out, InputError) and str(ran_out).startswith("rank 1: the batches ran out after 2 step(s)")
+    assert ranks.Settled((ranks.EXHAUSTED, ranks.EXHAUSTED), (2, 2), ("", ""), broken=False).error(0) is None
+    lost = ranks.Settled((ranks.LOST, ranks.LOST), (2, 1), None, broken=True, own="step 3: gloo said so").error(0)
+    assert str(lost) == "rank 0 lost contact with rank 1: step 3: gloo said so; rank 0 stopped"
