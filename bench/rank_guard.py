@@ -37,7 +37,7 @@ def main() -> None:
             stamps: list[float] = []
             c0 = time.process_time()
             running_profile.profile(DemoNet(), demo_batches(seed=distributed.rank()), demo_loss, steps=STEPS,
-                                    on_step=lambda done: stamps.append(time.perf_counter()))
+                                    on_step=lambda done, stamps=stamps: stamps.append(time.perf_counter()))
             cpu[mode].append((time.process_time() - c0) / STEPS)
             wall[mode].append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     running_profile._rank_guard = with_guard
