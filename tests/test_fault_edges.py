@@ -154,3 +154,16 @@ def test_the_settled_error_names_the_failing_rank_and_keeps_its_kind():
     assert ranks.Settled((ranks.EXHAUSTED, ranks.EXHAUSTED), (2, 2), ("", ""), broken=False).error(0) is None
     lost = ranks.Settled((ranks.LOST, ranks.LOST), (2, 1), None, broken=True, own="step 3: gloo said so").error(0)
     assert str(lost) == "rank 0 lost contact with rank 1: step 3: gloo said so; rank 0 stopped"
+
+
+def test_finding_the_code_behind_an_import_string_runs_none_of_it():
+    """The check reads the import path; a package's __init__ does not run before the output is refused."""
+    Path("pkg2").mkdir()
+    Path("pkg2/__init__.py").write_text("open('ran', 'w').close()\n")
+    Path("pkg2/net.py").write_text(MODULE)
+    result = run("profile", "pkg2.net:small", "--batches", "pkg2.net:batches", "--loss", "pkg2.net:loss",
+                 "--steps", "2", "--out", "pkg2/net.py")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith("error: --out pkg2/net.py would overwrite the input ")
+    assert not Path("ran").exists()
+    assert Path("pkg2/net.py").read_text() == MODULE

@@ -117,17 +117,29 @@ def load_model(
 def module_file(module_name: str) -> Path | None:
     """The source file an import of ``module_name`` would run, found as :func:`resolve_import` finds it; None if not found.
 
-    Only its parent packages are imported (as the import itself would); the module's own code does not run.
+    Found on the import path without importing anything (no package's ``__init__`` runs), so an
+    output can be checked against it before any code of the user's runs. A module already
+    imported answers with its own ``__file__``.
     """
-    import importlib.util
+    from importlib.machinery import PathFinder
 
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None)
+        return Path(where) if where else None
     cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except Exception:  # a parent package that fails to import: the import itself will say so
-        return None
+    search: list[str] | None = [cwd, *[p for p in sys.path if p != cwd]]
+    spec = None
+    for part in module_name.split("."):
+        if search is None:
+            return None
+        try:
+            spec = PathFinder.find_spec(part, search)
+        except (ImportError, OSError, ValueError):
+            return None
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
     if spec is None or not spec.origin or not spec.has_location:
         return None
     return Path(spec.origin)
