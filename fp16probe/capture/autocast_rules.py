@@ -253,7 +253,8 @@ def compare_with_device(device: str = "cuda") -> dict[str, Any]:
         except Exception as e:  # an op the device cannot run: reported, not judged
             rows.append({"op": name, "error": f"{type(e).__name__}: {e}"})
             continue
-        made: list[torch.Tensor] = []
+        made: list[torch.Tensor] = []  # kept alive for the case: an id in low_ids is never reused
+        low_ids.clear()
 
         def stand_in(shape: tuple[int, ...], low: bool) -> torch.Tensor:
             with torch._C.DisableTorchFunction():  # made outside the op under test

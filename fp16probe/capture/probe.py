@@ -82,6 +82,8 @@ class Probe:
             out of the overflow ceiling): ``"cuda"`` (default, where fp16 training runs) or
             ``"cpu"``; None asks autocast on the device the run is on. A run under real
             autocast uses the real dtypes.
+        regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
+            trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -107,6 +109,7 @@ class Probe:
         precision: str | None = None,
         granularity: str = "module",
         target: str | None = "cuda",
+        regime: str = "autocast",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -116,6 +119,8 @@ class Probe:
             raise ProbeError("nothing to capture: enable activation_grads, weight_grads, activations or forward")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if regime not in ("autocast", "pure_fp16"):
+            raise ProbeError(f"regime must be 'autocast' or 'pure_fp16', got {regime!r}")
         if target not in (None, "cuda", "cpu"):
             raise ProbeError(f"target must be 'cuda', 'cpu' or None, got {target!r}")
         self.granularity = granularity
@@ -150,7 +155,8 @@ class Probe:
         self._param_hooks: list[tuple[nn.Parameter, Any]] = []
         # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
         # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
-        self._autocast_dtypes = True
+        # A model that trains as .half() computes every gradient in fp16: nothing is left out then.
+        self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
