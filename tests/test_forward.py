@@ -379,3 +379,14 @@ def test_the_cuda_rules_agree_with_cuda_autocast_on_a_gpu():
 
     got = compare_with_device("cuda")
     assert got["disagree"] == [], got["disagree"]
+
+
+def test_verify_judges_values_not_only_zeros():
+    """An output gain that flushes the output: the zeros agree with nothing, and the values are far off."""
+    model, batches = TinyInputs(gain_out=2.0**-30), _batches()
+    report = fp16probe.profile(copy.deepcopy(model), batches, lambda o, x: o.float().pow(2).mean(), steps=3,
+                               verify=True)
+    v = report.verification
+    assert not v.held
+    assert v.by_kind["weight_grad"]["relative_error"] > 0.05
+    assert any("% off the fp32 run's" in n for n in v.notes)
