@@ -295,6 +295,7 @@ class Probe:
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
+        self.recorder.close_forward()
         self.recorder.close_step()
         if self._active:
             if self.recorder.sampling:
@@ -346,10 +347,11 @@ class Probe:
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
-        forward_max = self.recorder.forward_maxima()
+        forward_max, first_over = self.recorder.forward_maxima()
         if forward_max:
             extra_meta["forward_max"] = {
                 "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "first_overflow_step": first_over,
                 "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
                 "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
             }
