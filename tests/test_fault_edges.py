@@ -167,3 +167,20 @@ def test_finding_the_code_behind_an_import_string_runs_none_of_it():
     assert one_error_line(result).startswith("error: --out pkg2/net.py would overwrite the input ")
     assert not Path("ran").exists()
     assert Path("pkg2/net.py").read_text() == MODULE
+
+
+def test_a_discarded_step_leaves_the_closed_steps_as_they_were():
+    """What a distributed stop uses: the step another rank never finished is dropped, forward maxima too."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    with Probe(model, forward=True) as probe:
+        for _ in range(2):
+            model(torch.randn(5, 8)).pow(2).mean().backward()
+            probe.step()
+        kept = probe.report()
+        model(torch.randn(5, 8) * 1000).pow(2).mean().backward()  # a step cut short, much larger
+        probe.discard_step()
+        after = probe.report()
+    assert after.metadata.steps_seen == kept.metadata.steps_seen == 2
+    assert [m.histogram for m in after.modules] == [m.histogram for m in kept.modules]
+    assert after.trace.histograms == kept.trace.histograms

@@ -503,6 +503,8 @@ class Recorder:
             for counts, keys in st.open.values():
                 counts.zero_()
                 keys.fill_(-1)
+            if self._forward.step is not None:  # this step's forward maxima go with it
+                self._forward.step.zero_()
             new = _State(st.step_index, st.sampling, st.closed, st.open, st.spare, st.totals)
             del self._trace[st.closed :]
             self._state = new  # commit: not dirty, no scale or maxima of the dropped step
