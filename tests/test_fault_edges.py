@@ -184,3 +184,13 @@ def test_a_discarded_step_leaves_the_closed_steps_as_they_were():
     assert after.metadata.steps_seen == kept.metadata.steps_seen == 2
     assert [m.histogram for m in after.modules] == [m.histogram for m in kept.modules]
     assert after.trace.histograms == kept.trace.histograms
+
+
+def test_a_partial_report_says_why_it_stopped_and_how_many_steps_were_asked_for():
+    result = run("profile", "faulty_models:fails_at_step_3", "--batches", "cli_models:tiny_batches",
+                 "--loss", "cli_models:mse_loss", "--steps", "5", "--out", "r.json")
+    assert result.exit_code == 3, result.output
+    shown = run("show", "r.json")
+    assert shown.exit_code == EXIT_OK, shown.output
+    assert "(partial: error)" in shown.output
+    assert "The run was stopped by a failure: 2 of 5 requested steps were profiled." in " ".join(shown.output.split())

@@ -312,8 +312,11 @@ def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
             "This assumes training under autocast; a model converted with .half() computes them in fp16."
         )
     if report.metadata.partial:
-        out.append(f"The run was interrupted: {report.metadata.steps_seen} of "
-                   f"{report.metadata.steps_total} requested steps were profiled.")
+        extra = report.metadata.extra
+        requested = extra.get("steps_requested") or report.metadata.steps_total
+        how = {"error": "stopped by a failure", "terminated": "terminated (SIGTERM)",
+               "hangup": "hung up (SIGHUP)"}.get(str(extra.get("stopped")), "interrupted")
+        out.append(f"The run was {how}: {report.metadata.steps_seen} of {requested} requested steps were profiled.")
     return tuple(out)
 
 

@@ -121,7 +121,7 @@ def _python(v: Any) -> str:
 def run_header(report: Report) -> str:
     """Return one sentence saying what was profiled: model, steps, precision, device, modules."""
     md = report.metadata
-    state = " (partial: interrupted)" if md.partial else ""
+    state = f" (partial: {md.extra.get('stopped') or 'interrupted'})" if md.partial else ""
     return (f"{md.model_class}: {num.count(md.steps_seen)} step(s){state} in {md.precision} on "
             f"{md.device}, {num.count(len(md.hooked_modules))} module(s) hooked")
 
