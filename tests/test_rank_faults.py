@@ -55,7 +55,8 @@ JOBS = {
                            {0: EXIT_LOAD, 1: EXIT_LOAD},
                            "error: rank 1 built a different model from rank 0: 2 parameter tensors against 4", None),
     "killed": Job("rank_faults:same_model", "rank_faults:rank_1_killed_at_step_3", {0: EXIT_LOAD, 1: None},
-                  "error: rank 0 lost contact with rank 1: step 3:", 2, world_size=1),
+                  "error: rank 0 lost contact with rank 1: after 2 step(s), the ranks' agreement failed (", 2,
+                  world_size=1),
 }
 
 

@@ -184,7 +184,7 @@ class RankGuard:
             self._dist.all_reduce(t, group=self.group)
         except RuntimeError as e:
             self._break()
-            self.failure = f"step {done + 1}: the agreement before backward failed ({_first_line(e)})"
+            self.failure = f"after {done} step(s), the ranks' agreement failed ({_first_line(e)})"
             t[self.rank] = max(status, LOST)
             t[:self.rank] = LOST  # no word from the others: count them lost too
             t[self.rank + 1:self.size] = LOST
