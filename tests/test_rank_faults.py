@@ -5,7 +5,7 @@ tests/fixtures/rank_exit.py, which notes each rank's own exit code: torchrun its
 with a model or batches from tests/fixtures/rank_faults.py that fail on rank 1. Every rank
 must end within the bound (twice ``FP16PROBE_DIST_TIMEOUT`` after the fault, plus slack for a
 loaded machine), with the documented exit code, exactly one ``error:`` line, and a partial
-report that ``fp16probe show`` reads. The jobs run concurrently, three at a time, to keep
+report that ``fp16probe show`` reads. The jobs run concurrently, four at a time, to keep
 the wall time near that of the slowest.
 """
 
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10  # FP16PROBE_DIST_TIMEOUT for these jobs: small, so the suite stays fast
 SLACK_S = 20  # process exit and torchrun's monitoring on a loaded 2-core machine
 STEPS = 5
+AT_ONCE = 4  # jobs run together (each is three processes: torchrun's agent and two ranks)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ JOBS = {
     "batches_run_out": Job("rank_faults:same_model", "rank_faults:batches_run_out_on_rank_1",
                            {0: EXIT_USAGE, 1: EXIT_USAGE},
                            "error: rank 1: the batches ran out after 2 step(s) while other ranks had more", 2),
+    "batches_raise": Job("rank_faults:same_model", "rank_faults:batches_raise_on_rank_1",
+                         {0: EXIT_USAGE, 1: EXIT_USAGE},
+                         "error: rank 1: step 3: the batches raised OSError: the data file vanished; every rank "
+                         "stopped; the 2 step(s) before it are in the partial report r.json", 2),
     "different_model": Job("rank_faults:different_model_on_rank_1", "rank_faults:many_batches",
                            {0: EXIT_LOAD, 1: EXIT_LOAD},
                            "error: rank 1 built a different model from rank 0: 2 parameter tensors against 4", None),
@@ -74,12 +79,12 @@ def _launch(name: str, job: Job, base: Path) -> tuple[subprocess.Popen, Path]:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, tuple[str, Path, float]]:
-    """Run every job (three at a time); each one's output, folder and finishing time."""
+    """Run every job (AT_ONCE at a time); each one's output, folder and finishing time."""
     base = tmp_path_factory.mktemp("rank_faults")
     done: dict[str, tuple[str, Path, float]] = {}
     names = list(JOBS)
-    for i in range(0, len(names), 3):
-        running = {n: _launch(n, JOBS[n], base) for n in names[i:i + 3]}
+    for i in range(0, len(names), AT_ONCE):
+        running = {n: _launch(n, JOBS[n], base) for n in names[i:i + AT_ONCE]}
         for n, (proc, where) in running.items():
             try:
                 out, _ = proc.communicate(timeout=4 * TIMEOUT_S + 120)
