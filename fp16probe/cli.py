@@ -549,6 +549,29 @@ def recommend(
 
 
 @app.command()
+def schedule(
+    report: ReportArg,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.all,
+    max_flushed: Annotated[float, typer.Option("--max-flushed", help="Flushed share above which a step flushes too much (0.001 = 0.1%).")] = 1e-3,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Replay loss-scale rules over the run's own recorded steps; table and plain-words answer."""
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.presentation import terminal as render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        r = Report.load(report)
+        table = judge_schedules(r, format.value, max_flushed_fraction=max_flushed, kind=kind.value)
+        if json_out:
+            sys.stdout.write(json.dumps(_finite(table.to_dict()), indent=2) + "\n")
+        else:
+            render.print_schedule(console, table)
+
+
+@app.command()
 def compare(
     baseline: Annotated[Path, typer.Argument(help="The baseline report.", dir_okay=False)],
     current: Annotated[Path, typer.Argument(help="The current report.", dir_okay=False)],

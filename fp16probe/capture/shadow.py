@@ -135,11 +135,14 @@ class Shadow:
         if not torch.is_autocast_enabled(device.type):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
         try:
-            self.run(lambda: module(*args, **kwargs), device)
+            self.run(lambda: module(*args, **kwargs), device, replayed=True)
         except Exception as e:  # a rerun must never break training
             self.live.note_error(e)
+        if self.skipped is not None:  # the model returns no loss: stop replaying its calls
+            self.detach()
 
-    def run(self, compute_loss: Callable[[], Any], device: torch.device | None = None) -> bool:
+    def run(self, compute_loss: Callable[[], Any], device: torch.device | None = None, *,
+            replayed: bool = False) -> bool:
         """Rerun one step in fp32 (``compute_loss()`` returns the loss or a model output that carries it).
 
         Returns whether a rerun was recorded. Everything training sees is restored after.
@@ -164,7 +167,7 @@ class Shadow:
                 self.probe.start()
                 try:
                     loss = loss_of(compute_loss())
-                    if loss is None:
+                    if loss is None and replayed:
                         self.skipped = ("the model's output carries no loss (no 0-d tensor, .loss or ['loss']); "
                                         "call probe.shadow(fn) with fn() returning the loss of the batch")
                     elif loss.requires_grad:
@@ -184,6 +187,9 @@ class Shadow:
             self.seconds += timer.stop(self._events)
         if recorded:
             self.steps.append(self.live.step_index)
+            self.skipped = None
+        elif replayed:
+            self._done_this_step = False  # an explicit probe.shadow(fn) may still rerun this step
         return recorded
 
     def cost(self) -> dict[str, Any]:
