@@ -247,6 +247,7 @@ class MetadataExtra(TypedDict, total=False):
     weight_grad_sharding: str
     scale_source: str  # where the Probe read the loss scale from
     shadow: dict[str, Any]  # the fp32 reruns: every, steps, seconds, clock, next_step, off (why none ran)
+    trace_since_step: int  # the trace and history start at this step (a live logger's window)
     scaler_settings: dict[str, Any]  # the live GradScaler's growth/backoff settings, for the schedule replay
     hook_errors: int
     weight_grad_merge: str  # how rank reports' weight gradients were merged

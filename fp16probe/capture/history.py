@@ -117,12 +117,17 @@ class History:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     # -- to the host --------------------------------------------------------------------------
-    def collect(self, trace: StepTrace) -> StepHistory | None:
-        """Bring the history to the host (one transfer); fold in the sampled steps' ceilings."""
-        n = self._written + 1
+    def collect(self, trace: StepTrace, since_step: int | None = None) -> StepHistory | None:
+        """Bring the history to the host (one transfer); fold in the sampled steps' ceilings.
+
+        ``since_step``: only the steps from that one on.
+        """
+        end = self._written + 1
+        lo = 0 if since_step is None else min(max(since_step - self._start_step, 0), max(end, 0))
+        n = end - lo
         if self._buf is None or n <= 0:
             return None
-        rows = self._buf[:n].cpu().tolist()
+        rows = self._buf[lo:end].cpu().tolist()
         scale: list[float | None] = []
         grad_max: list[float | None] = []
         for s, g, _ in rows:
@@ -132,10 +137,10 @@ class History:
         ceiling: list[float | None] = [None] * n
         if trace.ceiling is not None:
             for step, c in zip(trace.steps, trace.ceiling):
-                i = step - self._start_step
+                i = step - self._start_step - lo
                 if 0 <= i < n:
                     ceiling[i] = c
-        return StepHistory(first_step=self._start_step, scale=tuple(scale), grad_max=tuple(grad_max),
+        return StepHistory(first_step=self._start_step + lo, scale=tuple(scale), grad_max=tuple(grad_max),
                            ceiling=tuple(ceiling), forward_max=None)
 
     @staticmethod

@@ -350,17 +350,21 @@ class Probe:
         return self.recorder.steps_seen
 
     # -- report ------------------------------------------------------------------------
-    def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None) -> Report:
+    def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
+               since_step: int | None = None) -> Report:
         """Bring the statistics to the host (one transfer per table) and return a Report.
 
         A step still open (recorded but not yet closed by :meth:`step`) is included
         without closing it, so calling report() twice, or mid-step and then again after
         :meth:`step`, never counts a value twice.
+        ``since_step``: the per-step trace and history hold only the steps from that one on
+        (module totals, the shadow and the verdict's evidence stay whole), as
+        :class:`~fp16probe.integrations.live.LiveLogger` asks at each interval.
         This synchronises with the device; call it outside the training hot path.
         """
         if self._ceiling is not None:
             self._ceiling.flush()
-        got = self.recorder.collect({n: i for i, n in enumerate(self.hooked_modules)})
+        got = self.recorder.collect({n: i for i, n in enumerate(self.hooked_modules)}, since_step=since_step)
         trace = got.trace
         if self._ceiling is not None:
             n = len(trace)
@@ -384,6 +388,8 @@ class Probe:
             extra_meta["scale_source"] = self.recorder.scale_source.describe
         if self.granularity != "module":
             extra_meta["granularity"] = self.granularity
+        if since_step is not None:
+            extra_meta["trace_since_step"] = since_step
         if self._shadow is not None:
             extra_meta["shadow"] = self._shadow_meta()
         if self.history is not None:
@@ -424,7 +430,7 @@ class Probe:
                 }
             trace = dataclasses.replace(trace, module_max=module_max)
         return Report(metadata=metadata, modules=modules, trace=trace, shadow=self._shadow_report(),
-                      history=None if self.history is None else self.history.collect(trace))
+                      history=None if self.history is None else self.history.collect(trace, since_step))
 
     def _shadow_meta(self) -> dict[str, Any]:
         sh = self._shadow
