@@ -163,3 +163,18 @@ def test_an_fp32_run_is_not_rerun():
     report = p.report()
     assert report.shadow is None and report.metadata.extra["shadow"]["count"] == 0
     assert not math.isnan(report.history.grad_max[0])
+
+
+def test_the_json_schema_describes_shadow_and_history(live_gpt2):
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+    from importlib import resources
+
+    schema = json.loads(resources.files("fp16probe").joinpath("schema/report.schema.json").read_text(encoding="utf-8"))
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    _, _, report = live_gpt2
+    d = json.loads(report.to_json())
+    assert "shadow" in d and "history" in d
+    assert list(validator.iter_errors(d)) == []
+    d["history"]["grad_max"][0] = -1.0  # what the loader refuses, the schema refuses too
+    assert list(validator.iter_errors(d))
