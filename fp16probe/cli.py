@@ -527,6 +527,7 @@ def recommend(
     kind: KindOpt = Kind.all,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Print the recommendation alone, with GradScaler arguments ready to paste."""
@@ -543,9 +544,17 @@ def recommend(
             dev, how = scaler_device(r, device)
             d["grad_scaler_code"] = grad_scaler_code(rec, dev)
             d["grad_scaler_device"] = how
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                d["schedule"] = _finite(judge_schedules(r, format.value, kind=kind.value).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device)
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                render.print_schedule(console, judge_schedules(r, format.value, kind=kind.value))
 
 
 @app.command()

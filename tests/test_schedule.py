@@ -103,6 +103,9 @@ def test_schedule_command_prints_the_table(drifting, monkeypatch, tmp_path):
     assert data["reproduced"] is True
     own = next(r for r in data["rows"] if r["name"] == "this run's settings")
     assert own["skipped_steps"] == sum(real["found_inf"])
+    explained = run("recommend", path, "--explain")  # the same table after the recommendation
+    assert explained.exit_code == 0 and "reproduce its recorded scale on every step" in explained.stderr
+    assert json.loads(run("recommend", path, "--explain", "--json").stdout)["schedule"]["reproduced"] is True
 
 
 def test_schedule_without_a_history_is_one_error_line(monkeypatch, tmp_path):
