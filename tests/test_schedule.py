@@ -147,3 +147,32 @@ def test_invalid_history_is_named():
     d["history"]["grad_max"] = [0.5]
     with pytest.raises(ReportError, match="history.grad_max has 1 entries for 2 steps"):
         Report.from_dict(d)
+
+
+def test_flushed_shares_come_from_the_fp32_reference_moved_with_the_largest_gradient():
+    """One fp32 reference step: values at 2^-30 (1000) and 2^-2 (1000); fp16 flushes below 2^-25 at S = 1."""
+    from fp16probe.histogram import Histogram
+    from fp16probe.report import StepTrace
+
+    def hist(low_exp: int) -> Histogram:
+        counts = [0] * len(Histogram().counts)
+        from fp16probe.histogram import MIN_EXP
+
+        counts[low_exp - MIN_EXP] = 1000
+        counts[-2 - MIN_EXP] = 1000
+        return Histogram(counts=tuple(counts), max_abs=0.25)
+
+    shadow_meta = Metadata("0", torch.__version__, "cpu", "hand", precision="fp32")
+    shadow = Report(shadow_meta, trace=StepTrace(steps=(0,), histograms={"weight_grad": (hist(-30),)},
+                                                 scale=(None,), found_inf=(False,)))
+    base = _hand_report([1.0, 1.0], [0.25, 0.5])  # step 1's largest gradient is twice step 0's
+    report = Report(base.metadata, history=base.history, shadow=shadow)
+    rules = [("S=1", ScalerRule(1.0, growth_interval=2000)), ("S=2^5", ScalerRule(2.0**5, growth_interval=2000)),
+             ("S=2^6", ScalerRule(2.0**6, growth_interval=2000))]
+    t = judge_schedules(report, rules=rules, kind="weight_grad")
+    assert t.flush_reference == "the fp32 shadow reruns"
+    # S=1: both steps flush the 2^-30 half; S=2^5: 2^-25 still flushes (<= half the smallest subnormal
+    # 2^-24), except at step 1 where the values moved up a bit to 2^-24; S=2^6: nothing flushes
+    assert t.row("S=1").worst_flushed_fraction == 0.5 and t.row("S=1").steps_over_threshold == 2
+    assert t.row("S=2^5").mean_flushed_fraction == 0.25
+    assert t.row("S=2^6").worst_flushed_fraction == 0.0 and t.row("S=2^6").steps_over_threshold == 0

@@ -49,8 +49,8 @@ from fp16probe.report import Report, StepHistory
 
 __all__ = ["ScheduleRow", "ScheduleTable", "candidate_rules", "judge_schedules"]
 
-GRID_INTERVALS = (100, 500, 2000, 5000)
-GRID_FACTORS = ((2.0, 0.5), (2.0, 0.25), (4.0, 0.5))
+GRID_INTERVALS = (100, 500, 2000)  # beside the run's own interval, a quarter and four times it
+GRID_FACTORS = ((2.0, 0.25), (4.0, 0.5))  # beside x2/x0.5, at the run's own interval (else 2000)
 # DeepSpeed's and Megatron's dynamic loss scalers (their defaults: REFERENCE.md, from their sources).
 DEEPSPEED = ScalerRule(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
 MEGATRON = ScalerRule(init_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0)
@@ -117,7 +117,13 @@ class ScheduleTable:
 
 
 def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tuple[str, ScalerRule]]:
-    """The rules to judge: GradScaler's defaults, the run's own, a grid, DeepSpeed's and Megatron's."""
+    """The rules to judge: GradScaler's defaults, the run's own, a grid, DeepSpeed's and Megatron's.
+
+    The grid starts from the run's first scale: growth_interval 100, 500, 2000 and a quarter and
+    four times the run's own (growth x2, backoff x0.5), and at the run's own interval (else 2000)
+    growth x2 with backoff x0.25 ("/x4") and growth x4 with backoff x0.5. DeepSpeed's and
+    Megatron's rules start from their own default initial scales.
+    """
     out: list[tuple[str, ScalerRule]] = [("GradScaler defaults", ScalerRule())]
     own_interval = None
     if run:
@@ -129,8 +135,10 @@ def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tu
     if own_interval is not None:
         intervals |= {max(own_interval // 4, 1), own_interval * 4}
     for g in sorted(intervals):
-        for gf, bf in GRID_FACTORS:
-            out.append((f"interval={g} x{gf:g}/x{bf:g}", ScalerRule(init_scale, gf, bf, g)))
+        out.append((f"interval {g}", ScalerRule(init_scale, 2.0, 0.5, g)))
+    at = own_interval if own_interval is not None else int(GRADSCALER_DEFAULTS["growth_interval"])
+    for gf, bf in GRID_FACTORS:
+        out.append((f"interval {at} x{gf:g} /x{1 / bf:g}", ScalerRule(init_scale, gf, bf, at)))
     out.append(("DeepSpeed (hysteresis 2)", DEEPSPEED))
     out.append(("Megatron (hysteresis 2)", MEGATRON))
     return out

@@ -253,10 +253,10 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
     flush = table.flush_reference is not None
     t = Table(title=f"loss-scale rules replayed over this run's {num.count(table.steps)} recorded steps "
                     f"({table.format})", title_justify="left")
-    columns = ["rule", "skipped", "steps flushing > " + num.percent(table.max_flushed_fraction),
-               "mean flushed", "worst flushed", "recovery (mean / max steps)", "final scale"]
+    columns = ["rule", "skipped", "flushing > " + num.percent(table.max_flushed_fraction),
+               "mean flushed", "worst flushed", "recovery mean/max", "final S"]
     for i, col in enumerate(columns):
-        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=i > 0)
+        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
     for r in table.rows:
         over = "n/a" if r.steps_over_threshold is None else num.count(r.steps_over_threshold)
         if r.recovery_steps_mean is None:
