@@ -14,9 +14,10 @@ and reported as the median over rounds.
    plain and with ``Probe(every=N)``: without history or shadow, with the history, with the
    history and the default shadow schedule. Also one shadow rerun against one plain step, and
    the steady-state share at one rerun in 50 sampled steps.
-2. Live logging: ``LiveLogger(log_every=50)`` on a small MLP, the CPU time of one interval
-   (one windowed report, the trackers' series, the analysis) at step 100 and at step 10,000,
-   against ``probe.report()`` of the whole run at the same steps.
+2. Live logging: ``LiveLogger(log_every=50, recommend=False)`` on a small MLP, the CPU time of
+   one interval (one windowed report and the trackers' series) at step 100 and at step 10,000,
+   against ``probe.report()`` of the whole run at the same steps; and the analysis of one
+   interval's report apart (its cost follows the verdict, not the run's length).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fp16probe import Probe  # noqa: E402
+from fp16probe.analysis.recommend import analyze  # noqa: E402
 from fp16probe.integrations.live import LiveLogger  # noqa: E402
 
 
@@ -114,10 +116,14 @@ def bench_live_logging(total: int, at: tuple[int, ...], log_every: int) -> dict:
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     probe = Probe(model).start()
-    live = LiveLogger(probe, _NullSink(), log_every=log_every)
+    # recommend=False: the interval's data path alone; the analysis is timed apart (its cost
+    # follows the verdict, a scale verdict runs the 20,000-step replay, not the run's length)
+    live = LiveLogger(probe, _NullSink(), log_every=log_every, recommend=False)
     x = torch.randn(8, 16)
     interval: dict[int, float] = {}
     full: dict[int, float] = {}
+    analysis: dict[int, float] = {}
+    verdicts: dict[int, str] = {}
     for step in range(1, total + 1):
         model(x).pow(2).mean().backward()
         opt.step()
@@ -130,10 +136,15 @@ def bench_live_logging(total: int, at: tuple[int, ...], log_every: int) -> dict:
             t0 = time.process_time()
             probe.report()
             full[step] = time.process_time() - t0
+            window = probe.report(since_step=step - log_every)
+            t0 = time.process_time()
+            verdicts[step] = str(analyze(window).verdict)
+            analysis[step] = time.process_time() - t0
         else:
             live.step()
     live.close()
     return {"log_every": log_every, "interval_s": interval, "whole_report_s": full,
+            "analysis_s": analysis, "verdict": verdicts,
             "trace_bytes": probe.recorder.memory()["trace_bytes"],
             "history_bytes": probe.history.memory_bytes() if probe.history is not None else 0}
 
@@ -142,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "live-results.json")
+    ap.add_argument("--only", choices=("shadow", "live"), default=None, help="run one part")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
         shadow = bench_shadow(steps=12, every=1, rounds=1)
         live = bench_live_logging(total=120, at=(100,), log_every=50)
     else:
-        shadow = bench_shadow(steps=100, every=1, rounds=3)
-        live = bench_live_logging(total=10_000, at=(100, 10_000), log_every=50)
+        shadow = bench_shadow(steps=100, every=1, rounds=3) if args.only != "live" else {}
+        live = bench_live_logging(total=10_000, at=(100, 10_000), log_every=50) if args.only != "shadow" else {}
     out = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": 1,
                        "load": _load()}, "shadow": shadow, "live_logging": live}
     args.json.write_text(json.dumps(out, indent=2) + "\n")
