@@ -36,7 +36,7 @@ def run(path: str, steps: int = 400) -> None:
     for step in range(steps):
         x = torch.randn(16, 16, generator=g) * (1 + step / 100)
         y = torch.randint(0, 10, (16,), generator=g)
-        probe.shadow(lambda: loss_of(x, y))  # fp32 rerun on the shadow schedule; else returns at once
+        probe.shadow(lambda x=x, y=y: loss_of(x, y))  # fp32 rerun on the shadow schedule; else returns at once
         with torch.autocast("cpu", dtype=torch.float16):
             loss = loss_of(x, y)
         scaler.scale(loss).backward()

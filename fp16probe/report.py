@@ -151,8 +151,8 @@ class StepHistory:
     no backward at that step); ``grad_max[i]`` the largest unscaled |g| over the parameters'
     gradients at the end of its backward (``math.inf``/NaN when one was inf/NaN; None: no
     backward); ``ceiling[i]`` the backward-wide overflow ceiling on sampled steps (None on the
-    others); ``forward_max`` the largest forward value per step where the forward headroom is
-    recorded (None: not recorded). In JSON, non-finite values are the strings ``"inf"`` and
+    others); ``forward_max[i]`` the largest forward output on sampled steps (None on the others;
+    the whole field None where the Probe's forward capture is off). In JSON, non-finite values are the strings ``"inf"`` and
     ``"nan"``.
     """
 

@@ -8,8 +8,8 @@ index (no host sync, no allocation per step but a doubling now and then):
 * ``grad_max``: the largest |g| over the parameters' gradients at the end of backward,
   unscaled (inf or NaN when one was): the values GradScaler's overflow check reads, so
   ``found_inf`` (a non-finite ``grad_max``) is exactly the step the scaler skipped;
-* ``forward_max``: a slot for the forward headroom per step (the largest forward value),
-  filled by the forward capture where a Probe records it (None otherwise).
+* ``forward_max``: the forward headroom per step (the largest forward output the Probe's
+  forward capture saw), on sampled steps; None on the others and where it is off.
 
 Three float32 scalars a step: a 100,000-step run keeps its whole history in 1.2 MB of
 device memory. It comes to the host in :meth:`History.collect`, with the report.
@@ -117,10 +117,12 @@ class History:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     # -- to the host --------------------------------------------------------------------------
-    def collect(self, trace: StepTrace, since_step: int | None = None) -> StepHistory | None:
+    def collect(self, trace: StepTrace, since_step: int | None = None,
+                forward: Sequence[float] | None = None) -> StepHistory | None:
         """Bring the history to the host (one transfer); fold in the sampled steps' ceilings.
 
-        ``since_step``: only the steps from that one on.
+        ``since_step``: only the steps from that one on. ``forward``: the largest forward
+        output of each step of ``trace`` (the Probe's forward maxima, sampled steps only).
         """
         end = self._written + 1
         lo = 0 if since_step is None else min(max(since_step - self._start_step, 0), max(end, 0))
@@ -140,8 +142,15 @@ class History:
                 i = step - self._start_step - lo
                 if 0 <= i < n:
                     ceiling[i] = c
+        forward_max: list[float | None] | None = None
+        if forward:
+            forward_max = [None] * n
+            for step, f in zip(trace.steps, forward):
+                i = step - self._start_step - lo
+                if 0 <= i < n:
+                    forward_max[i] = f
         return StepHistory(first_step=self._start_step + lo, scale=tuple(scale), grad_max=tuple(grad_max),
-                           ceiling=tuple(ceiling), forward_max=None)
+                           ceiling=tuple(ceiling), forward_max=None if forward_max is None else tuple(forward_max))
 
     @staticmethod
     def scaler_settings(scaler: Any) -> dict[str, Any] | None:
