@@ -178,3 +178,33 @@ def test_the_json_schema_describes_shadow_and_history(live_gpt2):
     assert list(validator.iter_errors(d)) == []
     d["history"]["grad_max"][0] = -1.0  # what the loader refuses, the schema refuses too
     assert list(validator.iter_errors(d))
+
+
+def test_before_the_first_rerun_the_verdict_says_when_it_comes(live_gpt2):
+    import dataclasses
+
+    _, _, report = live_gpt2
+    meta = dataclasses.replace(report.metadata, extra={**report.metadata.extra,
+                                                       "shadow": {"every": 50, "steps": [], "count": 0, "next_step": 32}})
+    rec = analyze(Report(meta, report.modules, report.trace))
+    assert rec.verdict == "insufficient_evidence"
+    assert "No fp32 shadow rerun has run yet (the first comes at step 32, shadow_every=50)" in rec.text
+
+
+def test_a_bf16_autocast_run_is_rerun_too():
+    torch.manual_seed(0)
+    model = _Net().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 16), torch.randint(0, 8, (32,))
+    with Probe(model) as p:
+        for _ in range(2):
+            p.shadow(lambda: nn.functional.cross_entropy(model(x), y))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            p.step()
+    report = p.report()
+    assert report.metadata.precision == "bf16-autocast"
+    assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
+    assert analyze(report, "bf16").evidence["shadow_steps"] == [0, 1]
