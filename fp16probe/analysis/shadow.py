@@ -32,8 +32,9 @@ def reference(report: Report) -> Report | None:
 def zero_split(report: Report, kind: str = "all") -> dict[str, Any] | None:
     """Split the live run's zeros on the shadowed steps: structural (zero in fp32 too) or flushed.
 
-    Counts the judged kinds' values of each shadowed step that the live run also sampled.
-    Returns None when no shadowed step is in the live trace.
+    Counts the judged kinds' values of each shadowed step that the live run also sampled and
+    that holds as many values in both (not so under gradient accumulation, where the rerun
+    replays the first micro-batch). Returns None when no step qualifies.
     """
     shadow = report.shadow
     if shadow is None:
@@ -47,10 +48,17 @@ def zero_split(report: Report, kind: str = "all") -> dict[str, Any] | None:
         i = live_at.get(step)
         if i is None:
             continue
+        pairs = []
         for k in kinds:
             lh, sh = report.trace.histograms.get(k, ()), shadow.trace.histograms.get(k, ())
             if i < len(lh) and j < len(sh):
-                live, ref = live + lh[i], ref + sh[j]
+                pairs.append((lh[i], sh[j]))
+        # The same values in both, or the step is left out (e.g. gradient accumulation: the
+        # live step holds several micro-batches, the rerun the first one).
+        if not pairs or any(a.total != b.total for a, b in pairs):
+            continue
+        for a, b in pairs:
+            live, ref = live + a, ref + b
         steps.append(step)
     if not steps or ref.total == 0:
         return None
