@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fp16probe import Probe, Report
+from fp16probe.analysis.recommend import analyze
 from fp16probe.analysis.replay import ScalerRule, replay_scaler
 from fp16probe.analysis.schedule import judge_schedules
 from fp16probe.report import Metadata, StepHistory
@@ -176,3 +177,21 @@ def test_flushed_shares_come_from_the_fp32_reference_moved_with_the_largest_grad
     assert t.row("S=1").worst_flushed_fraction == 0.5 and t.row("S=1").steps_over_threshold == 2
     assert t.row("S=2^5").mean_flushed_fraction == 0.25
     assert t.row("S=2^6").worst_flushed_fraction == 0.0 and t.row("S=2^6").steps_over_threshold == 0
+
+
+def test_the_docs_demo_runs_and_its_verdict_points_to_the_schedule(monkeypatch, tmp_path):
+    """docs/live_training_demo.py (the run behind docs/live-training.md's table), shortened."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("live_training_demo", Path(__file__).parent.parent / "docs" / "live_training_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    path = tmp_path / "live-demo.json"
+    demo.run(str(path), steps=30)
+    report = Report.load(path)
+    rec = analyze(report)  # a scale verdict: its 20,000-step replay is labelled a projection, pointing here
+    assert rec.verdict in ("constant", "dynamic") and rec.growth_interval_table
+    assert any("is a projection" in c and "fp16probe schedule" in c for c in rec.caveats)
+    prepare_cli_env(monkeypatch, tmp_path, columns=160)
+    result = run("schedule", path)
+    assert result.exit_code == 0 and "reproduce its recorded scale on every step" in result.stderr

@@ -94,6 +94,11 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
               + (f"the next rerun comes at step {meta['next_step']}." if meta.get("next_step") is not None
                  else "no further rerun is scheduled."))
     caveats = tuple(c for c in rec.caveats) + (caveat,)
+    if rec.growth_interval_table and report.history is not None and len(report.history):
+        caveats += (f"The growth_interval above is a projection: the profiled steps resampled over "
+                    f"{count(int(rec.growth_interval_table.get('horizon', 0)))} simulated steps. This report "
+                    f"records every one of its {count(len(report.history))} steps: `fp16probe schedule` judges "
+                    "loss-scale rules on the run's own history.",)
     return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
 
 
