@@ -541,6 +541,34 @@ def merge_ceilings(traces: Sequence[StepTrace]) -> tuple[float, ...] | None:
     return tuple(max(vals) for vals in zip(*(t.ceiling for t in traces)))
 
 
+def merge_histories(histories: Sequence[StepHistory | None]) -> StepHistory | None:
+    """The per-step histories of the ranks of one run: the first rank's scale, the max of the rest.
+
+    A rank's inf/NaN wins (the step was skipped everywhere); None when a rank has none or the
+    ranks recorded different steps.
+    """
+    if not histories or any(h is None for h in histories):
+        return None
+    hs = [h for h in histories if h is not None]
+    first = hs[0]
+    if any(h.first_step != first.first_step or len(h) != len(first) for h in hs):
+        return None
+
+    def top(values: Sequence[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        bad = [v for v in present if not math.isfinite(v)]
+        return (math.nan if any(math.isnan(v) for v in bad) else math.inf) if bad else max(present)
+
+    def column(get: Any) -> tuple[float | None, ...]:
+        return tuple(top(vals) for vals in zip(*(get(h) for h in hs)))
+
+    forward = None if any(h.forward_max is None for h in hs) else column(lambda h: h.forward_max)
+    return StepHistory(first.first_step, first.scale, column(lambda h: h.grad_max), column(lambda h: h.ceiling),
+                       forward)
+
+
 def _check_report_fields(d: Mapping[str, Any]) -> None:
     """Check the top level of a report's JSON: the parts' types, unique modules, free-form nesting."""
     for key in ("metadata", "modules", "trace"):

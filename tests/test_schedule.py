@@ -195,3 +195,15 @@ def test_the_docs_demo_runs_and_its_verdict_points_to_the_schedule(monkeypatch, 
     prepare_cli_env(monkeypatch, tmp_path, columns=160)
     result = run("schedule", path)
     assert result.exit_code == 0 and "reproduce its recorded scale on every step" in result.stderr
+
+
+def test_ranks_histories_merge_to_the_first_scale_and_the_largest_gradient():
+    from fp16probe.capture.distributed import merge_rank_reports
+
+    a = _hand_report([8.0, 8.0, 4.0], [0.5, math.inf, 0.25])
+    b = _hand_report([8.0, 8.0, 4.0], [0.75, 0.1, math.nan])
+    merged = merge_rank_reports([a, b]).history
+    assert merged.scale == (8.0, 8.0, 4.0)
+    assert merged.grad_max[:2] == (0.75, math.inf) and math.isnan(merged.grad_max[2])
+    assert merged.found_inf == (False, True, True)
+    assert merge_rank_reports([a, Report(a.metadata, history=None)]).history is None  # none rather than half
