@@ -93,6 +93,8 @@ class Probe:
             out of the overflow ceiling): ``"cuda"`` (default, where fp16 training runs) or
             ``"cpu"``; None asks autocast on the device the run is on. A run under real
             autocast uses the real dtypes.
+        regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
+            trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -120,6 +122,7 @@ class Probe:
         shadow_every: int | None = None,
         history: bool = True,
         target: str | None = "cuda",
+        regime: str = "autocast",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -129,6 +132,8 @@ class Probe:
             raise ProbeError("nothing to capture: enable activation_grads, weight_grads, activations or forward")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if regime not in ("autocast", "pure_fp16"):
+            raise ProbeError(f"regime must be 'autocast' or 'pure_fp16', got {regime!r}")
         if target not in (None, "cuda", "cpu"):
             raise ProbeError(f"target must be 'cuda', 'cpu' or None, got {target!r}")
         self.granularity = granularity
@@ -163,7 +168,8 @@ class Probe:
         self._param_hooks: list[tuple[nn.Parameter, Any]] = []
         # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
         # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
-        self._autocast_dtypes = True
+        # A model that trains as .half() computes every gradient in fp16: nothing is left out then.
+        self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
@@ -320,6 +326,7 @@ class Probe:
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
+        self.recorder.close_forward()
         sampled = self.recorder.sampling
         if self.history is not None:
             self.history.close_step()
@@ -396,10 +403,11 @@ class Probe:
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
-        forward_max = self.recorder.forward_maxima()
+        forward_max, first_over = self.recorder.forward_maxima()
         if forward_max:
             extra_meta["forward_max"] = {
                 "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "first_overflow_step": first_over,
                 "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
                 "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
             }
