@@ -184,6 +184,7 @@ def test_a_discarded_step_leaves_the_closed_steps_as_they_were():
     assert after.metadata.steps_seen == kept.metadata.steps_seen == 2
     assert [m.histogram for m in after.modules] == [m.histogram for m in kept.modules]
     assert after.trace.histograms == kept.trace.histograms
+    assert after.to_dict().get("history") == kept.to_dict().get("history")
 
 
 def test_a_partial_report_says_why_it_stopped_and_how_many_steps_were_asked_for():
