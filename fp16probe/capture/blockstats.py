@@ -1,0 +1,206 @@
+"""The statistics that decide scaled formats (FP8 recipes, MXFP8, NVFP4), as pure functions over tensors.
+
+Tensor in, counts out, on the tensor's device, with no host synchronisation: every count
+is a device tensor until a report is asked for. The bin layout and the host-side reading
+of the counts are in :mod:`fp16probe.blockscale`.
+
+* :func:`relative_histogram` -- each element's exponent relative to its block's amax, with
+  both mantissa classes: from it, exact counts under every power-of-two scale rule
+  (MXFP8 FLOOR / RCEIL / CEIL / EVEN, power-of-two tiles and rows) for e4m3 and e5m2;
+* :func:`current_scaling_counts`, :func:`scaled_counts` -- per-tensor scales that are not
+  powers of two (TransformerEngine's current and delayed scaling): counted from the values;
+* :func:`nvfp4_counts` -- NVFP4's two-level scale (an E4M3 scale per 16 values, an fp32
+  scale per tensor), whole-block loss and the expected zero share under stochastic rounding;
+* delayed scaling's scales come from the amax trace: :func:`fp16probe.blockscale.delayed_scales`.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from fp16probe.blockscale import (
+    DEPTH,
+    ELEMENTS,
+    MIN_BLOCK_EXP,
+    NUM_CLASSES,
+    NUM_D,
+    RELATIVE_BINS,
+    ElementFormat,
+)
+
+__all__ = [
+    "COUNT_FIELDS",
+    "NV_FIELDS",
+    "blocks",
+    "current_scaling_counts",
+    "nvfp4_counts",
+    "relative_histogram",
+    "scaled_counts",
+]
+
+COUNT_FIELDS = ("nonzero", "flushed", "subnormal", "saturated")
+NV_FIELDS = COUNT_FIELDS + ("blocks_lost", "values_in_lost_blocks")
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """Rows along the last dimension (a GEMM's reduction dimension for activations and weights)."""
+    x = x.detach().float()
+    if x.dim() <= 1:
+        return x.reshape(1, -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` padded with zeros to multiples of ``rows`` x ``cols`` (zeros change no amax)."""
+    r, c = x.shape
+    pr, pc = (-r) % rows, (-c) % cols
+    if pr or pc:
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    return x
+
+
+def blocks(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` (fp32) as ``[n_blocks, block_size]`` for a layout of :data:`fp16probe.blockscale.LAYOUTS`.
+
+    ``*_t`` layouts block the transpose (the columns of the 2-D view), as the backward
+    pass's GEMMs read a weight or an output gradient. Partial blocks are padded with zeros.
+    """
+    x2 = _as_2d(x)
+    if layout.endswith("_t"):
+        x2, layout = x2.t(), layout[:-2]
+    if layout == "tensor":
+        return x2.reshape(1, -1)
+    if layout == "row":
+        return x2.contiguous()
+    if layout in ("mx32", "nv16", "tile128"):
+        size = {"mx32": 32, "nv16": 16, "tile128": 128}[layout]
+        return _pad(x2, 1, size).reshape(-1, size)
+    if layout in ("tile128x128", "nv16x16"):
+        size = 128 if layout == "tile128x128" else 16
+        p = _pad(x2, size, size)
+        r, c = p.shape
+        return p.reshape(r // size, size, c // size, size).permute(0, 2, 1, 3).reshape(-1, size * size)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _exponent_and_class(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For magnitudes ``a = 2^E (1 + f)``: E (int64) and the mantissa class 2*floor(16 f) + (16 f not whole)."""
+    m, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): exact, fp32 subnormals included
+    f16 = m.mul(32).sub_(16)  # 16 f, exact
+    top = f16.floor()
+    cls = top.mul(2).add_(f16.ne(top).to(top.dtype)).long()
+    return e.long().sub_(1), cls
+
+
+def relative_histogram(x: torch.Tensor, layout: str, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add ``x``'s relative-exponent histogram for ``layout`` into ``out``; return ``(out, extra)``.
+
+    ``out`` is a ``[RELATIVE_BINS]`` int64 tensor on ``x``'s device (a new one when None):
+    cell ``(c_B, d, c_x)`` counts the nonzero finite elements whose exponent is ``d`` below
+    their block amax's (clipped at ``-DEPTH``), by the two mantissa classes. ``extra`` is
+    ``[zeros, nonfinite, out_of_range]`` (int64): values outside the histogram. A block
+    holding an inf or NaN has no finite scale: its finite values count as nonfinite too.
+    """
+    b = blocks(x, layout)
+    if out is None:
+        out = torch.zeros(RELATIVE_BINS, dtype=torch.int64, device=b.device)
+    a = b.abs()
+    finite = torch.isfinite(a)
+    amax = torch.where(finite, a, torch.zeros((), device=a.device)).amax(dim=1, keepdim=True)
+    block_finite = finite.all(dim=1, keepdim=True)
+    e_b, c_b = _exponent_and_class(amax)
+    e_x, c_x = _exponent_and_class(torch.where(finite, a, torch.ones((), device=a.device)))
+    nonzero = finite & a.ne(0)
+    in_range = block_finite & e_b.ge(MIN_BLOCK_EXP)
+    take = nonzero & in_range
+    d = (e_x - e_b).clamp_(min=-DEPTH).add_(DEPTH)
+    idx = (c_b * NUM_D + d) * NUM_CLASSES + c_x
+    idx = torch.where(take, idx, torch.full((), RELATIVE_BINS, device=a.device, dtype=idx.dtype))
+    # One spare cell takes the values left out, so no boolean indexing (a host sync) is needed.
+    spill = torch.zeros(RELATIVE_BINS + 1, dtype=torch.int64, device=a.device)
+    spill.index_add_(0, idx.reshape(-1), torch.ones((), dtype=torch.int64, device=a.device).expand(idx.numel()))
+    out += spill[:RELATIVE_BINS]
+    zeros = _as_2d(x).eq(0).sum()  # padding zeros are not the tensor's
+    nonfinite = (~finite).sum() + (finite & ~block_finite & a.ne(0)).sum()
+    out_of_range = (nonzero & block_finite & ~in_range).sum()
+    return out, torch.stack([zeros, nonfinite, out_of_range])
+
+
+def scaled_counts(x: torch.Tensor, scale: torch.Tensor | float, element: str | ElementFormat) -> torch.Tensor:
+    """``[nonzero, flushed, subnormal, saturated]`` (int64, on device) of ``x * scale`` cast to ``element``.
+
+    ``scale`` multiplies in fp32, as TransformerEngine's FP8 casts do (``scale = max / amax``).
+    """
+    el = ELEMENTS[element] if isinstance(element, str) else element
+    a = x.detach().float().abs()
+    q = a * scale
+    return _classify(a, q, el)
+
+
+def _classify(a: torch.Tensor, q: torch.Tensor, el: ElementFormat) -> torch.Tensor:
+    nonzero = torch.isfinite(a) & a.ne(0)
+    flushed = nonzero & q.le(el.flush)
+    subnormal = nonzero & q.gt(el.flush) & q.lt(el.normal)
+    saturated = nonzero & (q.ge(el.overflow) if el.overflow_inclusive else q.gt(el.overflow))
+    return torch.stack([nonzero.sum(), flushed.sum(), subnormal.sum(), saturated.sum()])
+
+
+def current_scaling_counts(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Counts under per-tensor current scaling (TE ``Float8CurrentScaling``): ``scale = max / amax`` in fp32.
+
+    An all-zero tensor gets scale 1, as TE's ``compute_scale_from_amax`` does.
+    """
+    el = ELEMENTS[element] if isinstance(element, str) else element
+    a = x.detach().float().abs()
+    amax = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).amax()
+    scale = torch.where(amax > 0, torch.tensor(el.max, device=a.device) / amax, torch.ones((), device=a.device))
+    return _classify(a, a * scale, el)
+
+
+def nvfp4_counts(
+    x: torch.Tensor,
+    *,
+    tensor_amax: torch.Tensor | None = None,
+    block_scale: str = "torchao",
+    square: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 (NVIDIA, arXiv 2509.25149): ``([nonzero, flushed, subnormal, saturated, blocks_lost,
+    values_in_lost_blocks] int64, expected zeros under stochastic rounding float64)``, on device.
+
+    Two-level scale as torchao's ``nvfp4_quantize``: per-tensor ``s_T = a_T / (448 * 6)``,
+    per-block ``e4m3(a_B / 6 / s_T)``, elements ``x * ((1 / s_T) / block scale)`` cast to E2M1.
+    ``block_scale="torchao"`` clamps the block scale to e4m3's min normal 2^-6 first (torchao
+    0.18); ``"cast"`` casts it as is (round to nearest even, as a plain e4m3 cast does): a
+    block scale at or below 2^-10 becomes 0 and the whole block is lost (``blocks_lost``, its
+    values counted as flushed). ``square`` uses 16x16 blocks (the paper's weights) instead
+    of 1x16. The stochastic-rounding share is exact: a magnitude ``q < 0.5`` rounds to 0
+    with probability ``1 - q / 0.5``, and never from 0.5 up.
+    """
+    el = ELEMENTS["e2m1"]
+    b = blocks(x, "nv16x16" if square else "nv16")
+    a = b.abs()
+    finite = torch.isfinite(a)
+    a0 = torch.where(finite, a, torch.zeros((), device=a.device))
+    if tensor_amax is None:
+        tensor_amax = a0.amax()
+    s_t = tensor_amax.float() / (448.0 * 6.0)
+    block = a0.amax(dim=1, keepdim=True) / 6.0 / s_t
+    if block_scale == "torchao":
+        block = block.clamp(min=torch.finfo(torch.float8_e4m3fn).tiny, max=448.0)
+    elif block_scale == "cast":
+        block = block.clamp(max=448.0)
+    else:
+        raise ValueError(f"block_scale must be 'torchao' or 'cast', got {block_scale!r}")
+    block = block.to(torch.float8_e4m3fn).float()
+    lost = block.eq(0)
+    recip = torch.where(lost, torch.zeros((), device=a.device), (1.0 / s_t) / torch.where(lost, 1.0, block))
+    q = a0 * recip  # torchao then clamps to +-6: what lies past 7 is saturated
+    counts = _classify(torch.where(finite, a, torch.zeros((), device=a.device)), q, el)
+    nonzero = finite & a.ne(0)
+    lost_values = (nonzero & lost).sum()
+    lost_blocks = (lost & nonzero.any(dim=1, keepdim=True)).sum()
+    # A value q rounds to 0 with probability 1 - 2q when q < 0.5 (E2M1's smallest subnormal).
+    sr_zero = torch.where(nonzero, (1.0 - 2.0 * q.double()).clamp(min=0.0), torch.zeros((), dtype=torch.float64,
+                                                                                      device=a.device)).sum()
+    return torch.cat([counts, torch.stack([lost_blocks, lost_values])]), sr_zero
