@@ -41,6 +41,8 @@ from fp16probe.formats import FORMATS
 
 __all__ = [
     "BLOCK_FORMATS",
+    "BLOCK_KINDS",
+    "FAMILIES",
     "DEPTH",
     "ELEMENTS",
     "LAYOUTS",
@@ -49,8 +51,13 @@ __all__ = [
     "RELATIVE_BINS",
     "RULES",
     "BlockCounts",
+    "BlockStats",
+    "DelayedRecipe",
     "ElementFormat",
+    "TensorBlockStats",
+    "block_stats_of",
     "counts_from_relative",
+    "families_for",
     "delayed_scales",
     "scale_offsets",
 ]
@@ -145,13 +152,44 @@ ELEMENTS: dict[str, ElementFormat] = {
     "e2m1": ElementFormat("e2m1", 6.0, 0, 1, overflow_inclusive=True),
 }
 
-# --format names of the scaled formats: element format, and the layouts whose shares the
-# advice weighs (rows for the forward GEMM, columns for the backward's transposed operand).
-BLOCK_FORMATS: dict[str, dict[str, Any]] = {
-    "mxfp8_e4m3": {"element": "e4m3", "scaling": "mx"},
-    "mxfp8_e5m2": {"element": "e5m2", "scaling": "mx"},
-    "nvfp4": {"element": "e2m1", "scaling": "nvfp4"},
+# --format names whose analysis needs the scaled-format statistics, and what each counts.
+BLOCK_FORMATS: dict[str, dict[str, str]] = {
+    "fp8_e4m3": {"element": "e4m3", "family": "fp8"},
+    "fp8_e5m2": {"element": "e5m2", "family": "fp8"},
+    "mxfp8_e4m3": {"element": "e4m3", "family": "mx"},
+    "mxfp8_e5m2": {"element": "e5m2", "family": "mx"},
+    "nvfp4": {"element": "e2m1", "family": "nvfp4"},
 }
+FAMILIES = ("fp8", "mx", "nvfp4")
+# The tensors of a Linear layer's three GEMMs, as the capture names them.
+BLOCK_KINDS = ("input", "weight", "output_grad", "weight_grad")
+
+
+def families_for(formats: str | Sequence[str]) -> tuple[str, ...]:
+    """The statistics families the ``--format`` names need (empty for fp16 and bf16)."""
+    names = [formats] if isinstance(formats, str) else list(formats)
+    return tuple(sorted({BLOCK_FORMATS[n]["family"] for n in names if n in BLOCK_FORMATS}))
+
+
+@dataclass(frozen=True)
+class DelayedRecipe:
+    """TransformerEngine's ``DelayedScaling(amax_history_len=..., margin=..., amax_compute_algo=...)``."""
+
+    history_len: int = 1024
+    margin: int = 0
+    algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"history_len must be a positive whole number, got {self.history_len!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 64:
+            raise ValueError(f"margin must be a whole number from 0 to 64, got {self.margin!r}")
+        if self.algo not in ("max", "most_recent"):
+            raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"history_len": self.history_len, "margin": self.margin, "algo": self.algo}
 
 
 def scale_offsets(rule: str, element: ElementFormat) -> np.ndarray:
@@ -194,6 +232,7 @@ class BlockCounts:
     saturated: int = 0
     out_of_range: int = 0  # values in blocks whose amax is below 2^MIN_BLOCK_EXP (not classified)
     blocks_lost: int = 0  # NVFP4 with a flushing block scale: blocks zeroed whole
+    values_in_lost_blocks: int = 0  # their nonzero values (counted as flushed too)
     expected_zero_sr: float | None = None  # stochastic rounding: the expected number of values sent to 0
 
     def share(self, what: str) -> float:
@@ -207,7 +246,7 @@ class BlockCounts:
         return BlockCounts(
             self.nonzero + other.nonzero, self.flushed + other.flushed, self.subnormal + other.subnormal,
             self.saturated + other.saturated, self.out_of_range + other.out_of_range,
-            self.blocks_lost + other.blocks_lost, sr,
+            self.blocks_lost + other.blocks_lost, self.values_in_lost_blocks + other.values_in_lost_blocks, sr,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,6 +256,7 @@ class BlockCounts:
             d["out_of_range"] = self.out_of_range
         if self.blocks_lost:
             d["blocks_lost"] = self.blocks_lost
+            d["values_in_lost_blocks"] = self.values_in_lost_blocks
         if self.expected_zero_sr is not None:
             d["expected_zero_sr"] = self.expected_zero_sr
         return d
@@ -229,7 +269,8 @@ class BlockCounts:
         if not isinstance(d, Mapping):
             raise ReportFieldError(path, f"{path}: expected an object of counts, got {type(d).__name__}")
         out: dict[str, Any] = {}
-        for key in ("nonzero", "flushed", "subnormal", "saturated", "out_of_range", "blocks_lost"):
+        for key in ("nonzero", "flushed", "subnormal", "saturated", "out_of_range", "blocks_lost",
+                    "values_in_lost_blocks"):
             v = d.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a count, got {v!r}")
@@ -321,3 +362,114 @@ def delayed_scales(
         if ref > 0 and math.isfinite(ref):  # fp32 arithmetic, as TE computes it
             scale = float(np.float32(el.max) / np.float32(ref) / np.float32(2.0 ** margin))
     return scales
+
+
+@dataclass(frozen=True)
+class TensorBlockStats:
+    """One GEMM operand's scaled-format statistics, summed over the steps recorded."""
+
+    module: str
+    type: str
+    kind: str
+    shape: tuple[int, ...]
+    calls: int
+    amax_trace: tuple[float, ...]
+    relative: Mapping[str, Mapping[str, Any]]  # layout -> {"bins": {index: count}, "zero", "nonfinite", "out_of_range"}
+    current: Mapping[str, BlockCounts]  # element -> counts under per-tensor current scaling
+    delayed: tuple[tuple[DelayedRecipe, str, BlockCounts], ...]
+    nvfp4: Mapping[str, BlockCounts]  # "1x16", "1x16_cast", "16x16"
+
+    def counts(self, layout: str, element: str, rule: str) -> BlockCounts:
+        """Exact counts under a power-of-two scale ``rule`` for blocks of ``layout``."""
+        rel = self.relative[layout]
+        return counts_from_relative(rel["bins"], element, rule, out_of_range=rel["out_of_range"])
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Everything the capture counted for scaled formats (``metadata.extra["block_formats"]``)."""
+
+    families: tuple[str, ...]
+    layouts: tuple[str, ...]
+    steps: int
+    hook_errors: int
+    tensors: tuple[TensorBlockStats, ...]
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "metadata.extra.block_formats") -> "BlockStats":
+        """Build from the JSON the capture wrote; a bad field raises ReportFieldError naming it."""
+        from fp16probe.errors import ReportFieldError
+
+        def fail(where: str, what: str) -> ReportFieldError:
+            return ReportFieldError(where, f"{where}: {what}")
+
+        def count(v: Any, where: str) -> int:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise fail(where, f"expected a count, got {v!r}")
+            return v
+
+        if not isinstance(d, Mapping):
+            raise fail(path, f"expected an object, got {type(d).__name__}")
+        if d.get("version") != 1:
+            raise fail(f"{path}.version", f"version {d.get('version')!r} is not supported (expected 1)")
+        layouts = d.get("layouts", [])
+        if not isinstance(layouts, list) or any(lay not in LAYOUTS for lay in layouts):
+            raise fail(f"{path}.layouts", f"expected a list of {', '.join(LAYOUTS)}")
+        families = d.get("families", [])
+        if not isinstance(families, list) or any(f not in FAMILIES for f in families):
+            raise fail(f"{path}.families", f"expected a list of {', '.join(FAMILIES)}")
+        tensors = []
+        raw = d.get("tensors")
+        if not isinstance(raw, list):
+            raise fail(f"{path}.tensors", "expected a list")
+        for i, t in enumerate(raw):
+            tp = f"{path}.tensors[{i}]"
+            if not isinstance(t, Mapping) or not isinstance(t.get("module"), str):
+                raise fail(tp, "expected an object with a module name")
+            if t.get("kind") not in BLOCK_KINDS:
+                raise fail(f"{tp}.kind", f"expected one of {', '.join(BLOCK_KINDS)}, got {t.get('kind')!r}")
+            trace = t.get("amax_trace", [])
+            if not isinstance(trace, list) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                  or not math.isfinite(v) or v < 0 for v in trace):
+                raise fail(f"{tp}.amax_trace", "expected a list of finite magnitudes")
+            relative = {}
+            for lay in layouts:
+                r = t.get("relative", {}).get(lay)
+                rp = f"{tp}.relative.{lay}"
+                if not isinstance(r, Mapping) or not isinstance(r.get("bins"), Mapping):
+                    raise fail(rp, "expected {bins, zero, nonfinite, out_of_range}")
+                bins = {}
+                for k, v in r["bins"].items():
+                    if not str(k).isdigit() or not 0 <= int(k) < RELATIVE_BINS:
+                        raise fail(f"{rp}.bins", f"bin {k!r} outside 0..{RELATIVE_BINS - 1}")
+                    bins[int(k)] = count(v, f"{rp}.bins.{k}")
+                relative[lay] = {"bins": bins, **{k: count(r.get(k, 0), f"{rp}.{k}")
+                                                  for k in ("zero", "nonfinite", "out_of_range")}}
+            current = {el: BlockCounts.from_dict(c, path=f"{tp}.current.{el}")
+                       for el, c in (t.get("current") or {}).items() if el in ELEMENTS}
+            delayed = []
+            for j, dl in enumerate(t.get("delayed") or []):
+                dp = f"{tp}.delayed[{j}]"
+                try:
+                    recipe = DelayedRecipe(dl["history_len"], dl["margin"], dl["algo"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise fail(dp, f"not a delayed-scaling recipe ({e})") from e
+                if dl.get("element") not in ELEMENTS:
+                    raise fail(f"{dp}.element", f"expected one of {', '.join(ELEMENTS)}")
+                delayed.append((recipe, dl["element"], BlockCounts.from_dict(dl.get("counts"), path=f"{dp}.counts")))
+            nvfp4 = {v: BlockCounts.from_dict(c, path=f"{tp}.nvfp4.{v}") for v, c in (t.get("nvfp4") or {}).items()}
+            shape = t.get("shape", [])
+            tensors.append(TensorBlockStats(
+                module=t["module"], type=str(t.get("type", "")), kind=t["kind"],
+                shape=tuple(int(v) for v in shape) if isinstance(shape, list) else (),
+                calls=count(t.get("calls", 0), f"{tp}.calls"), amax_trace=tuple(float(v) for v in trace),
+                relative=relative, current=current, delayed=tuple(delayed), nvfp4=nvfp4,
+            ))
+        return cls(tuple(families), tuple(layouts), count(d.get("steps", 0), f"{path}.steps"),
+                   count(d.get("hook_errors", 0), f"{path}.hook_errors"), tuple(tensors))
+
+
+def block_stats_of(report: Any) -> BlockStats | None:
+    """The scaled-format statistics stored in ``report`` (None when it was captured without them)."""
+    raw = report.metadata.extra.get("block_formats")
+    return None if raw is None else BlockStats.from_dict(raw)

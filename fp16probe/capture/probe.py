@@ -75,6 +75,12 @@ class Probe:
             the selected modules (functional calls too: ``F.gelu``, residual adds,
             softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.capture.ops`). With
             ``"op"`` the default selection is every module, not only leaves.
+        block_formats: scaled formats to gather statistics for (``"fp8_e4m3"``,
+            ``"mxfp8_e4m3"``, ``"nvfp4"``...; see :mod:`fp16probe.capture.blockcapture`):
+            the GEMM operands of every Linear-like module, counted on the same pass. Off by
+            default: without it nothing of that module is registered.
+        delayed_recipes: :class:`fp16probe.blockscale.DelayedRecipe` s counted live for FP8
+            (default: TransformerEngine's ``DelayedScaling()``).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -98,6 +104,8 @@ class Probe:
         scaler: Any = None,
         precision: str | None = None,
         granularity: str = "module",
+        block_formats: Sequence[str] | str | None = None,
+        delayed_recipes: Sequence[Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -140,6 +148,7 @@ class Probe:
         self._autocast_dtypes = True
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
+        self._blocks = _block_capture(model, block_formats, delayed_recipes, self._patterns, rec)
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
             raise ProbeError(
@@ -177,6 +186,8 @@ class Probe:
         rows = rec.rows[WEIGHT_GRAD].index if self._capture[WEIGHT_GRAD] else {}
         self._param_hooks = [(p, _param_hook(rec, rows[pname])) for pname, _, p in self._params if pname in rows]
         self._active = self.recorder.enabled = True
+        if self._blocks is not None:
+            self._blocks.start()
         if self.recorder.sampling:
             self._attach()
         return self
@@ -185,6 +196,8 @@ class Probe:
         """Remove every hook. Collected statistics stay for :meth:`report`."""
         self._active = self.recorder.enabled = False
         self._detach()
+        if self._blocks is not None:
+            self._blocks.stop()
         return self
 
     @property
@@ -275,6 +288,8 @@ class Probe:
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
+        if self._blocks is not None:
+            self._blocks.close_step()
         self.recorder.close_step()
         if self._active:
             if self.recorder.sampling:
@@ -332,6 +347,8 @@ class Probe:
             extra_meta["scale_source"] = self.recorder.scale_source.describe
         if self.granularity != "module":
             extra_meta["granularity"] = self.granularity
+        if self._blocks is not None:
+            extra_meta["block_formats"] = self._blocks.collect()
         if got.errors:
             extra_meta["hook_errors"] = got.errors
             extra_meta["first_hook_error"] = got.first_error
@@ -373,6 +390,20 @@ class Probe:
             return []
         recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
         return [name for name in self.hooked_modules if name not in recorded]
+
+
+def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delayed: Sequence[Any] | None,
+                   patterns: Sequence[str], rec: Recorder) -> Any:
+    """The scaled-format collector when ``formats`` name one (else None: nothing registered)."""
+    from fp16probe.blockscale import DelayedRecipe, families_for
+
+    families = families_for(formats or ())
+    if not families:
+        return None
+    from fp16probe.capture.blockcapture import BlockCapture
+
+    return BlockCapture(model, families, modules=patterns, delayed=tuple(delayed or (DelayedRecipe(),)),
+                        sampling=lambda: rec.enabled and rec.sampling, inv_scale=rec.inv_scale)
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

@@ -8,6 +8,7 @@ parameters (``steps=...``); the command line maps parameter names to its flags.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import math
 import re
@@ -20,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
@@ -117,7 +120,8 @@ def check_settings(
         raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
-    get_format(format)  # raises UnknownFormatError naming the known formats
+    if format not in BLOCK_FORMATS:
+        get_format(format)  # raises UnknownFormatError naming the known formats
     if kind not in (ALL_GRADS,) + KINDS:
         raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}")
     if verify and precision != "fp32":
@@ -148,6 +152,7 @@ def profile(
     on_step: Callable[[int], None] | None = None,
     verify: bool = False,
     extra: Mapping[str, Any] | None = None,
+    recipe: str | None = None,
     **probe_options: Any,
 ) -> Report | None:
     """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
@@ -179,6 +184,10 @@ def profile(
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
         extra: more ``metadata.extra`` entries for the report.
+        recipe: for a scaled format (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``,
+            ``nvfp4``), the recipe to judge (see :data:`fp16probe.analysis.blockformats.RECIPES`);
+            the statistics are captured on the same pass and the per-layer advice is stored
+            as ``metadata.extra["block_advice"]``.
         **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
 
     Returns:
@@ -195,6 +204,7 @@ def profile(
     """
     check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
                    format=format, kind=kind, verify=verify)
+    probe_options = _block_options(format, recipe, probe_options)
     model, dev, notes = prepare_model(model, device)
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
@@ -222,6 +232,8 @@ def profile(
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
     report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra)
+    if report is not None and "block_formats" in report.metadata.extra:
+        report = _with_block_advice(report, format, recipe)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -230,6 +242,41 @@ def profile(
 
         report = report.with_verification(run_verification(initial, report, result.batches, loss, device=dev))
     return report
+
+
+def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+    from fp16probe.analysis.blockformats import parse_recipe
+    from fp16probe.blockscale import DelayedRecipe
+    from fp16probe.errors import AnalysisError
+
+    out = dict(options)
+    if format not in BLOCK_FORMATS:
+        if recipe is not None:
+            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
+                             f"not format={format!r}")
+        return out
+    try:
+        _, delayed = parse_recipe(BLOCK_FORMATS[format]["family"], recipe)
+    except AnalysisError as e:
+        raise InputError(str(e)) from None
+    out.setdefault("block_formats", [format])
+    recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
+    out.setdefault("delayed_recipes", recipes)
+    return out
+
+
+def _with_block_advice(report: Report, format: str, recipe: str | None) -> Report:
+    """The report with the per-layer scaled-format advice in ``metadata.extra["block_advice"]``."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import block_stats_of
+
+    stats = block_stats_of(report)
+    if stats is None or format not in BLOCK_FORMATS:
+        return report
+    advice = advise(stats, format, recipe)
+    extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
+    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
 
 
 def prepare_model(model: nn.Module, device: str | torch.device | None) -> tuple[nn.Module, torch.device, list[str]]:
@@ -372,6 +419,8 @@ def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | No
     report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}))
     if report is None:  # a rank other than 0: rank 0 analyses and writes
         return None
+    if format not in FORMATS:  # MXFP8, NVFP4: no loss scale to recommend; their advice is per layer
+        return report
     return report.with_recommendation(analyze(report, format, kind=kind))
 
 
