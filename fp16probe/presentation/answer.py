@@ -141,6 +141,11 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("margin", margin))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
+    if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
+        code = ""
+        lines.append(Line("finding", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
+                                     "no GradScaler; fp16probe profile --format "
+                                     f"{rec.format} gives the per-tensor, per-layer answer"))
     if code:
         lines.append(Line("device", f"paste ({how}):"))
         lines.append(Line("code", code))

@@ -244,22 +244,30 @@ def profile(
     return report
 
 
-def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+def check_recipe(format: str, recipe: str | None) -> Any:
+    """Refuse a ``recipe`` that ``format`` has not; return the delayed-scaling recipe it names, or None."""
     from fp16probe.analysis.blockformats import parse_recipe
-    from fp16probe.blockscale import DelayedRecipe
     from fp16probe.errors import AnalysisError
 
-    out = dict(options)
     if format not in BLOCK_FORMATS:
         if recipe is not None:
             raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
                              f"not format={format!r}")
-        return out
+        return None
     try:
-        _, delayed = parse_recipe(BLOCK_FORMATS[format]["family"], recipe)
+        return parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]
     except AnalysisError as e:
         raise InputError(str(e)) from None
+
+
+def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+    from fp16probe.blockscale import DelayedRecipe
+
+    out = dict(options)
+    delayed = check_recipe(format, recipe)
+    if format not in BLOCK_FORMATS:
+        return out
     out.setdefault("block_formats", [format])
     recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
     out.setdefault("delayed_recipes", recipes)
