@@ -24,7 +24,7 @@ from typing import Any
 from fp16probe.blockscale import BLOCK_FORMATS, BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
 from fp16probe.errors import AnalysisError
 
-__all__ = ["CITATIONS", "RECIPES", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
+__all__ = ["CITATIONS", "RECIPES", "THRESHOLDS", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
 
 CITATIONS = (
     'Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433',
@@ -176,9 +176,17 @@ def _layers(stats: BlockStats, fmt: str, family: str, recipe: str,
     return layers
 
 
-def advise(stats: BlockStats, format: str, recipe: str | None = None, *, threshold: float = 1e-3) -> BlockAdvice:
+# The loss a layer may take: 0.1% as for fp16 (the project's max_flushed_fraction); for NVFP4 10%,
+# since E2M1 flushes what lies more than log2(6 / 0.25) = 4.6 binades below its block's max: a
+# block of 16 Gaussian values loses about 6-7% by design, and the NVFP4 paper trains with that.
+THRESHOLDS = {"fp8": 1e-3, "mx": 1e-3, "nvfp4": 0.1}
+
+
+def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
+           threshold: float | None = None) -> BlockAdvice:
     """Per layer, what ``format`` loses under ``recipe`` (default: TE's), which recipe keeps every layer's
-    loss at or under ``threshold`` (a share of nonzero values), and which layers to keep in bf16."""
+    loss at or under ``threshold`` (a share of nonzero values; default :data:`THRESHOLDS`), and which
+    layers to keep in bf16."""
     if format not in BLOCK_FORMATS:
         raise AnalysisError(f"format {format!r} is not a scaled format: expected one of {', '.join(BLOCK_FORMATS)}")
     family = BLOCK_FORMATS[format]["family"]
@@ -186,6 +194,8 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *, thresho
         raise AnalysisError(f"this report's block statistics cover {', '.join(stats.families) or 'nothing'}, "
                             f"not {family}: profile again with --format {format}")
     name, delayed = parse_recipe(family, recipe)
+    if threshold is None:
+        threshold = THRESHOLDS[family]
     candidates = list(RECIPES[family])
     per_recipe = {r: _layers(stats, format, family, r, delayed if r == "delayed" else None) for r in candidates}
     if family == "fp8" and delayed is not None and not any(rc == delayed for t in stats.tensors for rc, _, _ in t.delayed):
@@ -211,7 +221,12 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *, thresho
     ]
     if family == "fp8":
         notes.append("FP8 scales each tensor (no global loss scale: no GradScaler)")
+    if any(layer.type == "Conv1D" for layer in layers):
+        notes.append("Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
+                     "convert nn.Linear only; the shares are those the layer has as a Linear")
     if family == "nvfp4":
+        notes.append(f"threshold {threshold:.3g}: E2M1 flushes values more than 4.6 binades below their block's "
+                     "max, about 6-7% of a Gaussian block of 16 by design")
         notes.append("NVFP4 statistics are of 1x16 rows (and 16x16 weight tiles); the columns the backward reads "
                      "are not captured")
         if any(c.blocks_lost for layer in layers for c in layer.reads.values()):
