@@ -96,7 +96,7 @@ def test_probe_fp8_current_and_delayed_counts_equal_real_casts_and_the_replay():
     # Current scaling: a real e5m2 cast of each step's gradient with TE's scale max / amax.
     flushed = 0
     for g in seen["output_grad"]:
-        q = g * (ELEMENTS["e5m2"].max / g.abs().max())
+        q = g * torch.full((), ELEMENTS["e5m2"].max).div(g.abs().max())  # TE's scale: a true division
         flushed += int((g.ne(0) & q.to(torch.float8_e5m2).float().eq(0)).sum())
     assert t.current["e5m2"].flushed == flushed
     # Delayed scaling counted live equals the replay of TE's update over the recorded trace.

@@ -266,5 +266,5 @@ def _update_scales(scales: torch.Tensor, history: torch.Tensor, recipe: DelayedR
     """TE's delayed-scaling update, in place on the device: ``(max / amax) / 2^margin``, kept while amax is 0."""
     ref = history.amax() if recipe.algo == "max" else history[0]
     for i, el in enumerate(("e4m3", "e5m2")):
-        new = torch.tensor(ELEMENTS[el].max, dtype=torch.float32, device=history.device) / ref / (2.0 ** recipe.margin)
+        new = torch.full_like(ref, ELEMENTS[el].max).div_(ref).div_(2.0 ** recipe.margin)  # true divisions, on device
         scales[i] = torch.where(ref > 0, new, scales[i])

@@ -154,7 +154,9 @@ def current_scaling_counts(x: torch.Tensor, element: str | ElementFormat) -> tor
     el = ELEMENTS[element] if isinstance(element, str) else element
     a = x.detach().float().abs()
     amax = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).amax()
-    scale = torch.where(amax > 0, torch.tensor(el.max, device=a.device) / amax, torch.ones((), device=a.device))
+    # A true division, as TE computes it (``max / amax`` in Python would multiply by a reciprocal),
+    # with the constant made on the device (``torch.tensor(..., device=cuda)`` would copy from the host).
+    scale = torch.where(amax > 0, torch.full_like(amax, el.max).div_(amax), torch.ones_like(amax))
     return _classify(a, a * scale, el)
 
 
