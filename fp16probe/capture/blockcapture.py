@@ -174,9 +174,10 @@ class BlockCapture:
             inv = self._inv_scale(x.device)
             if inv is not None:
                 x = x * inv
-        for lay in self.layouts:
-            _, extra = blockstats.relative_histogram(x, lay, slot.relative[lay])
-            slot.extra[lay] += extra
+        if self.layouts:
+            extras = blockstats.relative_histograms(x, self.layouts, slot.relative)
+            for lay in self.layouts:
+                slot.extra[lay] += extras[lay]
         a = x.abs()
         amax = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).amax()
         slot.step_amax = amax if slot.step_amax is None else torch.maximum(slot.step_amax, amax)

@@ -16,6 +16,8 @@ of the counts are in :mod:`fp16probe.blockscale`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 
 import torch
 
@@ -36,6 +38,7 @@ __all__ = [
     "current_scaling_counts",
     "nvfp4_counts",
     "relative_histogram",
+    "relative_histograms",
     "scaled_counts",
 ]
 
@@ -51,12 +54,12 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x`` padded with zeros to multiples of ``rows`` x ``cols`` (zeros change no amax)."""
+def _pad(x: torch.Tensor, rows: int, cols: int, value: float = 0) -> torch.Tensor:
+    """``x`` padded with ``value`` to multiples of ``rows`` x ``cols`` (zeros change no amax)."""
     r, c = x.shape
     pr, pc = (-r) % rows, (-c) % cols
     if pr or pc:
-        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr), value=value)
     return x
 
 
@@ -66,7 +69,11 @@ def blocks(x: torch.Tensor, layout: str) -> torch.Tensor:
     ``*_t`` layouts block the transpose (the columns of the 2-D view), as the backward
     pass's GEMMs read a weight or an output gradient. Partial blocks are padded with zeros.
     """
-    x2 = _as_2d(x)
+    return _blocks_2d(_as_2d(x), layout)
+
+
+def _blocks_2d(x2: torch.Tensor, layout: str, pad: float = 0) -> torch.Tensor:
+    """:func:`blocks` of a 2-D tensor of any dtype, padding with ``pad``."""
     if layout.endswith("_t"):
         x2, layout = x2.t(), layout[:-2]
     if layout == "tensor":
@@ -75,22 +82,30 @@ def blocks(x: torch.Tensor, layout: str) -> torch.Tensor:
         return x2.contiguous()
     if layout in ("mx32", "nv16", "tile128"):
         size = {"mx32": 32, "nv16": 16, "tile128": 128}[layout]
-        return _pad(x2, 1, size).reshape(-1, size)
+        return _pad(x2, 1, size, pad).reshape(-1, size)
     if layout in ("tile128x128", "nv16x16"):
         size = 128 if layout == "tile128x128" else 16
-        p = _pad(x2, size, size)
+        p = _pad(x2, size, size, pad)
         r, c = p.shape
         return p.reshape(r // size, size, c // size, size).permute(0, 2, 1, 3).reshape(-1, size * size)
     raise ValueError(f"unknown layout {layout!r}")
 
 
+_SENTINEL = -(1 << 30)  # the key of a value left out of the histogram (zero, inf, NaN, padding)
+
+
 def _exponent_and_class(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For magnitudes ``a = 2^E (1 + f)``: E (int64) and the mantissa class 2*floor(16 f) + (16 f not whole)."""
-    m, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): exact, fp32 subnormals included
-    f16 = m.mul(32).sub_(16)  # 16 f, exact
-    top = f16.floor()
-    cls = top.mul(2).add_(f16.ne(top).to(top.dtype)).long()
-    return e.long().sub_(1), cls
+    """For finite magnitudes ``a = 2^E (1 + f)``: E and the mantissa class 2*floor(16 f) + (16 f not whole), int32.
+
+    Read from the fp32 bits; fp32 subnormals are scaled by 2^64 first (exact) so that their
+    bits are normal. Non-finite inputs give meaningless values, to be masked by the caller.
+    """
+    sub = a.lt(2.0 ** -126)
+    bits = torch.where(sub, a * 2.0 ** 64, a).view(torch.int32)
+    e = bits.bitwise_right_shift(23).sub_(127).sub_(sub.to(torch.int32) * 64)
+    m = bits.bitwise_and(0x7FFFFF)
+    c = m.bitwise_right_shift(19).mul_(2).add_(m.bitwise_and(0x7FFFF).ne(0).to(torch.int32))
+    return e, c
 
 
 def relative_histogram(x: torch.Tensor, layout: str, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,29 +117,49 @@ def relative_histogram(x: torch.Tensor, layout: str, out: torch.Tensor | None = 
     ``[zeros, nonfinite, out_of_range]`` (int64): values outside the histogram. A block
     holding an inf or NaN has no finite scale: its finite values count as nonfinite too.
     """
-    b = blocks(x, layout)
     if out is None:
-        out = torch.zeros(RELATIVE_BINS, dtype=torch.int64, device=b.device)
-    a = b.abs()
-    finite = torch.isfinite(a)
-    amax = torch.where(finite, a, torch.zeros((), device=a.device)).amax(dim=1, keepdim=True)
-    block_finite = finite.all(dim=1, keepdim=True)
-    e_b, c_b = _exponent_and_class(amax)
-    e_x, c_x = _exponent_and_class(torch.where(finite, a, torch.ones((), device=a.device)))
-    nonzero = finite & a.ne(0)
-    in_range = block_finite & e_b.ge(MIN_BLOCK_EXP)
-    take = nonzero & in_range
-    d = (e_x - e_b).clamp_(min=-DEPTH).add_(DEPTH)
-    idx = (c_b * NUM_D + d) * NUM_CLASSES + c_x
-    idx = torch.where(take, idx, torch.full((), RELATIVE_BINS, device=a.device, dtype=idx.dtype))
-    # One spare cell takes the values left out, so no boolean indexing (a host sync) is needed.
-    spill = torch.zeros(RELATIVE_BINS + 1, dtype=torch.int64, device=a.device)
-    spill.index_add_(0, idx.reshape(-1), torch.ones((), dtype=torch.int64, device=a.device).expand(idx.numel()))
-    out += spill[:RELATIVE_BINS]
-    zeros = _as_2d(x).eq(0).sum()  # padding zeros are not the tensor's
-    nonfinite = (~finite).sum() + (finite & ~block_finite & a.ne(0)).sum()
-    out_of_range = (nonzero & block_finite & ~in_range).sum()
-    return out, torch.stack([zeros, nonfinite, out_of_range])
+        out = torch.zeros(RELATIVE_BINS, dtype=torch.int64, device=x.device)
+    extra = relative_histograms(x, (layout,), {layout: out})
+    return out, extra[layout]
+
+
+def relative_histograms(x: torch.Tensor, layouts: Sequence[str],
+                        outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`relative_histogram` for several layouts, each element's exponent and class read once."""
+    x2 = _as_2d(x)
+    a2 = x2.abs()
+    finite = torch.isfinite(a2)
+    a_fin = torch.where(finite, a2, torch.zeros((), device=a2.device))
+    e_x, c_x = _exponent_and_class(a_fin)
+    nonzero = a_fin.ne(0)
+    key = torch.where(nonzero, e_x.mul_(NUM_CLASSES).add_(c_x), torch.full((), _SENTINEL, dtype=torch.int32,
+                                                                            device=a2.device))
+    bad = (~finite).to(torch.uint8)
+    zeros = (finite & ~nonzero).sum()
+    n_bad = bad.sum()
+    extras = {}
+    for lay in layouts:
+        amax = _blocks_2d(a_fin, lay).amax(dim=1, keepdim=True)
+        k = _blocks_2d(key, lay, _SENTINEL)
+        block_finite = _blocks_2d(bad, lay).amax(dim=1, keepdim=True).eq(0)
+        e_b, c_b = _exponent_and_class(amax)
+        in_range = block_finite & e_b.ge(MIN_BLOCK_EXP)
+        valid = k.ne(_SENTINEL)
+        d = k.bitwise_right_shift(5).sub_(e_b).clamp_(min=-DEPTH).add_(DEPTH)
+        idx = c_b.mul(NUM_D).add(d).mul_(NUM_CLASSES).add_(k.bitwise_and(NUM_CLASSES - 1))
+        spare = torch.full((), RELATIVE_BINS, dtype=torch.int32, device=a2.device)
+        idx = torch.where(valid & in_range, idx, spare).reshape(-1)
+        # One spare cell takes the values left out, so no boolean indexing (a host sync) is needed.
+        if idx.is_cpu:
+            counts = torch.bincount(idx, minlength=RELATIVE_BINS + 1)
+        else:  # bincount would synchronise to size its output
+            counts = torch.zeros(RELATIVE_BINS + 1, dtype=torch.int64, device=idx.device)
+            counts.index_add_(0, idx, torch.ones((), dtype=torch.int64, device=idx.device).expand(idx.numel()))
+        outs[lay].add_(counts[:RELATIVE_BINS])
+        in_bad_block = (valid & ~block_finite).sum()
+        out_of_range = (valid & block_finite & ~in_range).sum()
+        extras[lay] = torch.stack([zeros, n_bad + in_bad_block, out_of_range])
+    return extras
 
 
 def scaled_counts(x: torch.Tensor, scale: torch.Tensor | float, element: str | ElementFormat) -> torch.Tensor:
