@@ -16,7 +16,15 @@ from torch import nn
 
 from fp16probe import Probe
 from fp16probe.analysis.blockformats import RECIPES, advise, delayed_replay, parse_recipe
-from fp16probe.blockscale import BLOCK_FORMATS, ELEMENTS, BlockStats, DelayedRecipe, block_stats_of, delayed_scales
+from fp16probe.blockscale import (
+    BLOCK_FORMATS,
+    ELEMENTS,
+    BlockStats,
+    DelayedRecipe,
+    block_stats_of,
+    counts_from_relative,
+    delayed_scales,
+)
 from fp16probe.capture.blockstats import nvfp4_counts, relative_histogram, scaled_counts
 from fp16probe.errors import AnalysisError, ReportError
 from fp16probe.report import Report
@@ -234,3 +242,21 @@ def test_relative_histogram_is_unchanged_by_a_power_of_two_loss_scale():
     a, _ = relative_histogram(x, "mx32")
     b, _ = relative_histogram(x * 2.0 ** 12, "mx32")
     assert np.array_equal(a.numpy(), b.numpy())
+
+
+def test_gpt2_conv1d_weight_is_read_as_the_linear_it_stands_for():
+    """transformers' Conv1D stores its weight [in, out]: the forward GEMM reads W.t()'s rows."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    with Probe(model, block_formats="mxfp8_e4m3") as probe:
+        model(ids, labels=ids).loss.backward()
+        probe.step()
+    stats = block_stats_of(probe.report())
+    t = _entry(stats, "transformer.h.0.mlp.c_fc", "weight")
+    assert t.type == "Conv1D" and t.shape == (256, 64)  # [out, in], as a Linear's weight
+    want, _ = relative_histogram(model.transformer.h[0].mlp.c_fc.weight.detach().t(), "mx32")
+    assert t.counts("mx32", "e4m3", "rceil") == counts_from_relative(want.numpy(), "e4m3", "rceil")
+    assert "Conv1D layers" in " ".join(advise(stats, "mxfp8_e4m3").notes)
