@@ -453,7 +453,8 @@ def _check_writable(path: Path, option: str) -> None:
 @app.command()
 def show(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
+    format: Annotated[ProfileFormatName, typer.Option("--format", "-f", help="Target number format; the scaled ones (mxfp8_e4m3, mxfp8_e5m2, nvfp4, and fp8_* with their statistics) need a report profiled with that --format.")] = ProfileFormatName["fp16"],
+    recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge (see profile --help).")] = None,
     kind: KindOpt = Kind.all,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
@@ -466,12 +467,40 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
+        advice = _block_advice(r, format.value, recipe)
+        if format.value in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
+            if json_out:
+                sys.stdout.write(json.dumps(advice, indent=2, allow_nan=False) + "\n")
+            else:
+                render.print_block_advice(console, r, advice=advice)
+            return
         rec = _analyze(r, format.value, kind.value)
         if json_out:
             data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
+            if advice is not None:
+                data["block_advice"] = advice
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
             render.print_summary(console, r, rec, kind=kind.value, top=top, distribution=True, explain=explain)
+            if advice is not None:
+                render.print_block_advice(console, r, header=False, advice=advice)
+
+
+def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[dict[str, Any]]:
+    """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
+    from fp16probe.running.profile import check_recipe
+
+    check_recipe(fmt, recipe)
+    if fmt not in BLOCK_FORMATS:
+        return None
+    stats = block_stats_of(report)
+    if stats is None:
+        if fmt in BLOCK_FORMAT_NAMES:
+            raise InputError(f"this report has no scaled-format statistics: profile with --format {fmt}")
+        return None  # an fp8 report made without them: the histogram analysis alone, as before
+    return advise(stats, fmt, recipe).to_dict()
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:

@@ -260,3 +260,16 @@ def test_gpt2_conv1d_weight_is_read_as_the_linear_it_stands_for():
     want, _ = relative_histogram(model.transformer.h[0].mlp.c_fc.weight.detach().t(), "mx32")
     assert t.counts("mx32", "e4m3", "rceil") == counts_from_relative(want.numpy(), "e4m3", "rceil")
     assert "Conv1D layers" in " ".join(advise(stats, "mxfp8_e4m3").notes)
+
+
+def test_cli_show_reads_the_block_statistics_of_a_saved_report(cli_env):
+    result = run("profile", "cli_models:make_tiny", "--batches", "cli_models:tiny_batches", "--steps", "2",
+                 "--format", "mxfp8_e4m3", "-o", "r.json")
+    assert result.exit_code == 0, result.output
+    shown = run("show", "r.json", "--format", "mxfp8_e4m3", "--recipe", "floor")
+    assert shown.exit_code == 0, shown.output
+    assert "mxfp8_e4m3 under floor" in shown.output and "lost: rceil" in shown.output
+    as_json = run("show", "r.json", "--format", "mxfp8_e4m3", "--json")
+    assert json.loads(as_json.stdout)["advised_recipe"] in RECIPES["mx"]
+    missing = run("show", "r.json", "--format", "nvfp4")
+    assert missing.exit_code != 0 and "profile again with --format nvfp4" in one_error_line(missing)

@@ -159,11 +159,12 @@ def print_summary(console: Any, report: Report, rec: Recommendation | None, **op
     console.print(summary_view(report, rec, **options), soft_wrap=True)
 
 
-def print_block_advice(console: Any, report: Report, *, header: bool = True, out: str | None = None) -> None:
-    """Print the scaled-format answer stored in ``report`` (``profile --format mxfp8_e4m3`` and friends)."""
+def print_block_advice(console: Any, report: Report, *, header: bool = True, out: str | None = None,
+                       advice: Any = None) -> None:
+    """Print the scaled-format answer (``advice``, default: the one stored in ``report``)."""
     from fp16probe.presentation.blockview import block_advice_lines
 
-    advice = report.metadata.extra.get("block_advice")
+    advice = report.metadata.extra.get("block_advice") if advice is None else advice
     if advice is None:
         return
     lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20)
