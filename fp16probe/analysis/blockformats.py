@@ -221,6 +221,8 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
     ]
     if family == "fp8":
         notes.append("FP8 scales each tensor (no global loss scale: no GradScaler)")
+        notes.append("delayed scaling casts the first step with TE's initial scale 1.0 (counted here, as TE does); "
+                     "later steps use the amax window")
     if any(layer.type == "Conv1D" for layer in layers):
         notes.append("Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
                      "convert nn.Linear only; the shares are those the layer has as a Linear")
