@@ -50,6 +50,7 @@ __all__ = [
     "NUM_CLASSES",
     "RELATIVE_BINS",
     "RULES",
+    "SPREAD_BINS",
     "BlockCounts",
     "BlockStats",
     "DelayedRecipe",
@@ -69,6 +70,7 @@ RELATIVE_BINS = NUM_CLASSES * NUM_D * NUM_CLASSES  # 41,984 counts per tensor an
 # Blocks whose amax is below 2^MIN_BLOCK_EXP are counted apart ("out of range"): there the
 # scale's own range (E8M0 from 2^-127, torchao's clamp at fp32's min normal) decides, not the rule.
 MIN_BLOCK_EXP = -100
+SPREAD_BINS = 65  # the block-amax-below-tensor-amax histogram: 0..64 binades (the last: 64 and more)
 
 RULES = ("floor", "rceil", "ceil", "even")
 # Layouts: "mx32" 1x32 blocks along rows, "mx32_t" along columns (the transpose), "nv16"
@@ -379,6 +381,10 @@ class TensorBlockStats:
     delayed: tuple[tuple[DelayedRecipe, str, BlockCounts], ...]
     nvfp4: Mapping[str, BlockCounts]  # "1x16", "1x16_cast", "16x16"
 
+    def spread(self, layout: str) -> dict[int, int]:
+        """Blocks by how many binades their amax lies below the tensor's (summed over steps)."""
+        return dict(self.relative[layout].get("spread", {}))
+
     def counts(self, layout: str, element: str, rule: str) -> BlockCounts:
         """Exact counts under a power-of-two scale ``rule`` for blocks of ``layout``."""
         rel = self.relative[layout]
@@ -443,8 +449,13 @@ class BlockStats:
                     if not str(k).isdigit() or not 0 <= int(k) < RELATIVE_BINS:
                         raise fail(f"{rp}.bins", f"bin {k!r} outside 0..{RELATIVE_BINS - 1}")
                     bins[int(k)] = count(v, f"{rp}.bins.{k}")
-                relative[lay] = {"bins": bins, **{k: count(r.get(k, 0), f"{rp}.{k}")
-                                                  for k in ("zero", "nonfinite", "out_of_range")}}
+                spread = {}
+                for k, v in (r.get("spread") or {}).items():
+                    if not str(k).isdigit() or not 0 <= int(k) < SPREAD_BINS:
+                        raise fail(f"{rp}.spread", f"bin {k!r} outside 0..{SPREAD_BINS - 1}")
+                    spread[int(k)] = count(v, f"{rp}.spread.{k}")
+                relative[lay] = {"bins": bins, "spread": spread, **{k: count(r.get(k, 0), f"{rp}.{k}")
+                                                                    for k in ("zero", "nonfinite", "out_of_range")}}
             current = {el: BlockCounts.from_dict(c, path=f"{tp}.current.{el}")
                        for el, c in (t.get("current") or {}).items() if el in ELEMENTS}
             delayed = []

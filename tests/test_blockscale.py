@@ -336,3 +336,22 @@ def test_relative_histogram_has_no_host_sync_and_counts_every_value():
     zeros, nonfinite, oor = extra.tolist()
     assert int(h.sum()) + zeros + nonfinite + oor == x.numel()
     assert nonfinite == int((blocks(x, "mx32")[0] != 0).sum())  # the NaN's block has no scale
+
+
+def test_block_spread_counts_blocks_by_binades_below_the_tensor_amax():
+    from fp16probe.blockscale import SPREAD_BINS
+    from fp16probe.capture.blockstats import relative_histograms
+
+    x = _random(16, 64)
+    x[0, :32] = 0.0  # an all-zero block: left out
+    x[1, :32] = 2.0 ** -100  # far below: the last bin
+    outs = {"mx32": torch.zeros(RELATIVE_BINS, dtype=torch.int64)}
+    spreads = {"mx32": torch.zeros(SPREAD_BINS, dtype=torch.int64)}
+    relative_histograms(x, ["mx32"], outs, spreads)
+    b = blocks(x, "mx32").abs().amax(dim=1)
+    e_t = math.frexp(float(x.abs().max()))[1]
+    want = [0] * SPREAD_BINS
+    for a in b.tolist():
+        if a > 0:
+            want[min(e_t - math.frexp(a)[1], SPREAD_BINS - 1)] += 1
+    assert spreads["mx32"].tolist() == want and want[-1] == 1

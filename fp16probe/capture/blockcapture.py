@@ -51,6 +51,7 @@ class _Slot:
         self.device = device
         self.relative = {lay: z(RELATIVE_BINS, dtype=torch.int64, device=device) for lay in layouts}
         self.extra = {lay: z(3, dtype=torch.int64, device=device) for lay in layouts}
+        self.spread = {lay: z(blockstats.SPREAD_BINS, dtype=torch.int64, device=device) for lay in layouts}
         self.current = z(2, 4, dtype=torch.int64, device=device) if "fp8" in families else None
         self.delayed = z(len(delayed), 2, 4, dtype=torch.int64, device=device) if delayed else None
         self.history = [z(r.history_len, device=device) for r in delayed]
@@ -175,7 +176,7 @@ class BlockCapture:
             if inv is not None:
                 x = x * inv
         if self.layouts:
-            extras = blockstats.relative_histograms(x, self.layouts, slot.relative)
+            extras = blockstats.relative_histograms(x, self.layouts, slot.relative, slot.spread)
             for lay in self.layouts:
                 slot.extra[lay] += extras[lay]
         a = x.abs()
@@ -231,8 +232,10 @@ class BlockCapture:
                 h = slot.relative[lay].cpu()
                 nz = torch.nonzero(h).flatten().tolist()
                 zero, nonfinite, oor = slot.extra[lay].cpu().tolist()
+                spread = slot.spread[lay].cpu().tolist()
                 entry["relative"][lay] = {"bins": {str(i): int(h[i]) for i in nz}, "zero": zero,
-                                          "nonfinite": nonfinite, "out_of_range": oor}
+                                          "nonfinite": nonfinite, "out_of_range": oor,
+                                          "spread": {str(i): n for i, n in enumerate(spread) if n}}
             if slot.current is not None:
                 cur = slot.current.cpu().tolist()
                 entry["current"] = {el: _counts(cur[i]) for i, el in enumerate(("e4m3", "e5m2"))}

@@ -28,11 +28,13 @@ from fp16probe.blockscale import (
     NUM_CLASSES,
     NUM_D,
     RELATIVE_BINS,
+    SPREAD_BINS,
     ElementFormat,
 )
 
 __all__ = [
     "COUNT_FIELDS",
+    "SPREAD_BINS",
     "NV_FIELDS",
     "blocks",
     "current_scaling_counts",
@@ -123,9 +125,14 @@ def relative_histogram(x: torch.Tensor, layout: str, out: torch.Tensor | None = 
     return out, extra[layout]
 
 
-def relative_histograms(x: torch.Tensor, layouts: Sequence[str],
-                        outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """:func:`relative_histogram` for several layouts, each element's exponent and class read once."""
+def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[str, torch.Tensor],
+                        spreads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`relative_histogram` for several layouts, each element's exponent and class read once.
+
+    With ``spreads`` (``[SPREAD_BINS]`` int64 per layout), also count the blocks by how many
+    binades their amax's exponent lies below the tensor amax's (clipped at ``SPREAD_BINS - 1``;
+    all-zero and non-finite blocks left out): the statistic behind a block scale's own range.
+    """
     x2 = _as_2d(x)
     a2 = x2.abs()
     finite = torch.isfinite(a2)
@@ -135,6 +142,7 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str],
     key = torch.where(nonzero, e_x.mul_(NUM_CLASSES).add_(c_x), torch.full((), _SENTINEL, dtype=torch.int32,
                                                                             device=a2.device))
     bad = (~finite).to(torch.uint8)
+    e_t, _ = _exponent_and_class(a_fin.amax().reshape(1, 1))
     zeros = (finite & ~nonzero).sum()
     n_bad = bad.sum()
     extras = {}
@@ -156,6 +164,12 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str],
             counts = torch.zeros(RELATIVE_BINS + 1, dtype=torch.int64, device=idx.device)
             counts.index_add_(0, idx, torch.ones((), dtype=torch.int64, device=idx.device).expand(idx.numel()))
         outs[lay].add_(counts[:RELATIVE_BINS])
+        if spreads is not None:  # how far below the tensor's amax each block's amax lies, in binades
+            gap = e_t.sub(e_b).clamp_(0, SPREAD_BINS - 1)
+            gap = torch.where(amax.gt(0) & block_finite, gap, torch.full_like(gap, SPREAD_BINS)).reshape(-1).long()
+            spread = torch.zeros(SPREAD_BINS + 1, dtype=torch.int64, device=gap.device)
+            spread.index_add_(0, gap, torch.ones((), dtype=torch.int64, device=gap.device).expand(gap.numel()))
+            spreads[lay].add_(spread[:SPREAD_BINS])
         in_bad_block = (valid & ~block_finite).sum()
         out_of_range = (valid & block_finite & ~in_range).sum()
         extras[lay] = torch.stack([zeros, n_bad + in_bad_block, out_of_range])
