@@ -744,6 +744,10 @@ def _forward_caveats(ff: ForwardFindings | None) -> tuple[str, ...]:
     if ff is None:
         return ()
     out: list[str] = []
+    if ff.regime == "pure_fp16":
+        out.append("Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, every "
+                   "gradient and the loss are fp16, and without fp32 master weights an update smaller than about "
+                   "2^-11 of its weight is lost (profile with --optimizer to measure that share).")
     if ff.source == "modules":
         out.append("The forward pass was judged on the hooked modules' outputs only (the Probe's own maxima); "
                    "functional ops between modules and the loss's dtype were not audited: fp16probe.profile "

@@ -233,53 +233,52 @@ def compare_with_device(device: str = "cuda") -> dict[str, Any]:
     its fallback). On ``"cuda"`` it needs a GPU (``bench/gpu_check.py`` runs it there); on
     ``"cpu"`` it runs anywhere. Returns ``{"device", "checked", "agree", "disagree": [...]}``.
     """
-    rows: list[dict[str, Any]] = []
+    rows = [_check_case(name, run, device) for name, run in _op_cases()]
+    judged = [r for r in rows if "agree" in r]
+    return {"device": device, "torch": torch.__version__, "checked": len(judged),
+            "agree": sum(1 for r in judged if r["agree"]), "disagree": [r for r in judged if not r["agree"]],
+            "errors": [r for r in rows if "error" in r]}
+
+
+def _check_case(name: str, run: Callable[[Callable[..., torch.Tensor]], Any], device: str) -> dict[str, Any]:
+    """Run one op case for real on ``device`` under autocast and ask :func:`output_is_low` about it."""
+
+    def real(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+        x = torch.rand(shape, device=device) + 0.5
+        return x.half() if low else x
+
+    try:
+        with torch.autocast(device, dtype=torch.float16):
+            got = run(real).dtype == torch.float16
+    except Exception as e:  # an op the device cannot run: reported, not judged
+        return {"op": name, "error": f"{type(e).__name__}: {e}"}
+    made: list[torch.Tensor] = []  # kept alive for the case: an id in low_ids is never reused
     low_ids: set[int] = set()
 
     def is_low(t: torch.Tensor) -> bool:
         return id(t) in low_ids
 
-    for name, run in _op_cases():
-        real_inputs: list[tuple[tuple[int, ...], bool]] = []
+    def stand_in(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():  # made outside the op under test
+            x = torch.rand(shape) + 0.5  # fp32 on the CPU; is_low says what it would be
+        made.append(x)
+        if low:
+            low_ids.add(id(x))
+        return x
 
-        def real(shape: tuple[int, ...], low: bool) -> torch.Tensor:
-            real_inputs.append((shape, low))
-            x = torch.rand(shape, device=device) + 0.5
-            return x.half() if low else x
+    recorded: list[bool] = []
 
-        try:
-            with torch.autocast(device, dtype=torch.float16):
-                got = run(real).dtype == torch.float16
-        except Exception as e:  # an op the device cannot run: reported, not judged
-            rows.append({"op": name, "error": f"{type(e).__name__}: {e}"})
-            continue
-        made: list[torch.Tensor] = []
+    class _Ask(torch.overrides.TorchFunctionMode):
+        """Ask output_is_low about the op the case calls (the last torch call it makes)."""
 
-        def stand_in(shape: tuple[int, ...], low: bool) -> torch.Tensor:
-            with torch._C.DisableTorchFunction():  # made outside the op under test
-                x = torch.rand(shape) + 0.5  # fp32 on the CPU; is_low says what it would be
-            made.append(x)
-            if low:
-                low_ids.add(id(x))
-            return x
+        def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                recorded.append(output_is_low(func, args, kwargs, is_low, device))
+            return out
 
-        recorded: list[bool] = []
-
-        class _Ask(torch.overrides.TorchFunctionMode):
-            """Ask output_is_low about the op the case calls (the last torch call it makes)."""
-
-            def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                if isinstance(out, torch.Tensor) and out.is_floating_point():
-                    recorded.append(output_is_low(func, args, kwargs, is_low, device))
-                return out
-
-        with _Ask():
-            run(stand_in)
-        predicted = recorded[-1] if recorded else None
-        rows.append({"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got})
-    judged = [r for r in rows if "agree" in r]
-    return {"device": device, "torch": torch.__version__, "checked": len(judged),
-            "agree": sum(1 for r in judged if r["agree"]), "disagree": [r for r in judged if not r["agree"]],
-            "errors": [r for r in rows if "error" in r]}
+    with _Ask():
+        run(stand_in)
+    predicted = recorded[-1] if recorded else None
+    return {"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got}

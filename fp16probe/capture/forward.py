@@ -14,7 +14,9 @@ autocast, or pure fp16), and for every tensor that would be fp16 there (an op's 
 an fp32 input that autocast casts to fp16 for a lowered op, weights included) it measures,
 on the tensor's device and without a host sync: the largest magnitude, and how many nonzero
 values would overflow (|x| >= 65520), flush to zero (|x| <= 2^-25) or go subnormal
-(2^-25 < |x| < 2^-14 - 2^-25), the rounding edges of a cast from fp32. Names are
+(2^-25 < |x| < 2^-14 - 2^-25), the rounding edges of a cast from fp32. Values that are inf
+or fp32's own max in the fp32 run (an additive attention mask of ``finfo.min``) are
+sentinels the fp32 run holds as well: they are left out of the maximum and of the overflow. Names are
 ``"<module>/<op>"`` for op outputs (the innermost module the op ran in) and
 ``"<module>/<op>:in"`` for casts into a lowered op (role ``input``) and for fp16 tensors a
 module takes in from another module (role ``consumer``: the same values as their producer's,
@@ -46,6 +48,7 @@ __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom
 FLUSH_AT = 2.0**-25
 SUBNORMAL_BELOW = 2.0**-14 - 2.0**-25
 OVERFLOW_AT = 65520.0
+_FP32_MAX = torch.finfo(torch.float32).max
 
 _LAYOUT = frozenset({
     "T", "mT", "alias", "as_strided", "broadcast_to", "chunk", "clone", "contiguous", "cpu", "cuda", "detach",
@@ -255,13 +258,16 @@ class ForwardAudit:
             return
         with torch.no_grad(), torch._C.DisableTorchFunction():
             a = t.detach().abs().float()
-            amax = a.amax()
+            # inf and fp32's own max are sentinels the fp32 run holds too (an additive mask of
+            # finfo.min, masked_fill(-inf)): not values that fp16 would make overflow.
+            real = a < _FP32_MAX
+            amax = torch.where(real, a, 0.0).amax()
             nonzero = a > 0
             stats = torch.stack([
                 nonzero.sum(),
                 (nonzero & (a <= FLUSH_AT)).sum(),
                 ((a > FLUSH_AT) & (a < SUBNORMAL_BELOW)).sum(),
-                (a >= OVERFLOW_AT).sum() + (~torch.isfinite(a)).sum(),
+                ((a >= OVERFLOW_AT) & real).sum(),
             ])
         self._seen[id(t)] = (weakref.ref(t), module, amax, stats)
         self._record(name, module, op, role, targets, amax, stats)

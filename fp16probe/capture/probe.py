@@ -82,6 +82,8 @@ class Probe:
             out of the overflow ceiling): ``"cuda"`` (default, where fp16 training runs) or
             ``"cpu"``; None asks autocast on the device the run is on. A run under real
             autocast uses the real dtypes.
+        regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
+            trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
         block_formats: scaled formats to gather statistics for (``"fp8_e4m3"``,
             ``"mxfp8_e4m3"``, ``"nvfp4"``...; see :mod:`fp16probe.capture.blockcapture`):
             the GEMM operands of every Linear-like module, counted on the same pass. Off by
@@ -113,6 +115,7 @@ class Probe:
         precision: str | None = None,
         granularity: str = "module",
         target: str | None = "cuda",
+        regime: str = "autocast",
         block_formats: Sequence[str] | str | None = None,
         delayed_recipes: Sequence[Any] | None = None,
     ) -> None:
@@ -124,6 +127,8 @@ class Probe:
             raise ProbeError("nothing to capture: enable activation_grads, weight_grads, activations or forward")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if regime not in ("autocast", "pure_fp16"):
+            raise ProbeError(f"regime must be 'autocast' or 'pure_fp16', got {regime!r}")
         if target not in (None, "cuda", "cpu"):
             raise ProbeError(f"target must be 'cuda', 'cpu' or None, got {target!r}")
         self.granularity = granularity
@@ -158,7 +163,8 @@ class Probe:
         self._param_hooks: list[tuple[nn.Parameter, Any]] = []
         # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
         # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
-        self._autocast_dtypes = True
+        # A model that trains as .half() computes every gradient in fp16: nothing is left out then.
+        self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
         self._blocks = _block_capture(model, block_formats, delayed_recipes, self._patterns, rec)
@@ -302,6 +308,7 @@ class Probe:
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
+        self.recorder.close_forward()
         if self._blocks is not None:
             self._blocks.close_step()
         self.recorder.close_step()
@@ -355,10 +362,11 @@ class Probe:
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
-        forward_max = self.recorder.forward_maxima()
+        forward_max, first_over = self.recorder.forward_maxima()
         if forward_max:
             extra_meta["forward_max"] = {
                 "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "first_overflow_step": first_over,
                 "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
                 "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
             }

@@ -227,10 +227,13 @@ def profile(
     regime = "pure_fp16" if isinstance(model, nn.Module) and any(
         p.dtype == torch.float16 for p in model.parameters()) else "autocast"
     model, dev, notes = prepare_model(model, device)
+    if regime == "pure_fp16":
+        notes.append("the model came in fp16: profiled in fp32 and predicted as it trains, a .half() run "
+                     "(every op and the loss in fp16, no autocast)")
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
     grad_scaler = _make_scaler(scaler, precision, dev)
-    probe = _make_probe(model, grad_scaler, {"target": target, **probe_options})
+    probe = _make_probe(model, grad_scaler, {"target": target, "regime": regime, **probe_options})
     settings = RunSettings(steps=steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)

@@ -25,7 +25,7 @@ from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 from fp16probe.running.inputs import call_model, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
-from fp16probe.verification import Verification, tolerance_for
+from fp16probe.verification import VALUE_TOLERANCE, Verification, tolerance_for
 
 __all__ = ["VERIFIABLE_FORMATS", "verify"]
 
@@ -154,8 +154,10 @@ def verify(
     notes.extend(watch.causes(overflow_steps, len(batch_list), rec))
     nz_all = sum(nz for nz, _ in counts.values())
     z_all = sum(z for _, z in counts.values())
+    err_all = sum(e[0] for e in errors.values()), sum(e[1] for e in errors.values())
     by_kind[ALL_KINDS] = {"nonzero_values": nz_all, "zeroed_values": z_all,
-                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0}
+                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0,
+                          "relative_error": err_all[0] / err_all[1] if err_all[1] else None}
     kind = rec.kind if rec.kind in counts else ALL_KINDS
     measured = by_kind[kind]
     if measured["nonzero_values"] == 0:
@@ -165,6 +167,12 @@ def verify(
     else:
         held = rec.log2_scale is not None and Verification.judge(
             predicted_overflow, overflow_steps, predicted_zeroed, measured["zeroed_fraction"], tolerance)
+    error = measured.get("relative_error")
+    if error is not None and error > VALUE_TOLERANCE:
+        held = False
+        notes.append(f"the fp16 run's {kind} gradients are {error * 100:.3g}% off the fp32 run's (sum of |fp16 - fp32| "
+                     f"over sum of |fp32|, finite steps; tolerance {VALUE_TOLERANCE * 100:g}%): the run computes "
+                     "different gradients, not only fewer")
     return Verification(
         precision=rec.format, device=str(dev), steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
         predicted_overflow_steps=predicted_overflow, measured_overflow_steps=overflow_steps,
