@@ -273,3 +273,24 @@ def test_cli_show_reads_the_block_statistics_of_a_saved_report(cli_env):
     assert json.loads(as_json.stdout)["advised_recipe"] in RECIPES["mx"]
     missing = run("show", "r.json", "--format", "nvfp4")
     assert missing.exit_code != 0 and "profile again with --format nvfp4" in one_error_line(missing)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"])
+def test_block_capture_hooks_never_bring_values_to_the_host(monkeypatch, fmt):
+    from fp16probe.capture import engine
+    from tests.test_no_sync import forbid_host_sync
+
+    monkeypatch.setattr(engine, "CPU_ENGINE", "device")  # the accelerator's code path, run on the CPU
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with Probe(net, block_formats=fmt) as probe:
+        for _ in range(2):
+            with forbid_host_sync() as calls:
+                opt.zero_grad()
+                net(torch.randn(4, 64)).square().mean().backward()
+                probe.step()
+            assert calls == []
+            opt.step()
+    stats = block_stats_of(probe.report())
+    assert stats.steps == 2 and stats.hook_errors == 0

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from fp16probe.capture import engine
 from fp16probe.blockscale import (
     DEPTH,
     ELEMENTS,
@@ -158,7 +159,7 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[s
         spare = torch.full((), RELATIVE_BINS, dtype=torch.int32, device=a2.device)
         idx = torch.where(valid & in_range, idx, spare).reshape(-1)
         # One spare cell takes the values left out, so no boolean indexing (a host sync) is needed.
-        if idx.is_cpu:
+        if idx.is_cpu and engine.CPU_ENGINE != "device":  # "device": the accelerator path, run on the CPU
             counts = torch.bincount(idx, minlength=RELATIVE_BINS + 1)
         else:  # bincount would synchronise to size its output
             counts = torch.zeros(RELATIVE_BINS + 1, dtype=torch.int64, device=idx.device)
