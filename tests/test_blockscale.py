@@ -355,3 +355,28 @@ def test_block_spread_counts_blocks_by_binades_below_the_tensor_amax():
         if a > 0:
             want[min(e_t - math.frexp(a)[1], SPREAD_BINS - 1)] += 1
     assert spreads["mx32"].tolist() == want and want[-1] == 1
+
+
+@pytest.mark.parametrize("layout", ["mx32", "mx32_t", "tile128", "tile128_t", "tile128x128", "row", "tensor"])
+def test_numba_kernel_counts_equal_the_torch_path(monkeypatch, layout):
+    from fp16probe.blockscale import SPREAD_BINS
+    from fp16probe.capture import _cpu_blockkernel, engine
+    from fp16probe.capture.blockstats import relative_histograms
+
+    if not _cpu_blockkernel.available():
+        pytest.skip("numba is not installed")
+    x = torch.cat([_random(64, 256), _adversarial("e4m3")[:64], _adversarial("e5m2")[:64]])
+    x[3, 5] = float("inf")
+    x[70, 9] = float("nan")
+    x[80, :40] = 2.0 ** -110  # out of range
+    x = x[:, :250]  # partial blocks: padding
+    got = {}
+    for cpu_engine in ("auto", "device"):
+        monkeypatch.setattr(engine, "CPU_ENGINE", cpu_engine)
+        outs = {layout: torch.zeros(RELATIVE_BINS, dtype=torch.int64)}
+        spreads = {layout: torch.zeros(SPREAD_BINS, dtype=torch.int64)}
+        extra = relative_histograms(x, [layout], outs, spreads)[layout]
+        got[cpu_engine] = (outs[layout].tolist(), spreads[layout].tolist(), extra.tolist())
+    assert got["auto"] == got["device"]
+    zeros, nonfinite, out_of_range = got["auto"][2]
+    assert zeros > 0 and nonfinite > 0 and (out_of_range > 0) == (layout == "mx32")

@@ -135,6 +135,8 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[s
     all-zero and non-finite blocks left out): the statistic behind a block scale's own range.
     """
     x2 = _as_2d(x)
+    if x2.is_cpu and engine.CPU_ENGINE in ("auto", "numba") and _block_kernel() is not None:
+        return _relative_histograms_numba(x2, layouts, outs, spreads)
     a2 = x2.abs()
     finite = torch.isfinite(a2)
     a_fin = torch.where(finite, a2, torch.zeros((), device=a2.device))
@@ -174,6 +176,34 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[s
         in_bad_block = (valid & ~block_finite).sum()
         out_of_range = (valid & block_finite & ~in_range).sum()
         extras[lay] = torch.stack([zeros, n_bad + in_bad_block, out_of_range])
+    return extras
+
+
+def _block_kernel():
+    """The numba kernel module for the relative histogram, or None (numba absent)."""
+    global _KERNEL
+    if _KERNEL is False:
+        from fp16probe.capture import _cpu_blockkernel
+
+        _KERNEL = _cpu_blockkernel if _cpu_blockkernel.available() else None
+    return _KERNEL
+
+
+_KERNEL: object = False
+
+
+def _relative_histograms_numba(x2: torch.Tensor, layouts: Sequence[str], outs: Mapping[str, torch.Tensor],
+                               spreads: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The CPU path: blocks laid out by torch (one copy), counted by one fused numba pass each."""
+    kernel = _block_kernel()
+    extras = {}
+    for lay in layouts:
+        b = _blocks_2d(x2, lay).contiguous()
+        extra = torch.zeros(3, dtype=torch.int64)
+        spread = spreads[lay] if spreads is not None else torch.zeros(SPREAD_BINS, dtype=torch.int64)
+        kernel.count_into(b.numpy(), outs[lay].numpy(), extra.numpy(), spread.numpy())  # type: ignore[attr-defined]
+        extra[0] -= b.numel() - x2.numel()  # padding zeros are not the tensor's
+        extras[lay] = extra
     return extras
 
 
