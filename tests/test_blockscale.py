@@ -244,14 +244,16 @@ def _nvfp4_inputs() -> torch.Tensor:
     return x
 
 
-def test_nvfp4_counts_equal_torchao_nvfp4_quantize():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_nvfp4_counts_equal_torchao_nvfp4_quantize(transposed):
     _, _, kernels, nvfp4_quantize, per_tensor_amax_to_scale = _torchao()
-    x = _nvfp4_inputs()
+    x0 = _nvfp4_inputs()
+    x = x0.t().contiguous() if transposed else x0  # the columns, as torchao quantizes a transpose
     amax = x.abs().amax()
     _, lp = nvfp4_quantize(x, 16, per_tensor_amax_to_scale(amax))
     vals = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(lp)).reshape(x.shape)
     nz = x.ne(0)
-    counts, _ = nvfp4_counts(x)
+    counts, _ = nvfp4_counts(x0, transposed=transposed)
     want = [int(nz.sum()), int((nz & vals.eq(0)).sum()), int((nz & vals.abs().eq(0.5)).sum()), 0, 0, 0]
     assert counts.tolist() == want
 

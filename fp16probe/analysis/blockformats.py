@@ -152,9 +152,11 @@ def _reads(t: TensorBlockStats, fmt: str, family: str, recipe: str,
     elif family == "nvfp4":
         if t.kind not in ("input", "weight", "output_grad"):
             return out
-        variant = {"torchao": "1x16", "cast": "1x16_cast", "16x16": "16x16" if t.kind == "weight" else "1x16"}[recipe]
-        if variant in t.nvfp4:
-            out[f"{t.kind}/{variant}"] = t.nvfp4[variant]
+        rows = {"torchao": "1x16", "cast": "1x16_cast", "16x16": "16x16" if t.kind == "weight" else "1x16"}[recipe]
+        cols = {"torchao": "1x16_t", "cast": "1x16_cast_t", "16x16": "16x16" if t.kind == "weight" else "1x16_t"}[recipe]
+        for variant, where in ((rows, "rows"), (cols, "columns")):
+            if variant in t.nvfp4:  # (reports made before the columns were counted have rows only)
+                out[f"{t.kind}/{where if variant != '16x16' else '16x16'}"] = t.nvfp4[variant]
     return out
 
 
@@ -229,8 +231,6 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
     if family == "nvfp4":
         notes.append(f"threshold {threshold:.3g}: E2M1 flushes values more than 4.6 binades below their block's "
                      "max, about 6-7% of a Gaussian block of 16 by design")
-        notes.append("NVFP4 statistics are of 1x16 rows (and 16x16 weight tiles); the columns the backward reads "
-                     "are not captured")
         if any(c.blocks_lost for layer in layers for c in layer.reads.values()):
             notes.append("some blocks lose every value: their E4M3 block scale flushes")
     if stats.hook_errors:

@@ -29,6 +29,10 @@ from fp16probe.capture import blockstats
 __all__ = ["BlockCapture", "layouts_for"]
 
 _GRAD_KINDS = ("output_grad", "weight_grad")
+# NVFP4 variants counted: (name, block scale rule, 16x16 tiles, columns).
+NV_VARIANTS = (("1x16", "torchao", False, False), ("1x16_cast", "cast", False, False),
+               ("16x16", "torchao", True, False), ("1x16_t", "torchao", False, True),
+               ("1x16_cast_t", "cast", False, True))
 
 
 def layouts_for(families: Iterable[str]) -> tuple[str, ...]:
@@ -56,8 +60,8 @@ class _Slot:
         self.delayed = z(len(delayed), 2, 4, dtype=torch.int64, device=device) if delayed else None
         self.history = [z(r.history_len, device=device) for r in delayed]
         self.scales = torch.ones(len(delayed), 2, device=device)  # TE's initial scale, per recipe and element
-        self.nvfp4 = z(3, 6, dtype=torch.int64, device=device) if "nvfp4" in families else None
-        self.sr = z(3, dtype=torch.float64, device=device) if "nvfp4" in families else None
+        self.nvfp4 = z(len(NV_VARIANTS), 6, dtype=torch.int64, device=device) if "nvfp4" in families else None
+        self.sr = z(len(NV_VARIANTS), dtype=torch.float64, device=device) if "nvfp4" in families else None
         self.step_amax: torch.Tensor | None = None
         self.trace: list[torch.Tensor] = []
         self.shape: tuple[int, ...] = ()
@@ -190,9 +194,8 @@ class BlockCapture:
                 for i, el in enumerate(("e4m3", "e5m2")):
                     slot.delayed[r, i] += blockstats.scaled_counts(x, slot.scales[r, i], el)
         if slot.nvfp4 is not None and slot.sr is not None:
-            variants = (("torchao", False), ("cast", False), ("torchao", True))
-            for i, (rule, square) in enumerate(variants):
-                counts, sr = blockstats.nvfp4_counts(x, block_scale=rule, square=square)
+            for i, (_, rule, square, transposed) in enumerate(NV_VARIANTS):
+                counts, sr = blockstats.nvfp4_counts(x, block_scale=rule, square=square, transposed=transposed)
                 slot.nvfp4[i] += counts
                 slot.sr[i] += sr
 
@@ -250,7 +253,7 @@ class BlockCapture:
                 entry["nvfp4"] = {
                     variant: {**_counts(nv[i][:4]), "blocks_lost": nv[i][4], "values_in_lost_blocks": nv[i][5],
                               "expected_zero_sr": sr[i]}
-                    for i, variant in enumerate(("1x16", "1x16_cast", "16x16"))
+                    for i, (variant, *_) in enumerate(NV_VARIANTS)
                 }
             tensors.append(entry)
         order = {k: i for i, k in enumerate(BLOCK_KINDS)}

@@ -246,6 +246,7 @@ def nvfp4_counts(
     tensor_amax: torch.Tensor | None = None,
     block_scale: str = "torchao",
     square: bool = False,
+    transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 (NVIDIA, arXiv 2509.25149): ``([nonzero, flushed, subnormal, saturated, blocks_lost,
     values_in_lost_blocks] int64, expected zeros under stochastic rounding float64)``, on device.
@@ -256,11 +257,11 @@ def nvfp4_counts(
     0.18); ``"cast"`` casts it as is (round to nearest even, as a plain e4m3 cast does): a
     block scale at or below 2^-10 becomes 0 and the whole block is lost (``blocks_lost``, its
     values counted as flushed). ``square`` uses 16x16 blocks (the paper's weights) instead
-    of 1x16. The stochastic-rounding share is exact: a magnitude ``q < 0.5`` rounds to 0
+    of 1x16; ``transposed`` blocks the columns (the backward's transposed reads). The stochastic-rounding share is exact: a magnitude ``q < 0.5`` rounds to 0
     with probability ``1 - q / 0.5``, and never from 0.5 up.
     """
     el = ELEMENTS["e2m1"]
-    b = blocks(x, "nv16x16" if square else "nv16")
+    b = blocks(x, "nv16x16" if square else ("nv16_t" if transposed else "nv16"))
     a = b.abs()
     finite = torch.isfinite(a)
     a0 = torch.where(finite, a, torch.zeros((), device=a.device))
