@@ -515,17 +515,25 @@ class Recorder:
         return {"fixed_bytes": fixed, "trace_bytes": trace, "total_bytes": fixed + trace}
 
     # -- collecting ----------------------------------------------------------------------
-    def collect(self, order: Mapping[str, int] | None = None) -> Collected:
+    def collect(self, order: Mapping[str, int] | None = None, since_step: int | None = None) -> Collected:
         """Bring the counts to the host (one transfer per table) and return them as data.
 
         A step still open is included without closing it, so collecting twice, or
         mid-step and again after :meth:`close_step`, never counts a value twice.
+        ``since_step``: the per-step trace holds only steps from that one on (the module
+        totals stay whole), so a live logger's cost per interval does not grow with the run.
         This synchronises with the device; call it outside the training hot path.
         """
         order = order or {}
         with self.lock:
             st = self._state
-            records = self._trace[: st.closed]
+            first = st.closed
+            if since_step is None:
+                first = 0
+            else:  # walk back from the end: as long as the window, not the run
+                while first > 0 and self._trace[first - 1].step >= since_step:
+                    first -= 1
+            records = self._trace[first : st.closed]
             open_step = st.sampling and st.dirty
             if open_step:
                 records = records + [self._record_of(st)]
