@@ -134,7 +134,8 @@ def count_into(
             if arr.dtype != np.float32:
                 arr = arr.astype(np.float32)
             host = _host_view(counts, keys)
-            kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace)
+            kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace,
+                              torch.get_num_threads())
             return
     elif x.device.type == "cuda" and counts.device == x.device and _triton_available():
         from fp16probe.capture import _triton_kernel
@@ -192,8 +193,10 @@ def count_many(
         return
     batch: list[torch.Tensor] = []
     batch_rows: list[int] = []
+    # Tensors the kernel would split across threads go one by one (one thread: never).
+    split_at = kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62
     for x, row in zip(xs, rows):
-        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and 0 < x.numel() < kernel.SPLIT_AT \
+        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and 0 < x.numel() < split_at \
                 and x.is_contiguous():
             batch.append(x)
             batch_rows.append(row)
