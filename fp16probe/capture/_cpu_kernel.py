@@ -169,6 +169,13 @@ if njit is not None:
             _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys, rows[t], replace)
 
 
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def count_at(address, n, counts, keys, row, replace):  # pragma: no cover - compiled
+        """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread (the thin per-tensor path:
+        integers and the table's cached views only, so the call costs little more than the kernel)."""
+        _count_into(carray(_int32_pointer(address), (n,)), counts, keys, row, replace)
+
+
 def count_many(
     addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
 ) -> None:

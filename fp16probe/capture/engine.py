@@ -212,6 +212,25 @@ def count_many(
         )  # ``batch`` keeps the tensors alive until the kernel returns
 
 
+def thin_counter() -> tuple[object, int] | None:
+    """The CPU kernel's raw entry and the largest size it takes, or None when numba does not count here.
+
+    ``fn(address, numel, counts_np, keys_np, row, replace)`` counts contiguous fp32 CPU data at
+    ``address`` into a table's numpy views (:func:`host_views`): the recorder's thin per-tensor path.
+    Tensors of the size limit or more go through :func:`count_into` (which may split them).
+    """
+    kernel = _numba_kernel()
+    if kernel is None:
+        return None
+    return kernel.count_at, (kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62)
+
+
+def host_views(counts: torch.Tensor, keys: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """numpy views of a CPU table (cached), for :func:`thin_counter`'s entry."""
+    host = _host_view(counts, keys)
+    return host[1], host[3]
+
+
 def _host_view(counts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:
     """numpy views of a CPU table, cached (no torch dispatch on the hot path)."""
     host = _host_views.get(id(counts))
