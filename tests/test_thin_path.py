@@ -27,7 +27,7 @@ class _Split(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a, b = self.lin(x).chunk(2, dim=1)
-        return a, b * 3.0, self.gain  # the parameter itself: no grad_fn, a tensor hook
+        return a, b, self.gain  # two outputs of one node, and the parameter itself (no grad_fn: a tensor hook)
 
 
 class _Net(nn.Module):
@@ -39,7 +39,7 @@ class _Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b, g = self.split(x)
-        h = self.act(a + b.t().contiguous().t())
+        h = self.act(a + (b * 3.0).t().contiguous().t())
         return self.head(h + g.sum() * 1e-3)
 
 
@@ -77,17 +77,33 @@ def test_thin_and_general_paths_give_the_same_report(monkeypatch):
     assert thin[("activation_grad", "split")].total > 0
 
 
-def test_each_output_of_a_node_counts_its_own_gradient():
-    """Two outputs of one ``chunk`` node: each pre-hook reads its own ``grad_outputs[output_nr]``."""
+class _Second(nn.Module):
+    """Returns the second output of a two-output node (``output_nr`` 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.first, second = h.chunk(2, dim=1)
+        return second
+
+
+def test_the_pre_hook_reads_its_own_output_of_a_node():
+    """The module's output is output 1 of a ``chunk`` node whose output 0 gets another gradient."""
     torch.manual_seed(0)
-    model = _Split()
+    model = _Second()
     x = torch.randn(5, 8)
     with Probe(model, modules=["(model)"]) as probe:
-        a, b, g = model(x)
-        for t in (a, b):
-            t.retain_grad()
-        ((a * 2.0**-8).sum() + (b * 2.0**8).sum() + g.sum()).backward()
-        probe.step()
-    got = next(m.histogram for m in probe.report().modules if m.kind == "activation_grad" and m.name == "(model)")
-    c, k = engine.histogram(torch.cat([a.grad.reshape(-1), b.grad.reshape(-1), torch.ones(g.numel())]))
-    assert got == histogram_from(c.tolist(), int(k))
+        for _ in range(2):  # the first step and a later one
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            assert out.output_nr == 1 and out.grad_fn is model.first.grad_fn
+            out.retain_grad()
+            ((model.first * 2.0**-8).sum() + (out * 2.0**8).pow(2).sum()).backward()
+            want = out.grad.clone()
+            probe.step()
+    got = next(m.histogram for m in probe.report().modules if m.kind == "activation_grad")
+    c, k = engine.histogram(torch.cat([want.reshape(-1)] * 2))
+    assert got.counts == histogram_from(c.tolist(), int(k)).counts
