@@ -184,8 +184,16 @@ def count_many(
 
     On the CPU with the numba engine, contiguous fp32 tensors (not unscaled) go to the
     kernel in one call, so a model of many small parameters pays the Python and dispatch
-    cost once per backward instead of once per tensor. Everything else goes one by one.
+    cost once per backward instead of once per tensor; on CUDA with Triton, one launch per
+    element type counts them all. Everything else goes one by one.
     """
+    if counts.device.type == "cuda" and _triton_available() and all(
+        type(x) is torch.Tensor and x.device == counts.device and x.is_floating_point() and not x.is_sparse for x in xs
+    ):
+        from fp16probe.capture import _triton_kernel
+
+        _triton_kernel.count_many(xs, counts, keys, rows, replace, inv)  # one launch per dtype
+        return
     kernel = _numba_kernel() if counts.is_cpu and inv is None else None
     if kernel is None:
         for x, row in zip(xs, rows):
