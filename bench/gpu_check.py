@@ -455,30 +455,76 @@ def check_overhead(device: str, dry_run: bool = False) -> dict:
     }
 
 
-# What each slot needs from this checkout, and the issue that brings it.
-_SLOTS = {
-    "forward_headroom": ("forward-pass headroom capture (issue #19)", "fp16probe.capture.probe", "Probe",
-                         "forward_headroom"),
-    "shadow_step": ("shadow steps (issue #20)", "fp16probe.capture.shadow", None, None),
-    "autocast_ops": ("the CUDA autocast op-dtype check (issue #19)", "fp16probe.capture.ops", None,
-                     "check_autocast_ops"),
-}
-
-
 def check_slot(name: str, device: str, dry_run: bool) -> dict:
-    """A named slot for another issue's cost or check: ``not_available`` until this checkout has the feature."""
-    import importlib
+    """A named slot for another issue's cost or check: run when this checkout has the feature, else ``not_available``."""
+    if name == "autocast_ops":
+        try:
+            from fp16probe.capture.autocast_rules import compare_with_device
+        except ImportError:
+            return {"status": "not_available", "why": "the CUDA autocast op-dtype check (issue #19, "
+                    "fp16probe.capture.autocast_rules.compare_with_device) is not in this checkout"}
+        got = compare_with_device(device)
+        return {"status": "ok" if not got.get("disagree") else "failed", **got}
+    if name == "forward_headroom":
+        import inspect
 
-    what, module, cls, attr = _SLOTS[name]
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        mod = None
-    owner = getattr(mod, cls, None) if mod is not None and cls else mod
-    if owner is None or (attr is not None and not hasattr(owner, attr)):
-        return {"status": "not_available", "why": f"{what} is not in this checkout ({module}"
-                f"{'.' + cls if cls else ''}{'.' + attr if attr else ''} missing)"}
-    return {"status": "not_available", "why": f"{what} is present but this check does not measure it yet"}
+        if "forward" not in inspect.signature(Probe).parameters:
+            return {"status": "not_available", "why": "forward-pass headroom capture (issue #19, Probe(forward=...))"
+                    " is not in this checkout"}
+        return _forward_headroom_cost(device, dry_run)
+    if name == "shadow_step":
+        import importlib.util
+
+        if importlib.util.find_spec("fp16probe.capture.shadow") is None:
+            return {"status": "not_available", "why": "shadow steps (issue #20, fp16probe.capture.shadow) are not in"
+                    " this checkout"}
+        return {"status": "not_available", "why": "shadow steps are in this checkout, but this check does not"
+                " measure them yet"}
+    raise ValueError(name)
+
+
+def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
+    """The Probe with its forward maxima against the Probe without, on the GPT-2-124M-sized model (CUDA events)."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    model, tokens, what = _gpt2_124m(device, dry_run)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.float16):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    timed = _timer(device)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    rounds, warm = (1, 0) if dry_run else (3, 1)
+    for r in range(rounds + warm):
+        for forward in (False, True):
+            p = Probe(model, scaler=scaler, forward=forward).start()  # type: ignore[call-arg]
+
+            def run(p: Probe = p) -> None:
+                step()
+                p.step()
+
+            run()
+            t = timed(run, 1 if dry_run else 3)
+            p.stop()
+            if r >= warm:
+                times[forward].append(t)
+    return {
+        "status": "ok",
+        "model": what,
+        "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
+        "probe_with_forward_over_without": statistics.median(a / b for a, b in zip(times[True], times[False])),
+        "step_ms": {"probe_without_forward": statistics.median(times[False]) * 1e3,
+                    "probe_with_forward": statistics.median(times[True]) * 1e3},
+    }
 
 
 def check_verify(device: str, out_dir: Path, dry_run: bool) -> dict:
