@@ -107,3 +107,18 @@ def test_the_pre_hook_reads_its_own_output_of_a_node():
     got = next(m.histogram for m in probe.report().modules if m.kind == "activation_grad")
     c, k = engine.histogram(torch.cat([want.reshape(-1)] * 2))
     assert got.counts == histogram_from(c.tolist(), int(k)).counts
+
+
+@pytest.mark.parametrize("n", [100, (1 << 14) + 1])  # both sides of the aminmax switch
+def test_forward_maximum_is_the_largest_magnitude_on_both_paths(n):
+    from fp16probe.capture.recorder import Recorder
+
+    cases = [torch.randn(n).half() * 100, -torch.rand(n), torch.randn(n).to(torch.bfloat16)]
+    with_nan, with_inf = torch.randn(n), torch.randn(n)
+    with_nan[n // 2], with_inf[3] = float("nan"), -float("inf")
+    for x in cases + [with_nan, with_inf]:
+        rec = Recorder({"activation_grad": True})
+        rec.enabled = rec.forward = True
+        rec.note_forward("m", x)
+        got, want = rec.forward_maxima()["m"], float(x.float().abs().max())
+        assert got == want or (got != got and want != want), (x.dtype, got, want)
