@@ -403,9 +403,13 @@ class Recorder:
                 st = self._state
                 if not st.sampling:
                     return
-                v = value.detach().float().reshape(())
+                v = value
+                if v.dtype is not torch.float32 or v.dim() or v.requires_grad:  # the hooks' scalars need none of it
+                    v = v.detach().float().reshape(())
                 old = st.maxima.get(channel)
-                st.maxima[channel] = v if old is None else torch.maximum(old, v.to(old.device, non_blocking=True))
+                if old is not None and old.device != v.device:
+                    v = v.to(old.device, non_blocking=True)
+                st.maxima[channel] = v if old is None else torch.maximum(old, v)
                 st.dirty = True
         except Exception as e:
             self.note_error(e)
@@ -425,11 +429,15 @@ class Recorder:
             with torch.no_grad():
                 if t.numel() > 1 << 14:  # one read, no |t| copy: 3-4x faster on large outputs (NaN propagates)
                     lo, hi = torch.aminmax(t.detach())
-                    v = torch.maximum(hi, lo.neg()).float()
+                    v = torch.maximum(hi, lo.neg())
                 else:  # two dispatches instead of three: cheaper on small outputs
-                    v = t.detach().abs().amax().float()
+                    v = t.detach().abs().amax()
+                if v.dtype is not torch.float32:
+                    v = v.float()
             old = self._forward_max.get(name)
-            self._forward_max[name] = v if old is None else torch.maximum(old, v.to(old.device))
+            if old is not None and old.device != v.device:
+                v = v.to(old.device)
+            self._forward_max[name] = v if old is None else torch.maximum(old, v)
             self.note_max(FORWARD, v)
         except Exception as e:
             self.note_error(e)
