@@ -478,8 +478,8 @@ def check_slot(name: str, device: str, dry_run: bool) -> dict:
         if importlib.util.find_spec("fp16probe.capture.shadow") is None:
             return {"status": "not_available", "why": "shadow steps (issue #20, fp16probe.capture.shadow) are not in"
                     " this checkout"}
-        return {"status": "not_available", "why": "shadow steps are in this checkout, but this check does not"
-                " measure them yet"}
+        return {"status": "not_available", "why": "shadow steps (fp16probe.capture.shadow) are in this checkout,"
+                " but this check does not measure their cost yet"}
     raise ValueError(name)
 
 

@@ -535,6 +535,7 @@ def recommend(
     kind: KindOpt = Kind.all,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Print the recommendation alone, with GradScaler arguments ready to paste."""
@@ -551,9 +552,40 @@ def recommend(
             dev, how = scaler_device(r, device)
             d["grad_scaler_code"] = grad_scaler_code(rec, dev)
             d["grad_scaler_device"] = how
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                d["schedule"] = _finite(judge_schedules(r, format.value, kind=kind.value).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device)
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                render.print_schedule(console, judge_schedules(r, format.value, kind=kind.value))
+
+
+@app.command()
+def schedule(
+    report: ReportArg,
+    format: FormatOpt = FormatName["fp16"],
+    kind: KindOpt = Kind.all,
+    max_flushed: Annotated[float, typer.Option("--max-flushed", help="Flushed share above which a step flushes too much (0.001 = 0.1%).")] = 1e-3,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Replay loss-scale rules over the run's own recorded steps; table and plain-words answer."""
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.presentation import terminal as render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        r = Report.load(report)
+        table = judge_schedules(r, format.value, max_flushed_fraction=max_flushed, kind=kind.value)
+        if json_out:
+            sys.stdout.write(json.dumps(_finite(table.to_dict()), indent=2) + "\n")
+        else:
+            render.print_schedule(console, table)
 
 
 @app.command()

@@ -38,6 +38,7 @@ __all__ = [
     "print_compare",
     "print_error",
     "print_recommendation",
+    "print_schedule",
     "print_summary",
     "progress",
     "recommendation_view",
@@ -243,6 +244,46 @@ def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
     if rec.citations:
         yield from _lines(["sources:"], "bold")
         yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
+
+
+def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
+    """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer."""
+    from rich.table import Table
+
+    flush = table.flush_reference is not None
+    t = Table(title=f"loss-scale rules replayed over this run's {num.count(table.steps)} recorded steps "
+                    f"({table.format})", title_justify="left")
+    columns = ["rule", "skipped", "flushing > " + num.percent(table.max_flushed_fraction),
+               "mean flushed", "worst flushed", "recovery mean/max", "final S"]
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for r in table.rows:
+        over = "n/a" if r.steps_over_threshold is None else num.count(r.steps_over_threshold)
+        if r.recovery_steps_mean is None:
+            recovery = "no backoff" if not r.backoffs else "not recovered"
+        else:
+            recovery = f"{r.recovery_steps_mean:.0f} / {r.recovery_steps_max}"
+        t.add_row(*_cells([r.name, num.count(r.skipped_steps), over,
+                           num.percent(r.mean_flushed_fraction) if flush else "n/a",
+                           num.percent(r.worst_flushed_fraction) if flush else "n/a",
+                           recovery, num.magnitude(r.final_scale)]))
+    yield t
+    if table.reproduced is not None:
+        yield from _lines([("check: the run's own settings reproduce its recorded scale on every step and its "
+                            "skipped steps exactly") if table.reproduced else
+                           "check: the run's own settings do NOT reproduce its recorded scales (see the note)"],
+                          "dim" if table.reproduced else "yellow")
+    yield from _lines([""])
+    yield from _para(table.answer, width)
+    for note in table.notes:
+        yield from _para(note, width, "yellow")
+
+
+def print_schedule(console: Any, table: Any) -> None:
+    """Print the schedule replay table and its answer."""
+    from rich.console import Group
+
+    console.print(Group(*schedule_view(table, console.width)))
 
 
 # -- tables ----------------------------------------------------------------------------------

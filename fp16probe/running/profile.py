@@ -316,7 +316,9 @@ def _scale_of(scaler: Any) -> float | None:
 def _make_probe(model: nn.Module, scaler: Any, options: Mapping[str, Any]) -> Any:
     from fp16probe.capture.probe import Probe
 
-    probe = Probe(model, scaler=scaler, **options)
+    # No fp32 reruns here: profile() measures in fp32 by default, and a --precision fp16 profile
+    # is asked for the run as it is (a Probe left on in training reruns, capture.shadow).
+    probe = Probe(model, scaler=scaler, **{"shadow_every": 0, **options})
     patterns = options.get("modules")
     if patterns and not probe.hooked_modules:
         names = [n for n, _ in model.named_modules() if n][:6]
