@@ -1,31 +1,43 @@
-"""The prepared GPU check: a few minutes on a CUDA machine, figures written to one JSON file.
+"""The prepared GPU check: one run within a time budget on a CUDA machine, figures in one JSON file.
 
 Run from the repository root on a machine with a GPU::
 
-    python bench/gpu_check.py --out gpu_check.json
+    python bench/gpu_check.py --budget 300 --out gpu_check.json        # the core parts, about 3-5 min
+    python bench/gpu_check.py --budget 900 --slow --out gpu_check.json # also verify, pytest -m cuda, bench
 
-It runs, in order, and records each part's outcome and figures (a failing part is
-recorded and the rest still run; the exit status is 1 if any part failed):
+Each part runs in its own process under a hard time limit (its budget, or what is left of
+``--budget``, whichever is less); a part that overruns is killed and recorded as
+``timed_out``, a failing one as ``failed``, and the rest still run. The exit status is 1 if
+any part failed or timed out. The JSON is rewritten after every part, so a run cut short
+keeps what it measured. Parts, in order:
 
 1. ``sync``: probed fp16-autocast steps with a real ``GradScaler`` under
-   ``torch.cuda.set_sync_debug_mode("error")`` (forward and module hooks, gradient hooks,
-   the end-of-backward weight-gradient pass, the overflow ceiling's node hooks, ``step()``);
+   ``torch.cuda.set_sync_debug_mode("error")``, on a model with enough functional ops that
+   the overflow ceiling folds its maxima inside backward, over enough steps (70) that its
+   dtype tracking runs again (every 64 forwards) and its hook set is replayed in between;
    any host synchronisation raises. Then one probed step under the profiler: no
    host-to-device copy from pageable memory may appear (the debug mode does not flag those).
 2. ``engine``: the GPU engines (Triton when installed, and the eager ``index_add_`` path)
-   against the CPU engine on the same data: random bit patterns (subnormals, inf, NaN),
-   fp16 and bf16 tensors, and gradients unscaled by a device scalar. Counts must be equal.
+   against the CPU engine on the same data, one tensor at a time and many in one launch:
+   3 * 2^20 + 7 elements (every Triton program loops), random bit patterns, fp16 (binned
+   in the fp16 domain, unscaled by powers of two and by another number), bf16, fp32; and one
+   fp16 tensor of 2^31 + 9 elements (64-bit offsets) when the GPU has the memory for it.
 3. ``amp``: a probed run under fp16 autocast with a real GradScaler; each step's weight
-   gradient histograms equal the CPU engine's count of ``grad * (1 / scale)`` taken at the
-   end of backward.
-4. ``verify``: ``fp16probe profile --verify`` on the demo model on the GPU (the recommended
-   scaler run for real, predicted against measured).
-5. ``pytest``: the suite's CUDA-marked tests (``-m cuda``).
-6. ``bench``: ``bench/run.py --device cuda`` (fp16 autocast + GradScaler steps).
+   gradient histograms equal the CPU engine's count of ``grad * (1 / scale)``.
+4. ``overhead``: wall time by CUDA events of a GPT-2-124M-sized model built from its config
+   (12 layers, 12 heads, d=768, vocab 50257, context 1024) in fp16 autocast with a
+   GradScaler, batch 8 x 1024: plain, the one-read limit (a hook reading every gradient
+   once), the Probe every step, and every=10, in interleaved rounds (median ratios).
+5. ``forward_headroom``, ``shadow_step``, ``autocast_ops``: named slots for the costs and
+   checks other issues add (forward-pass headroom capture, shadow steps, the CUDA autocast
+   op-dtype check); each runs when this checkout has the feature, else it is recorded as
+   ``not_available`` with the reason.
+6. Slow, with ``--slow`` only: ``verify`` (``fp16probe profile --verify`` on the demo),
+   ``pytest`` (the suite's CUDA-marked tests), ``bench`` (``bench/run.py --device cuda``).
 
-``--dry-run`` runs every part that can run without a GPU on the CPU with tiny sizes (the
-test suite does this, so the script cannot rot); parts that need CUDA are recorded as
-skipped. Never fake figures: a skipped part has none.
+``--dry-run`` runs every part that can run without a GPU on the CPU with tiny sizes, in this
+process (the test suite does this, so the script cannot rot); what needs CUDA is recorded
+as skipped. Never fake figures: a skipped part has none.
 """
 
 from __future__ import annotations
@@ -53,6 +65,9 @@ from fp16probe.capture import engine  # noqa: E402
 from fp16probe.report import WEIGHT_GRAD  # noqa: E402
 
 
+PART_LIMIT = 600.0  # seconds a part's own subprocess may run (set from the part's budget in its process)
+
+
 def _Net() -> nn.Module:
     """Every kind of hook the Probe uses (bench/models.HookMix), sized for the GPU check: [B, 3, 8, 8] in."""
     return HookMix(channels=8, dim=32, heads=4, classes=5)
@@ -72,38 +87,98 @@ def _amp_step(model: nn.Module, x: torch.Tensor, opt, scaler, device: str, probe
     scaler.update()
 
 
-def check_sync(device: str) -> dict:
-    """Probed fp16-autocast steps with a GradScaler raise on any host sync (CUDA's debug mode)."""
-    if device != "cuda":
-        return {"status": "skipped", "why": "needs CUDA (set_sync_debug_mode)"}
+class _SyncNet(nn.Module):
+    """HookMix, then ``layers`` blocks of Linear with functional ops after it (tanh, a gain): each
+    block gives the overflow ceiling two nodes of its own, so it folds inside backward."""
+
+    def __init__(self, layers: int = 70) -> None:
+        super().__init__()
+        self.mix = _Net()
+        self.blocks = nn.ModuleList(nn.Linear(5, 5) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(x)
+        for lin in self.blocks:
+            h = torch.tanh(lin(h)) * 1.5
+        return h
+
+
+def check_sync(device: str, dry_run: bool = False) -> dict:
+    """Probed fp16-autocast steps with a GradScaler raise on any host sync (CUDA's debug mode).
+
+    70 steps: past the dtype tracking's re-run (every 64 forwards) with replayed hook sets
+    between; the model gives the ceiling more than 128 nodes a step, so its pending maxima
+    fold inside backward (every 256). On a dry run the same loop runs on the CPU, without the
+    debug mode (it needs CUDA): the part is then ``skipped``, with the loop's figures.
+    """
+    from fp16probe.capture import ceiling as ceiling_module
+
     torch.manual_seed(0)
-    model = _Net().cuda()
-    x = torch.randn(4, 3, 8, 8, device="cuda")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cuda")
-    steps = 5
+    model = _SyncNet(70 if not dry_run else 6).to(device)
+    x = torch.randn(4, 3, 8, 8, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device)
+    steps = 2 if dry_run else 70
+    folds = [0]
+    fold_every = ceiling_module._FOLD_EVERY
+    if dry_run:  # a small model on the CPU: fold sooner, so the in-hook fold runs here too
+        ceiling_module._FOLD_EVERY = 16
+    try:
+        return _sync_loop(model, x, opt, scaler, device, steps, folds, fold_every)
+    finally:
+        ceiling_module._FOLD_EVERY = fold_every
+
+
+def _sync_loop(model: nn.Module, x: torch.Tensor, opt, scaler, device: str, steps: int, folds: list[int],
+               fold_every: int) -> dict:
+    from fp16probe.capture import ceiling as ceiling_module
+
     with Probe(model, scaler=scaler, activations=True) as probe:
+        ceiling = probe._ceiling
+        real_fold = ceiling._fold
+
+        def counted_fold() -> None:
+            folds[0] += 1
+            real_fold()
+
+        ceiling._fold = counted_fold
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
             try:
-                with torch.autocast("cuda", dtype=torch.float16):
+                with torch.autocast(device, dtype=torch.float16):
                     loss = model(x).float().square().mean()
                 scaler.scale(loss).backward()
                 probe.step()
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
             scaler.step(opt)  # GradScaler's own inf check syncs, by design: outside the guard
             scaler.update()
     report = probe.report()
     errors = report.metadata.extra.get("hook_errors", 0)
-    pageable = _pageable_copies_in_a_probed_step(model, x, opt, scaler)
-    return {
-        "status": "ok" if not errors and len(report.trace) == steps and not pageable else "failed",
+    figures = {
         "steps": len(report.trace),
         "hook_errors": errors,
         "first_hook_error": report.metadata.extra.get("first_hook_error"),
+        "ceiling_folds_in_backward": folds[0] - steps,  # close_step folds once a step as well
+        "ceiling_nodes_hooked_per_step": ceiling.nodes_hooked / steps,
+        "fold_every": ceiling_module._FOLD_EVERY,
+        "fold_every_in_the_package": fold_every,
+        "dtype_tracking_runs": ceiling.forwards_tracked,
+        "recheck_every": ceiling_module._RECHECK_EVERY,
+        "replayed_forwards": ceiling.forwards_replayed,
+    }
+    if device != "cuda":
+        return {"status": "skipped", "why": "needs CUDA (set_sync_debug_mode); the loop ran on the CPU without it",
+                **figures}
+    pageable = _pageable_copies_in_a_probed_step(model, x, opt, scaler)
+    reached = figures["ceiling_folds_in_backward"] > 0 and ceiling.forwards_tracked >= 2
+    return {
+        "status": "ok" if not errors and len(report.trace) == steps and not pageable and reached else "failed",
+        **figures,
         # set_sync_debug_mode does not flag a copy from pageable host memory: the profiler does.
         "pageable_host_to_device_copies": pageable,
     }
@@ -132,47 +207,106 @@ def _engine_cases(device: str, n: int) -> list[tuple[str, torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int64, generator=g).to(torch.int32)
     dense = torch.randn(n, generator=g) * 1e-3
-    odd = n // 3 + 1  # not a multiple of the kernel's tile
+    every_fp16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    fp16 = (torch.randn(n, generator=g) * 2.0**-10).half()
+    fp16[:: max(1, n // 65536)] = every_fp16[: len(fp16[:: max(1, n // 65536)])]  # every pattern, spread out
     cases = [
         ("random_bits", bits.view(torch.float32), None),
-        ("fp16", (torch.randn(odd, generator=g) * 1e-4).half(), None),
-        ("bf16", (torch.randn(odd, generator=g) * 1e-30).to(torch.bfloat16), None),
+        ("fp16", fp16, None),
+        ("every_fp16_pattern", every_fp16, None),
+        ("bf16", (torch.randn(n, generator=g) * 1e-30).to(torch.bfloat16), None),
         ("relu_masked", torch.relu(dense), None),
-        ("unscaled_fp16", (torch.randn(odd, generator=g) * 512).half(), torch.tensor(2.0**-16)),
+        ("unscaled_fp16_pow2", fp16, torch.tensor(2.0**-16)),
+        ("unscaled_fp16_not_pow2", fp16, torch.tensor(0.3)),
         ("unscaled_subnormals", dense * 1e-35, torch.tensor(2.0**-7)),
     ]
     return [(name, x.to(device), None if inv is None else inv.to(device)) for name, x, inv in cases]
 
 
-def check_engine(device: str, n: int = 1 << 20) -> dict:
-    """Each engine on ``device`` gives the CPU engine's counts on the same data."""
-    out: dict = {"cases": {}}
+def _cpu_reference(x: torch.Tensor, inv: torch.Tensor | None, chunk: int = 1 << 26) -> tuple[torch.Tensor, int]:
+    """The CPU engine's counts of ``x * inv``, in chunks (counts add, keys take the max)."""
+    counts, keys = engine.new_table(1)
+    flat = x.reshape(-1)
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i : i + chunk].cpu()
+        engine.count_into(part.float() * inv.cpu() if inv is not None else part, counts, keys, 0)
+    return counts[0], int(keys[0])
+
+
+def _engines_on(device: str) -> list[str]:
     names = ["device"]
     if device == "cuda" and engine._triton_available():
         names.insert(0, "triton")
+    return names
+
+
+def _count_with(which: str, fn: Callable[[], None]) -> None:
+    saved, saved_cpu = engine._TRITON, engine.CPU_ENGINE
+    engine._TRITON = which == "triton"
+    engine.CPU_ENGINE = "device"  # on a CPU dry run: the accelerator path on CPU tensors
+    try:
+        fn()
+    finally:
+        engine._TRITON, engine.CPU_ENGINE = saved, saved_cpu
+
+
+def check_engine(device: str, n: int = 3 * (1 << 20) + 7, big: bool = False) -> dict:
+    """Each engine on ``device`` gives the CPU engine's counts on the same data (one tensor, and many at once)."""
+    out: dict = {"numel": n, "cases": {}}
+    names = _engines_on(device)
     ok = True
-    for name, x, inv in _engine_cases(device, n):
-        ref_x = x.cpu().float() * inv.cpu() if inv is not None else x.cpu()
-        want = engine.histogram(ref_x)
+    cases = _engine_cases(device, n)
+    for name, x, inv in cases:
+        want = _cpu_reference(x, inv)
         got = {}
         for which in names:
-            saved = engine._TRITON
-            engine._TRITON = which == "triton"
-            saved_cpu = engine.CPU_ENGINE
-            engine.CPU_ENGINE = "device"  # on a CPU dry run: the accelerator path on CPU tensors
-            try:
-                counts, keys = engine.new_table(1, device)
-                engine.count_into(x, counts, keys, 0, inv=inv)
-                same = torch.equal(counts[0].cpu(), want[0]) and int(keys[0]) == int(want[1])
-            finally:
-                engine._TRITON = saved
-                engine.CPU_ENGINE = saved_cpu
-            got[which] = same
-            ok &= same
+            counts, keys = engine.new_table(1, device)
+            _count_with(which, lambda x=x, inv=inv, c=counts, k=keys: engine.count_into(x, c, k, 0, inv=inv))
+            got[which] = torch.equal(counts[0].cpu(), want[0]) and int(keys[0]) == want[1]
+            ok &= got[which]
         out["cases"][name] = got
+    # many tensors in one call (the end-of-backward weight-gradient pass), scaled
+    inv = torch.tensor(2.0**-12, device=device)
+    xs = [x for _, x, _ in cases]
+    rows = list(range(len(xs)))[::-1]
+    many = {}
+    for which in names:
+        counts, keys = engine.new_table(len(xs), device)
+        _count_with(which, lambda c=counts, k=keys: engine.count_many(xs, c, k, rows, replace=True, inv=inv))
+        same = True
+        for x, row in zip(xs, rows):
+            want = _cpu_reference(x, inv)
+            same &= torch.equal(counts[row].cpu(), want[0]) and int(keys[row]) == want[1]
+        many[which] = same
+        ok &= same
+    out["cases"]["many_at_once_scaled"] = many
+    out["big"] = _check_big(device, names) if big else {"status": "skipped", "why": "dry run"}
+    ok &= out["big"]["status"] != "failed"
     out["engines"] = names
     out["status"] = "ok" if ok else "failed"
     return out
+
+
+def _check_big(device: str, names: list[str]) -> dict:
+    """One fp16 tensor of 2^31 + 9 elements (64-bit offsets), when the device has room for it."""
+    n = (1 << 31) + 9
+    need = n * 2 + (1 << 30)
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+    if free < need:
+        return {"status": "skipped", "why": f"needs {need / 2**30:.1f} GiB free on the device, {free / 2**30:.1f} there"}
+    x = torch.empty(n, dtype=torch.float16, device=device)
+    x.normal_(0, 2.0**-10)
+    x[-1000:] = float("inf")  # the end of the tensor is reached (an int32 offset would wrap before it)
+    x[-1] = 2.0**15
+    want = _cpu_reference(x, None)
+    got = {}
+    for which in names:
+        counts, keys = engine.new_table(1, device)
+        _count_with(which, lambda c=counts, k=keys, x=x: engine.count_into(x, c, k, 0))
+        got[which] = torch.equal(counts[0].cpu(), want[0]) and int(keys[0]) == want[1]
+    del x
+    torch.cuda.empty_cache()
+    return {"status": "ok" if all(got.values()) else "failed", "numel": n, "engines": got}
 
 
 def check_amp(device: str) -> dict:
@@ -218,6 +352,181 @@ def check_amp(device: str) -> dict:
     }
 
 
+def _gpt2_124m(device: str, dry_run: bool) -> tuple[nn.Module, torch.Tensor, str]:
+    """GPT-2 124M's shape from its config (12 layers, 12 heads, d=768, vocab 50257, context 1024), batch 8."""
+    from bench.run import GPT
+
+    vocab, dim, layers, seq, heads, batch = (64, 32, 2, 16, 4, 2) if dry_run else (50257, 768, 12, 1024, 12, 8)
+    torch.manual_seed(0)
+    model = GPT(vocab, dim, layers, seq, heads).to(device)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    return model, tokens, f"GPT-2 config: {layers} layers, {heads} heads, d={dim}, vocab {vocab}, batch {batch} x {seq}"
+
+
+def _timer(device: str) -> Callable[[Callable[[], None], int], float]:
+    """Seconds per call of ``fn`` over ``reps`` calls: CUDA events on a GPU (device time), else wall time."""
+
+    def timed(fn: Callable[[], None], reps: int) -> float:
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / reps
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    return timed
+
+
+def check_overhead(device: str, dry_run: bool = False) -> dict:
+    """Wall-time ratios (CUDA events) of the Probe every step, every=10 and the one-read limit to a plain step."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    from bench.run import TensorHooks, one_read
+
+    model, tokens, what = _gpt2_124m(device, dry_run)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.float16):
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def with_probe(every: int):
+        def attach():
+            p = Probe(model, every=every, scaler=scaler).start()
+
+            def run() -> None:
+                step()
+                p.step()
+
+            return run, p.stop
+
+        return attach
+
+    def limit():
+        h = TensorHooks(model, one_read)
+        return step, h.remove
+
+    variants = {"plain": lambda: (step, lambda: None), "one_read_limit": limit, "probe_every1": with_probe(1),
+                "probe_every10": with_probe(10)}
+    reps = {"plain": 3, "one_read_limit": 3, "probe_every1": 3, "probe_every10": 10}
+    if dry_run:
+        reps = dict.fromkeys(reps, 1) | {"probe_every10": 10}
+    rounds = 1 if dry_run else 5
+    timed = _timer(device)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    warm = 0 if dry_run else 1
+    for r in range(rounds + warm):  # round 0 warms up (Triton compiles, allocator settles) and is not counted
+        for name, attach in variants.items():
+            run, detach = attach()
+            run()
+            t = timed(run, reps[name])
+            detach()
+            if r >= warm:
+                times[name].append(t)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    return {
+        "status": "ok",
+        "model": what,
+        "params": sum(p.numel() for p in model.parameters()),
+        "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
+        "rounds": rounds,
+        "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+        "ratio_to_plain": {k: ratio(k, "plain") for k in variants if k != "plain"},
+        "probe_over_limit": ratio("probe_every1", "one_read_limit"),
+        "accelerator_engine": ("triton" if engine._triton_available() else "torch index_add_")
+        if device == "cuda" else "cpu",
+    }
+
+
+def check_slot(name: str, device: str, dry_run: bool) -> dict:
+    """A named slot for another issue's cost or check: run when this checkout has the feature, else ``not_available``."""
+    if name == "autocast_ops":
+        try:
+            from fp16probe.capture.autocast_rules import compare_with_device
+        except ImportError:
+            return {"status": "not_available", "why": "the CUDA autocast op-dtype check (issue #19, "
+                    "fp16probe.capture.autocast_rules.compare_with_device) is not in this checkout"}
+        got = compare_with_device(device)
+        return {"status": "ok" if not got.get("disagree") else "failed", **got}
+    if name == "forward_headroom":
+        import inspect
+
+        if "forward" not in inspect.signature(Probe).parameters:
+            return {"status": "not_available", "why": "forward-pass headroom capture (issue #19, Probe(forward=...))"
+                    " is not in this checkout"}
+        return _forward_headroom_cost(device, dry_run)
+    if name == "shadow_step":
+        import importlib.util
+
+        if importlib.util.find_spec("fp16probe.capture.shadow") is None:
+            return {"status": "not_available", "why": "shadow steps (issue #20, fp16probe.capture.shadow) are not in"
+                    " this checkout"}
+        return {"status": "not_available", "why": "shadow steps (fp16probe.capture.shadow) are in this checkout,"
+                " but this check does not measure their cost yet"}
+    raise ValueError(name)
+
+
+def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
+    """The Probe with its forward maxima against the Probe without, on the GPT-2-124M-sized model (CUDA events)."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    model, tokens, what = _gpt2_124m(device, dry_run)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.float16):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    timed = _timer(device)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    rounds, warm = (1, 0) if dry_run else (3, 1)
+    for r in range(rounds + warm):
+        for forward in (False, True):
+            p = Probe(model, scaler=scaler, forward=forward).start()  # type: ignore[call-arg]
+
+            def run(p: Probe = p) -> None:
+                step()
+                p.step()
+
+            run()
+            t = timed(run, 1 if dry_run else 3)
+            p.stop()
+            if r >= warm:
+                times[forward].append(t)
+    return {
+        "status": "ok",
+        "model": what,
+        "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
+        "probe_with_forward_over_without": statistics.median(a / b for a, b in zip(times[True], times[False])),
+        "step_ms": {"probe_without_forward": statistics.median(times[False]) * 1e3,
+                    "probe_with_forward": statistics.median(times[True]) * 1e3},
+    }
+
+
 def check_verify(device: str, out_dir: Path, dry_run: bool) -> dict:
     """Run ``fp16probe profile --verify`` on the demo model; keep its verification block."""
     out = out_dir / "verify_report.json"
@@ -226,7 +535,7 @@ def check_verify(device: str, out_dir: Path, dry_run: bool) -> dict:
            "--verify", "--out", str(out), "--json"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PART_LIMIT, cwd=ROOT)
     result: dict = {"command": " ".join(cmd[1:]), "exit_code": proc.returncode,
                     "seconds": round(time.perf_counter() - t0, 1)}
     if out.exists():
@@ -246,7 +555,7 @@ def check_pytest(device: str) -> dict:
         return {"status": "skipped", "why": "needs CUDA"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PART_LIMIT, cwd=ROOT)
     return {"status": "ok" if proc.returncode == 0 else "failed", "exit_code": proc.returncode,
             "tail": proc.stdout[-1500:]}
 
@@ -262,12 +571,78 @@ def check_bench(device: str, out_dir: Path, dry_run: bool) -> dict:
     return {"status": "ok", "table": bench.format_table(data), "json": str(path)}
 
 
+# name -> (budget in seconds, slow: runs only with --slow)
+PARTS: dict[str, tuple[float, bool]] = {
+    "sync": (60, False),
+    "engine": (90, False),
+    "amp": (30, False),
+    "overhead": (120, False),
+    "forward_headroom": (30, False),
+    "shadow_step": (30, False),
+    "autocast_ops": (30, False),
+    "verify": (150, True),
+    "pytest": (300, True),
+    "bench": (300, True),
+}
+
+
+def run_part(name: str, device: str, out_dir: Path, dry_run: bool) -> dict:
+    """Run one part in this process and return its record."""
+    parts: dict[str, Callable[[], dict]] = {
+        "sync": lambda: check_sync(device, dry_run),
+        "engine": lambda: check_engine(device, 1 << 12 if dry_run else 3 * (1 << 20) + 7, big=not dry_run),
+        "amp": lambda: check_amp(device),
+        "overhead": lambda: check_overhead(device, dry_run),
+        "forward_headroom": lambda: check_slot("forward_headroom", device, dry_run),
+        "shadow_step": lambda: check_slot("shadow_step", device, dry_run),
+        "autocast_ops": lambda: check_slot("autocast_ops", device, dry_run),
+        "verify": lambda: check_verify(device, out_dir, dry_run),
+        "pytest": lambda: check_pytest(device),
+        "bench": lambda: check_bench(device, out_dir, dry_run),
+    }
+    try:
+        return parts[name]()
+    except Exception:
+        return {"status": "failed", "error": traceback.format_exc()[-3000:]}
+
+
+def _run_isolated(name: str, limit: float, dry_run: bool, out_dir: Path) -> dict:
+    """Run one part in a child process, killed after ``limit`` seconds."""
+    part_out = out_dir / f".gpu_check_{name}.json"
+    part_out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--limit", str(limit),
+           "--out", str(part_out)]
+    if dry_run:
+        cmd.append("--dry-run")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:]
+        return {"status": "timed_out", "limit_s": round(limit, 1),
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    if not part_out.exists():
+        return {"status": "failed", "exit_code": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
+    result = json.loads(part_out.read_text())
+    part_out.unlink()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run every part, write the figures, exit 1 if any part failed."""
+    """Run every part within the budget, write the figures, exit 1 if any part failed or timed out."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the figures go (JSON)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: run the CPU-safe parts, tiny sizes")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    ap.add_argument("--slow", action="store_true", help="also run the slow parts (verify, pytest, bench)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out")
+    ap.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
+    ap.add_argument("--part-budget", action="append", default=[], metavar="PART=SECONDS",
+                    help="another time limit for one part (repeatable)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run each part in its own process under its time limit (the default without --dry-run)")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # the child process of --isolate
+    ap.add_argument("--limit", type=float, default=600.0, help=argparse.SUPPRESS)  # the child's time limit
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     if not args.dry_run and device != "cuda":
@@ -275,39 +650,56 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = args.out.resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.part is not None:  # one part, in this process, for the parent
+        global PART_LIMIT
+        PART_LIMIT = max(args.limit - 5, 1)
+        args.out.write_text(json.dumps(run_part(args.part, device, out_dir, args.dry_run), default=str) + "\n")
+        return 0
     skip = set(filter(None, args.skip.split(",")))
-    parts: dict[str, Callable[[], dict]] = {
-        "sync": lambda: check_sync(device),
-        "engine": lambda: check_engine(device, 1 << 12 if args.dry_run else 1 << 20),
-        "amp": lambda: check_amp(device),
-        "verify": lambda: check_verify(device, out_dir, args.dry_run),
-        "pytest": lambda: check_pytest(device),
-        "bench": lambda: check_bench(device, out_dir, args.dry_run),
-    }
+    only = set(filter(None, args.only.split(",")))
+    isolate = args.isolate or not args.dry_run
+    budgets = {name: budget for name, (budget, _) in PARTS.items()}
+    for item in args.part_budget:
+        name, _, seconds = item.partition("=")
+        if name not in budgets:
+            print(f"--part-budget: no part named {name!r}; the parts are {', '.join(PARTS)}", file=sys.stderr)
+            return 2
+        budgets[name] = float(seconds)
     results: dict = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "dry_run": args.dry_run,
+        "budget_s": args.budget,
+        "isolated": isolate,
         "parts": {},
     }
-    for name, part in parts.items():
-        if name in skip:
-            results["parts"][name] = {"status": "skipped", "why": "--skip"}
+    t_start = time.perf_counter()
+    for name, (_, slow) in PARTS.items():
+        budget = budgets[name]
+        left = args.budget - (time.perf_counter() - t_start)
+        why = ("--skip" if name in skip else "not in --only" if only and name not in only
+               else "slow: run with --slow" if slow and not args.slow else "no budget left" if left < 1 else None)
+        if why is not None:
+            results["parts"][name] = {"status": "skipped", "why": why}
             continue
         t0 = time.perf_counter()
-        try:
-            results["parts"][name] = part()
-        except Exception:
-            results["parts"][name] = {"status": "failed", "error": traceback.format_exc()[-3000:]}
+        limit = min(budget, left)
+        results["parts"][name] = (_run_isolated(name, limit, args.dry_run, out_dir) if isolate
+                                  else run_part(name, device, out_dir, args.dry_run))
         results["parts"][name]["seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"  {name}: {results['parts'][name]['status']} ({results['parts'][name]['seconds']} s)",
-              file=sys.stderr, flush=True)
+        results["parts"][name]["budget_s"] = round(limit, 1)
+        print(f"  {name}: {results['parts'][name]['status']} ({results['parts'][name]['seconds']} s"
+              f" of {limit:.0f})", file=sys.stderr, flush=True)
+        results["seconds"] = round(time.perf_counter() - t_start, 1)
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")  # kept if a later part hangs
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     bench_part = results["parts"].get("bench", {})
     if "table" in bench_part:
         print(bench_part["table"])
-    failed = [n for n, r in results["parts"].items() if r["status"] == "failed"]
-    print(f"\nparts failed: {failed or 'none'}; figures in {args.out}", file=sys.stderr)
+    failed = [n for n, r in results["parts"].items() if r["status"] in ("failed", "timed_out")]
+    print(f"\nparts failed or timed out: {failed or 'none'}; {results['seconds']} s; figures in {args.out}",
+          file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -269,6 +269,12 @@ def wandb_way(t: torch.Tensor) -> None:
     torch.histc(flat, bins=64, min=lo, max=hi).cpu()
 
 
+def frexp_bincount(t: torch.Tensor) -> None:
+    """A plain exponent histogram: ``torch.frexp`` and ``bincount`` (no ceiling, no key, no sync)."""
+    _, e = torch.frexp(t.detach())
+    torch.bincount(e.reshape(-1).add(149).clamp_(0, 280), minlength=281)
+
+
 def one_read(t: torch.Tensor) -> None:
     """The limit: one extra read of the gradient (min and max in one pass), nothing kept, no sync."""
     torch.aminmax(t.detach())
@@ -353,6 +359,7 @@ VARIANTS = (
     "probe_every10",
     "tensorboard_numpy",
     "wandb_histc_item",
+    "frexp_bincount",
 )
 
 
@@ -399,6 +406,7 @@ def bench_steps(w: Workload, s: Sizes, device: str = "cpu") -> dict:
         "probe_every10": with_probe(10),
         "tensorboard_numpy": with_hooks(tensorboard_way),
         "wandb_histc_item": with_hooks(wandb_way),
+        "frexp_bincount": with_hooks(frexp_bincount),
     }
     # every=10 samples one step in ten: its rounds run ten steps, one of them sampled.
     per_round = {k: (10 if k == "probe_every10" else s.steps_per_round) for k in attachers}
@@ -427,6 +435,8 @@ def bench_steps(w: Workload, s: Sizes, device: str = "cpu") -> dict:
         "step_cpu_ms": cpu_ms,
         "ratio_wall": {k: _median_ratio(wall[k], wall["plain"]) for k in attachers if k != "plain"},
         "ratio_cpu": {k: _median_ratio(cpu[k], cpu["plain"]) for k in attachers if k != "plain"},
+        "probe_over_limit_cpu": _median_ratio(cpu["probe_every1"], cpu["one_read"]),
+        "probe_over_limit_wall": _median_ratio(wall["probe_every1"], wall["one_read"]),
         "probe_memory": memory,
     }
 
@@ -501,7 +511,28 @@ COLUMNS = (
     ("probe_every10", "probe/10"),
     ("tensorboard_numpy", "tb+numpy"),
     ("wandb_histc_item", "histc+item"),
+    ("frexp_bincount", "frexp+bincnt"),
 )
+
+# The targets of issue 24, per model: Probe every step / the one-read limit, in CPU time.
+LIMIT_TARGETS = {"conv": 1.05, "transformer": 1.05, "gpt-mid": 1.05, "mlp-200": 1.15}
+EVERY10_TARGET = 1.02
+
+
+def targets(step: dict) -> dict:
+    """Probe every step over the limit (both per round, then the median), against the targets and the peers."""
+    r = step["ratio_cpu"]
+    probe_over_limit = step.get("probe_over_limit_cpu", r["probe_every1"] / r["one_read"])
+    peers = {k: r[k] for k in ("wandb_histc_item", "frexp_bincount", "tensorboard_numpy") if k in r}
+    target = LIMIT_TARGETS.get(step["model"])
+    return {
+        "probe_over_limit": probe_over_limit,
+        "target": target,
+        "met": target is not None and probe_over_limit <= target,
+        "every10": r["probe_every10"],
+        "every10_met": r["probe_every10"] <= EVERY10_TARGET,
+        "beats_peers": all(r["probe_every1"] < v for v in peers.values()),
+    }
 
 
 def format_table(r: dict) -> str:
@@ -539,6 +570,16 @@ def format_table(r: dict) -> str:
         lines.append(
             f"{s['model']:<12} {s['what']}; {s['params']:,} params, {s['leaf_modules']} leaves;"
             f" Probe holds {mem.get('fixed_bytes', 0) / 1024:.0f} KiB fixed"
+        )
+    lines.append("")
+    lines.append("targets (CPU time): Probe every step / limit <= 1.05x (conv, transformer, gpt-mid), <= 1.15x"
+                 " (mlp-200); below every peer; every=10 <= 1.02x")
+    for s in r["steps"]:
+        t = targets(s)
+        lines.append(
+            f"  {s['model']:<12} probe/limit {t['probe_over_limit']:.3f}x (target {t['target']}x: "
+            f"{'met' if t['met'] else 'NOT met'}), every=10 {t['every10']:.3f}x "
+            f"({'met' if t['every10_met'] else 'NOT met'}), below every peer: {'yes' if t['beats_peers'] else 'NO'}"
         )
     mem = r["memory"]
     lines.append("")

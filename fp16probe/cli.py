@@ -58,6 +58,9 @@ append_text: Any = _Deferred("fp16probe.report", "append_text")
 # The choices --format and --kind offer, spelled here so that --help needs no torch;
 # tests/test_cli_help.py checks them against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
 FORMAT_NAMES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+# The scaled formats only `profile` takes (their statistics are captured on the run itself);
+# tests/test_blockformats_cli.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
+BLOCK_FORMAT_NAMES = ("mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
 ACTIVATION_GRAD = "activation_grad"
 WEIGHT_GRAD = "weight_grad"
 
@@ -127,6 +130,7 @@ app = typer.Typer(
 )
 
 FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
+ProfileFormatName = enum.Enum("ProfileFormatName", {name: name for name in FORMAT_NAMES + BLOCK_FORMAT_NAMES}, type=str)
 
 
 class Kind(str, enum.Enum):
@@ -309,7 +313,8 @@ def profile(
     loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
     optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
-    format: FormatOpt = FormatName["fp16"],
+    format: Annotated[ProfileFormatName, typer.Option("--format", "-f", help="Target number format. fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2 and nvfp4 also capture the scaled-format statistics and print per-layer advice (docs/block-formats.md).")] = ProfileFormatName["fp16"],
+    recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge: fp8: current (default), delayed[:history_len[:margin[:max|most_recent]]], rowwise, blockwise; mxfp8: rceil (default), floor, ceil, even; nvfp4: torchao (default), cast, 16x16.")] = None,
     kind: KindOpt = Kind.all,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
@@ -331,7 +336,7 @@ def profile(
     from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
     from fp16probe.running.loading import load_model
     from fp16probe.running.losses import check_loss_spec, make_loss
-    from fp16probe.running.profile import Hangup, Terminated, check_settings
+    from fp16probe.running.profile import Hangup, Terminated, check_recipe, check_settings
     from fp16probe.running.profile import profile as run
     from fp16probe.running.ranks import timeout_s
     from fp16probe.running.signals import stop_signals
@@ -354,6 +359,10 @@ def profile(
             figures.check_figure_path(plot)
             _check_writable(plot, "--plot")
         opt = None if optimizer is OptimizerName.none else optimizer.value
+        check_recipe(format.value, recipe)
+        if plot is not None and format.value in BLOCK_FORMAT_NAMES:
+            raise InputError(f"--plot draws fp16/bf16/fp8 histograms; --format {format.value} prints its per-layer "
+                             "table instead: drop --plot")
         check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                        format=format.value, kind=kind.value, verify=verify,
                        target=target.value if target is not None else "cuda")
@@ -396,7 +405,8 @@ def profile(
                              precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                              format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
                              extra=extra, modules=modules or None, granularity=granularity.value,
-                             target=target.value if target is not None else None)
+                             target=target.value if target is not None else None,
+                             recipe=recipe)
         except Hangup:
             print_error(console, "hung up (SIGHUP) before the first step finished; no report written")
             raise typer.Exit(EXIT_HANGUP) from None
@@ -423,8 +433,12 @@ def profile(
                 _save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
+        elif rec is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: the per-layer answer only
+            render.print_block_advice(console, report, out=str(out))
         else:
             render.print_summary(console, report, rec, kind=kind.value, explain=explain, out=str(out))
+            if "block_advice" in report.metadata.extra:
+                render.print_block_advice(console, report, header=False)
     # A signal that came after the loop (while the report was made and written) still says so.
     raise typer.Exit(_exit_code(report) or shield.exit_code or EXIT_OK)
 
@@ -504,7 +518,8 @@ def _check_writable(path: Path, option: str) -> None:
 @app.command()
 def show(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
+    format: Annotated[ProfileFormatName, typer.Option("--format", "-f", help="Target number format; the scaled ones (mxfp8_e4m3, mxfp8_e5m2, nvfp4, and fp8_* with their statistics) need a report profiled with that --format.")] = ProfileFormatName["fp16"],
+    recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge (see profile --help).")] = None,
     kind: KindOpt = Kind.all,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
@@ -517,12 +532,40 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
+        advice = _block_advice(r, format.value, recipe)
+        if format.value in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
+            if json_out:
+                sys.stdout.write(json.dumps(advice, indent=2, allow_nan=False) + "\n")
+            else:
+                render.print_block_advice(console, r, advice=advice)
+            return
         rec = _analyze(r, format.value, kind.value)
         if json_out:
             data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
+            if advice is not None:
+                data["block_advice"] = advice
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
             render.print_summary(console, r, rec, kind=kind.value, top=top, distribution=True, explain=explain)
+            if advice is not None:
+                render.print_block_advice(console, r, header=False, advice=advice)
+
+
+def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[dict[str, Any]]:
+    """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
+    from fp16probe.running.profile import check_recipe
+
+    check_recipe(fmt, recipe)
+    if fmt not in BLOCK_FORMATS:
+        return None
+    stats = block_stats_of(report)
+    if stats is None:
+        if fmt in BLOCK_FORMAT_NAMES:
+            raise InputError(f"this report has no scaled-format statistics: profile with --format {fmt}")
+        return None  # an fp8 report made without them: the histogram analysis alone, as before
+    return advise(stats, fmt, recipe).to_dict()
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:

@@ -253,6 +253,9 @@ class MetadataExtra(TypedDict, total=False):
     hook_errors: int
     weight_grad_merge: str  # how rank reports' weight gradients were merged
     weight_grads_identical_across_ranks: bool
+    # scaled formats (FP8 recipes, MXFP8, NVFP4)
+    block_formats: dict[str, Any]  # the capture's statistics, read by fp16probe.blockscale.BlockStats
+    block_advice: dict[str, Any]  # fp16probe.analysis.blockformats.BlockAdvice.to_dict()
 
 
 @dataclass(frozen=True)
@@ -386,6 +389,7 @@ class Report:
             )
         try:
             _check_report_fields(d)
+            _check_block_formats(d["metadata"])
             return cls(
                 metadata=Metadata.from_dict(d["metadata"]),
                 modules=tuple(ModuleStats.from_dict(m, path=f"modules[{i}]") for i, m in enumerate(d["modules"])),
@@ -651,3 +655,13 @@ def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _check_block_formats(metadata: Any) -> None:
+    """Validate the scaled-format statistics a report carries (reports without them pass)."""
+    extra = metadata.get("extra") if isinstance(metadata, Mapping) else None
+    if isinstance(extra, Mapping) and "block_formats" in extra:
+        from fp16probe.blockscale import BlockStats
+
+        BlockStats.from_dict(extra["block_formats"])
+

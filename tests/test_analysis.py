@@ -220,8 +220,11 @@ def test_fp8_e4m3_saturates_so_the_advice_is_per_tensor_scaling():
     assert rec.verdict == "per_tensor_scaling"
     assert rec.evidence["flushed_fraction_at_scale"] == pytest.approx(100 / 101)  # 2^-20 * 2^7 flushes
     assert rec.evidence["per_tensor_flushed_fraction"] == 0.0  # small gets 2^27: 2^-20 * 2^27 = 2^7 survives
-    e5 = analyze(make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2", **FAST)  # e5m2 has inf
-    assert e5.verdict in ("constant", "dynamic", "no_single_scale") and e5.grad_scaler_kwargs
+    # e5m2 has inf, but FP8 recipes scale every tensor, gradients included, from its own amax:
+    # per-tensor scaling again, never a global GradScaler line.
+    e5 = analyze(make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2", **FAST)
+    assert e5.verdict == "per_tensor_scaling" and e5.grad_scaler_kwargs == {}
+    assert "own amax" in e5.text and "saturate (a value" not in e5.text
 
 
 def test_nothing_but_zeros_is_insufficient_evidence_not_good_news():

@@ -162,7 +162,9 @@ def _gradient_verdict(report: Report, m: "_Measured", fmt: Format, thresholds: T
         if reason[0] == "autocast_zeros":
             reason = (reason[0], reason[1] + shadow.pending_words(report))
         return _insufficient(m, fmt, evidence, thresholds, caveats, reason)
-    if not fmt.has_inf:
+    if not fmt.has_inf or fmt.name.startswith("fp8"):
+        # FP8 training scales each tensor from its own amax (Transformer Engine, torchao), e5m2's
+        # gradients included: never one global loss scale.
         return _per_tensor(report, m, fmt, evidence, thresholds, caveats)
     k_max = m.ceiling.largest_safe_log2_scale(fmt)
     if k_max is None or (_flushed_at(m, fmt, 0) <= tau and k_max - int(margin_bits) >= 0):
@@ -582,10 +584,15 @@ def _per_tensor(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thr
     ev["saturated_fraction_at_scale"] = fraction(saturated, nonzero)
     ev["single_scale_saturated_fraction"] = fraction(_saturated(m.hist, fmt, k), m.hist.nonzero_finite)
     max_words = magnitude(fmt.max)
+    why = (f"its casts saturate (a value past {max_words}, inf included, becomes {max_words} or NaN depending on "
+           "the cast), so a GradScaler never sees an overflow there and cannot back off"
+           if not fmt.has_inf else
+           f"its {bits(math.log2(fmt.overflow_threshold) - fmt.log2_flush_threshold)} bits of range are too few for "
+           "one scale over every tensor, and FP8 recipes (Transformer Engine, torchao) scale each tensor from its "
+           "own amax instead of scaling the loss")
     text = (
-        f"Use per-tensor scaling for {fmt.name}, not a loss scaler: its casts saturate (a value past {max_words}, "
-        f"inf included, becomes {max_words} or NaN depending on the cast), so a GradScaler never sees an "
-        f"overflow there and cannot back off. Scale each tensor from its measured maximum, "
+        f"Use per-tensor scaling for {fmt.name}, not a loss scaler: {why}. Scale each tensor from its measured "
+        f"maximum, "
         f"scale = {max_words} / amax / 2^{margin} (a margin of {margin} bit(s)), as NVIDIA Transformer Engine's "
         f"DelayedScaling recipe does. With one such scale per captured tensor, from its largest |g| over the "
         f"{ev['profiled_steps']} profiled step(s), {percent(ev['per_tensor_flushed_fraction'])} of the nonzero "

@@ -4,15 +4,31 @@ It reads each value once and adds it straight into a module's preallocated row o
 canonical bins (the layout of :mod:`fp16probe.histogram`), with the same bin rule as the
 torch path in :mod:`fp16probe.capture.engine`, so every engine gives identical counts.
 
-The pass over the data counts each value into one of 512 cells, ``2 f + (M == 0)`` for
-exponent field ``f`` and mantissa ``M`` (a shift, two masks, a compare), and keeps the
-largest ``|bits|``; no data-dependent branch, and eight interleaved sub-histograms break
-the store-to-load chain when neighbours share a cell (ReLU-masked gradients are runs of
-zeros), so the cost per element does not depend on the data. The cells map onto the
-canonical bins once per tensor. Only two cases need more, and a second pass runs only
-when they occur: fp32 subnormals (binned by ``ceil(log2 M)``) and an inf or NaN (the key
-is the largest *finite* magnitude). Only for CPU tensors; accelerators take the torch or
-Triton path.
+The counting loop is an add and a shift per value: for ``a = |bits|`` (exponent field
+``f``, mantissa ``M``) the cell is ``(a + 0x7FFFFF) >> 23 = f + (M != 0)``, one of 257,
+counted into eight interleaved ``uint32`` sub-histograms (8 KiB, in L1; interleaving
+breaks the store-to-load chain when neighbours share a cell, as ReLU's runs of zeros do),
+so the cost per value does not depend on the data. Canonical bin ``f + 22 + (M != 0)`` of
+a normal value is ``cell + 22``, so 254 of the 257 cells map onto one bin each:
+
+* cell 0 is exactly the zeros (``a = 0``), slot ``SLOT_ZERO``;
+* cells 2..254 are the normal values with ``f + (M != 0)`` = cell, bin ``cell + 22``
+  (``f - 1`` with a mantissa and ``f`` without both have top ``2^(f - 127)``);
+* cell 256 is exactly the NaNs (``f = 255``, ``M != 0``), slot ``SLOT_NAN``.
+
+Two cells mix values of several bins, and only when one of them is occupied does a second
+pass over the tensor run:
+
+* cell 1 holds the fp32 subnormals (``f = 0``, ``M > 0``: bin ``ceil(log2 M)``, 0..23) and
+  ``2^-126`` exactly (bin 23): the second pass bins the subnormals, the rest is bin 23;
+* cell 255 holds the finite values above ``2^127`` (bin 277) and inf (``SLOT_INF``): the
+  second pass counts the infs.
+
+The key (largest finite ``|bits|``) is a second, vectorised loop over the data, kept out
+of the counting loop (both run faster apart); when the largest ``|bits|`` is an inf or a
+NaN the second pass finds the largest finite one. ``tests/test_histogram.py`` checks the
+counts against the torch engine and the previous kernel on every exponent edge. Only for
+CPU tensors; accelerators take the torch or Triton path.
 """
 
 from __future__ import annotations
@@ -24,9 +40,11 @@ import numpy as np
 
 NUM_BINS = 281  # fp16probe.histogram.NUM_BINS (kept literal: numba compiles the constant in)
 _KEY_OFFSET = 1 << 23  # engine._KEY_OFFSET: a finite |bits| becomes a positive key
-SPLIT_AT = 1 << 21  # tensors this large are split across threads
+SPLIT_AT = 1 << 21  # tensors this large may be split across threads (count_into's ``threads``)
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
 _LANES = 8  # interleaved sub-histograms in the counting loop
+_CELLS = 264  # 257 cells per lane, padded to a multiple of 8
+_CHUNK = 1 << 34  # values per counting call: a lane's uint32 cell cannot wrap below 2^32 * 8 values
 _pool: ThreadPoolExecutor | None = None
 
 try:  # numba is optional: ``pip install "fp16probe[fast]"``
@@ -46,42 +64,39 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count(bits, local):  # pragma: no cover - compiled
-        """Count int32 bit patterns into cells ``2 f + (M == 0)`` of ``local`` ([_LANES, 512]); return max |bits|.
+        """Add int32 bit patterns into cells ``(|bits| + 0x7FFFFF) >> 23`` of ``local``; return max |bits|.
 
-        Eight interleaved sub-histograms break the store-to-load chain when neighbours
-        share a cell (runs of zeros in ReLU-masked gradients). The maximum is a second,
-        vectorised pass over the data: kept out of the counting loop, both are faster.
+        ``local`` is flat uint32 ``[_LANES * _CELLS]``, lane ``t`` at ``t * _CELLS``.
         """
         n = bits.shape[0]
         n8 = n - (n & 7)
         for i in range(0, n8, 8):
-            a0 = bits[i] & 0x7FFFFFFF
-            a1 = bits[i + 1] & 0x7FFFFFFF
-            a2 = bits[i + 2] & 0x7FFFFFFF
-            a3 = bits[i + 3] & 0x7FFFFFFF
-            a4 = bits[i + 4] & 0x7FFFFFFF
-            a5 = bits[i + 5] & 0x7FFFFFFF
-            a6 = bits[i + 6] & 0x7FFFFFFF
-            a7 = bits[i + 7] & 0x7FFFFFFF
-            local[0, ((a0 >> 22) | 1) - ((a0 & 0x7FFFFF) != 0)] += 1
-            local[1, ((a1 >> 22) | 1) - ((a1 & 0x7FFFFF) != 0)] += 1
-            local[2, ((a2 >> 22) | 1) - ((a2 & 0x7FFFFF) != 0)] += 1
-            local[3, ((a3 >> 22) | 1) - ((a3 & 0x7FFFFF) != 0)] += 1
-            local[4, ((a4 >> 22) | 1) - ((a4 & 0x7FFFFF) != 0)] += 1
-            local[5, ((a5 >> 22) | 1) - ((a5 & 0x7FFFFF) != 0)] += 1
-            local[6, ((a6 >> 22) | 1) - ((a6 & 0x7FFFFF) != 0)] += 1
-            local[7, ((a7 >> 22) | 1) - ((a7 & 0x7FFFFF) != 0)] += 1
+            local[((bits[i] & 0x7FFFFFFF) + 0x7FFFFF) >> 23] += 1
+            local[264 + (((bits[i + 1] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[528 + (((bits[i + 2] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[792 + (((bits[i + 3] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[1056 + (((bits[i + 4] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[1320 + (((bits[i + 5] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[1584 + (((bits[i + 6] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
+            local[1848 + (((bits[i + 7] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
         for i in range(n8, n):
-            a0 = bits[i] & 0x7FFFFFFF
-            local[0, ((a0 >> 22) | 1) - ((a0 & 0x7FFFFF) != 0)] += 1
+            local[((bits[i] & 0x7FFFFFFF) + 0x7FFFFF) >> 23] += 1
         largest = -1
         for i in range(n):
             largest = max(largest, bits[i] & 0x7FFFFFFF)
         return largest
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def _rare(bits, sub, do_sub, largest):  # pragma: no cover - compiled
-        """Second pass, only when needed: fp32 subnormals by ceil(log2 M), and the max finite |bits|."""
+    def _cells(local, cells):  # pragma: no cover - compiled
+        """Add the lanes of ``local`` into int64 ``cells`` [257]."""
+        for t in range(_LANES):
+            for c in range(257):
+                cells[c] += local[t * 264 + c]
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _rare(bits, sub, do_sub, do_inf, largest):  # pragma: no cover - compiled
+        """Second pass, only when needed: subnormals by ceil(log2 M) into ``sub[0:24]``, infs into
+        ``sub[24]``, and the max finite |bits| when ``largest`` is an inf or NaN; return that max."""
         fix_key = largest >= 0x7F800000
         if fix_key:
             largest = -1
@@ -89,40 +104,54 @@ if njit is not None:
             a = bits[i] & 0x7FFFFFFF
             if do_sub and 0 < a < 0x800000:
                 sub[32 - leading_zeros(np.uint32(a - 1))] += 1
+            if do_inf and a == 0x7F800000:
+                sub[24] += 1
             if fix_key and a < 0x7F800000 and a > largest:
                 largest = a
         return largest
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def _fold(local, sub, largest, counts, keys, row, replace):  # pragma: no cover - compiled
-        """Map cells onto canonical bins in ``counts[row]``, the key into ``keys[row]``."""
+    def _fold(cells, sub, largest, counts, keys, row, replace):  # pragma: no cover - compiled
+        """Map the cells (and the second pass) onto canonical bins in ``counts[row]``, the key into ``keys[row]``."""
         key = largest + _KEY_OFFSET if largest >= 0 else -1
         if replace:
             for j in range(NUM_BINS):
                 counts[row, j] = 0
             keys[row] = -1
-        for t in range(local.shape[0]):
-            for f in range(1, 255):  # normal: bin f + 22 (power of two, M = 0) or f + 23
-                counts[row, f + 22] += local[t, 2 * f + 1]
-                counts[row, f + 23] += local[t, 2 * f]
-            counts[row, 278] += local[t, 1]  # exact zeros
-            counts[row, 279] += local[t, 511]  # inf
-            counts[row, 280] += local[t, 510]  # NaN
-        for j in range(24):  # subnormals, counted by the second pass
+        counts[row, 278] += cells[0]  # exact zeros
+        subnormals = 0
+        for j in range(24):
             counts[row, j] += sub[j]
+            subnormals += sub[j]
+        counts[row, 23] += cells[1] - subnormals  # 2^-126 exactly
+        for c in range(2, 255):
+            counts[row, c + 22] += cells[c]
+        counts[row, 277] += cells[255] - sub[24]  # finite above 2^127
+        counts[row, 279] += sub[24]  # inf
+        counts[row, 280] += cells[256]  # NaN
         if key > keys[row]:
             keys[row] = key
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def _count_into(bits, counts, keys, row, replace):  # pragma: no cover - compiled
-        local = np.zeros((_LANES, 512), dtype=np.int64)
-        largest = _count(bits, local)
-        sub = np.zeros(24, dtype=np.int64)
-        subnormals = local[:, 0].sum()
-        if subnormals > 0 or largest >= 0x7F800000:
-            largest = _rare(bits, sub, subnormals > 0, largest)
-        _fold(local, sub, largest, counts, keys, row, replace)
+    def _finish(bits, cells, largest, counts, keys, row, replace):  # pragma: no cover - compiled
+        """The second pass when a mixed cell is occupied or the largest value is not finite, then the fold."""
+        sub = np.zeros(25, dtype=np.int64)
+        if cells[1] > 0 or cells[255] > 0 or largest >= 0x7F800000:
+            largest = _rare(bits, sub, cells[1] > 0, cells[255] > 0, largest)
+        _fold(cells, sub, largest, counts, keys, row, replace)
 
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _count_into(bits, counts, keys, row, replace):  # pragma: no cover - compiled
+        local = np.zeros(_LANES * _CELLS, dtype=np.uint32)
+        cells = np.zeros(257, dtype=np.int64)
+        largest = -1
+        n = bits.shape[0]
+        for start in range(0, n, _CHUNK):
+            if start:
+                local[:] = 0
+            largest = max(largest, _count(bits[start : start + _CHUNK], local))
+            _cells(local, cells)
+        _finish(bits, cells, largest, counts, keys, row, replace)
 
     @intrinsic
     def _int32_pointer(typingctx, address):  # pragma: no cover - compiled
@@ -140,32 +169,44 @@ if njit is not None:
             _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys, rows[t], replace)
 
 
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def count_at(address, n, counts, keys, row, replace):  # pragma: no cover - compiled
+        """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread (the thin per-tensor path:
+        integers and the table's cached views only, so the call costs little more than the kernel)."""
+        _count_into(carray(_int32_pointer(address), (n,)), counts, keys, row, replace)
+
+
 def count_many(
     addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
 ) -> None:
     """:func:`count_into` for several buffers in one call: contiguous fp32 at ``addresses[t]``, ``lengths[t]``
-    elements (each below ``SPLIT_AT``), into ``rows[t]``. The caller keeps the buffers alive."""
+    elements, into ``rows[t]``, on this thread. The caller keeps the buffers alive."""
     _count_many(addresses, lengths, rows, counts, keys, replace)
 
 
-def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool) -> None:
-    """Add the int32 bit patterns ``bits`` into ``counts[row]`` / ``keys[row]`` (replacing them when ``replace``)."""
+def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool,
+               threads: int = 1) -> None:
+    """Add the int32 bit patterns ``bits`` into ``counts[row]`` / ``keys[row]`` (replacing them when ``replace``).
+
+    ``threads`` > 1 splits a tensor of ``SPLIT_AT`` values or more across that many threads
+    (at most the machine's cores): less wall time on idle cores, more CPU time (the engine
+    passes torch's intra-op thread count, so a run at one thread never splits).
+    """
     n = bits.shape[0]
-    if n < SPLIT_AT or _THREADS < 2:
+    threads = min(int(threads), _THREADS)
+    if n < SPLIT_AT or threads < 2:
         _count_into(bits, counts, keys, row, replace)
         return
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fp16probe")
-    parts = np.array_split(bits, _THREADS)
-    local = np.zeros((_THREADS, _LANES, 512), dtype=np.int64)
-    futures = [_pool.submit(_count, parts[t], local[t]) for t in range(1, _THREADS)]
+    parts = np.array_split(bits, threads)
+    local = np.zeros((threads, _LANES * _CELLS), dtype=np.uint32)  # parts < 2^34 values: no wrap
+    futures = [_pool.submit(_count, parts[t], local[t]) for t in range(1, threads)]
     largest = int(_count(parts[0], local[0]))  # the kernel releases the GIL
     for f in futures:
         largest = max(largest, int(f.result()))
-    local = local.reshape(-1, 512)
-    sub = np.zeros(24, dtype=np.int64)
-    subnormals = int(local[:, 0].sum())
-    if subnormals > 0 or largest >= 0x7F800000:
-        largest = int(_rare(bits, sub, subnormals > 0, largest))
-    _fold(local, sub, largest, counts, keys, row, replace)
+    cells = np.zeros(257, dtype=np.int64)
+    for t in range(threads):
+        _cells(local[t], cells)
+    _finish(bits, cells, largest, counts, keys, row, replace)

@@ -21,7 +21,10 @@ seen, and a layout node over a covered node (hooked, reading only if a later wal
 another consumer below it). The dtype tracking costs tens of microseconds per op, so its marks are
 kept and reused while the graph repeats (see :meth:`Ceiling.begin_forward`); on a reused
 forward the gradient at an explicit cast (``h.float()`` in an RMSNorm) is seen only summed
-into its producer's, as it is in an fp32 graph. Scalar gradients are left out: they are the loss side's own arithmetic (the seed
+into its producer's, as it is in an fp32 graph. The walk itself (metadata read and written on
+every node) is replayed the same way: a step whose graph has the same nodes and edges in walk
+order, the same marks and the same parameter gradients left in place as the last fully walked
+one hooks the same nodes by position, without reading any metadata (:meth:`Ceiling._replay`). Scalar gradients are left out: they are the loss side's own arithmetic (the seed
 ``d loss / d loss = 1``, ``loss * weight``), fp32 under autocast. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
 Function's backward (one node each: only what flows in and out), and the recomputed graph
 of activation checkpointing (built during backward, after the walk).
@@ -184,6 +187,52 @@ def _covered(node: Any, meta: dict) -> bool:
         return False
 
 
+def _roots(tensors: Iterable[Any]) -> list[Any]:
+    """The autograd nodes that made ``tensors`` (those with a graph)."""
+    return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _lean_walk(roots: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The nodes behind ``roots`` in the full walk's first-visit order, and a trace of the walk.
+
+    The trace holds, per pop, the node's type and its number of inputs when first seen, or
+    the position of the node seen before: equal traces are the same graph (types and edges)
+    visited the same way. No metadata is touched (reading ``node.metadata`` makes a dict).
+    """
+    nodes: list[Any] = []
+    trace: list[Any] = []
+    position: dict[Any, int] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        i = position.get(node)
+        if i is not None:
+            trace.append(i)
+            continue
+        position[node] = len(nodes)
+        nodes.append(node)
+        before = len(stack)
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+        trace.append((type(node), len(stack) - before))
+    return nodes, trace
+
+
+class _Plan:
+    """The hooks of a step's first walk, by position in walk order, and what they depended on."""
+
+    __slots__ = ("trace", "hooked", "params", "marks", "counted")
+
+    def __init__(self, trace: list[Any], hooked: list[int], params: list[tuple[int, bool]],
+                 marks: Any, counted: frozenset[int]) -> None:
+        self.trace = trace
+        self.hooked = hooked
+        self.params = params  # (position, gradient was None) of the counted parameters' nodes
+        self.marks = marks
+        self.counted = counted
+
+
 class Ceiling:
     """Feed the largest unscaled |gradient| of every autograd node into a per-step maximum.
 
@@ -224,6 +273,14 @@ class Ceiling:
         self._reuse_ok = True  # False once two tracked forwards of one graph disagreed
         self.forwards_tracked = 0
         self.forwards_reused = 0
+        # Replaying the hook set (see _replay): the plan of the last full first walk, the step
+        # token of this step's first walk, and what a replay registered (undone if another walk comes).
+        self._plan: _Plan | None = None
+        self._walked: object | None = None
+        self._multi_walk = False  # this step has more than one walk
+        self._multi_walk_last = False  # the last step had
+        self._replayed: tuple[list[Any], list[Any]] | None = None  # (root nodes, handles) of this step's replay
+        self.forwards_replayed = 0
 
     # -- dtype marks -------------------------------------------------------------------
     def begin_forward(self) -> bool:
@@ -262,31 +319,106 @@ class Ceiling:
         if not self._enabled():
             return
         try:
+            roots = _roots(tensors)
             token = self._token
-            order, walk = self._walk(tensors, model_output, token)
-            hook = self._hook(token)
-            if self.counted_params:
-                _mark_counted_params(order, self.counted_params, token)
-            _mark_mirrors(order, walk)
-            for node, meta, consumer in order:
-                if meta.get(FP32_ONLY):
-                    continue
-                if _covered(node, meta) or _passed_through(node, meta, consumer, token):
-                    continue
-                chain = meta.get(_MIRROR)
-                if chain is not None and chain[0] is walk:
-                    self._register(node, meta, _unless_consumed_elsewhere(hook, chain[1], token))
-                    self.nodes_mirrored += 1
-                else:
-                    self._register(node, meta, hook)
-                    self.nodes_hooked += 1
+            if not roots:  # no graph (a forward under no_grad): nothing to hook, the marks stay as they are
+                self._tracked_now = False
+                return
+            if self._walked is token:  # a later walk of the step: the first one's marks must be on its nodes
+                self._multi_walk = True
+                if self._replayed is not None:
+                    self._undo_replay(token)
+            elif model_output:
+                self._walked = token
+                nodes, trace = _lean_walk(roots)
+                if self._replay(roots, nodes, trace, token):
+                    return
+                self._plan = self._new_plan(nodes, trace, self._full_walk(roots, model_output, token))
+                return
+            else:
+                self._walked = token
+            self._full_walk(roots, model_output, token)
         except Exception as e:  # a node type without hooks or metadata: note it, go on
             self._on_error(e)
 
+    def _full_walk(self, roots: list[Any], model_output: bool, token: object) -> list[Any]:
+        """Walk the graph behind ``roots`` with every rule of :meth:`watch`; return the nodes given a plain hook."""
+        order, walk = self._walk(roots, model_output, token)
+        hook = self._hook(token)
+        if self.counted_params:
+            _mark_counted_params(order, self.counted_params, token)
+        _mark_mirrors(order, walk)
+        hooked = []
+        for node, meta, consumer in order:
+            if meta.get(FP32_ONLY):
+                continue
+            if _covered(node, meta) or _passed_through(node, meta, consumer, token):
+                continue
+            chain = meta.get(_MIRROR)
+            if chain is not None and chain[0] is walk:
+                self._register(node, meta, _unless_consumed_elsewhere(hook, chain[1], token))
+                self.nodes_mirrored += 1
+            else:
+                self._register(node, meta, hook)
+                self.nodes_hooked += 1
+                hooked.append(node)
+        return hooked
+
+    # -- replaying the hook set while the graph repeats ----------------------------------
+    def _new_plan(self, nodes: list[Any], trace: list[Any], hooked: list[Any]) -> _Plan:
+        """What the first walk of this step did, by position in walk order, to replay on the same graph."""
+        position = {node: i for i, node in enumerate(nodes)}
+        counted = self.counted_params
+        params = []
+        if counted:
+            for i, node in enumerate(nodes):
+                if _ACCUMULATE in node.name() and id(node.variable) in counted:
+                    params.append((i, node.variable.grad is None))
+        return _Plan(trace, [position[n] for n in hooked], params, self._marks, counted)
+
+    def _replay(self, roots: list[Any], nodes: list[Any], trace: list[Any], token: object) -> bool:
+        """Hook the nodes the last plan hooked, by position, when this is the same graph in the same state.
+
+        The full walk's decisions depend on the graph (node types and edges: ``trace``), the
+        dtype marks, the histograms' coverage (made by the same module hooks on the same
+        graph) and, for parameters the weight histograms count, whether their gradient is
+        still None: all compared here. Nodes hooked only in case a later walk of the step
+        finds another consumer (mirrors) are left out: if a later walk comes, the replay is
+        undone and the full walk runs first (:meth:`_undo_replay`). Steps after one with
+        several walks do not replay.
+        """
+        plan = self._plan
+        if (plan is None or self._tracked_now or self._multi_walk_last or plan.marks is not self._marks
+                or plan.counted is not self.counted_params or plan.trace != trace):
+            return False
+        for i, was_none in plan.params:
+            if (nodes[i].variable.grad is None) is not was_none:
+                return False
+        hook = self._hook(token)
+        handles = [self._register(nodes[i], None, hook) for i in plan.hooked]
+        self.nodes_hooked += len(handles)
+        if self._marks is not None:
+            self.forwards_reused += 1  # as the full walk counts a forward on reused marks
+        self.forwards_replayed += 1
+        self._replayed = (roots, handles)
+        return True
+
+    def _undo_replay(self, token: object) -> None:
+        """Another walk came in a replayed step: remove the replayed hooks and walk the first graph in full."""
+        roots, handles = self._replayed  # type: ignore[misc]
+        self._replayed = None
+        for h in handles:
+            h.remove()
+        self.nodes_hooked -= len(handles)
+        self._full_walk(roots, True, token)
+        if self._marks is not None:
+            self.forwards_reused -= 1  # counted once, by the replay
+        self.forwards_replayed -= 1
+
     def _walk(
-        self, tensors: Iterable[Any], model_output: bool, token: object
+        self, roots: list[Any], model_output: bool, token: object
     ) -> tuple[list[tuple[Any, dict, Any]], object]:
-        """Visit the graph behind ``tensors``; return the nodes new in this step, each with its consumer.
+        """Visit the graph behind the ``roots`` nodes; return the nodes new in this step, each with its consumer.
 
         Sets the dtype marks on reused forwards and records them on tracked ones. Counts, in
         ``meta[_POPS]``, the edges into each node from this walk (a root counts twice: code
@@ -296,10 +428,7 @@ class Ceiling:
         """
         walk = object()
         order: list[tuple[Any, dict, Any]] = []
-        stack = [(t.grad_fn, None) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if not stack:  # no graph (a forward under no_grad): nothing to hook, the marks stay as they are
-            self._tracked_now = False
-            return order, walk
+        stack: list[tuple[Any, Any]] = [(node, None) for node in roots]
         record = model_output and self._tracked_now
         marks = self._marks if model_output and not self._tracked_now else None
         self._tracked_now = False
@@ -346,13 +475,14 @@ class Ceiling:
                 self._marks = None  # a longer or shorter graph: track the next forward
         return order, walk
 
-    def _register(self, node: Any, meta: dict, hook: Callable[[tuple[Any, ...]], None]) -> None:
+    def _register(self, node: Any, meta: dict | None, hook: Callable[[tuple[Any, ...]], None]) -> Any:
         handle = node.register_prehook(hook)
         if _ACCUMULATE in node.name():
             # A parameter's AccumulateGrad node outlives a graph while another holds it (the
             # next forward runs before the last loss is freed): unhook it at the step's end,
             # or its hooks would pile up step after step.
             self._lasting.append(handle)
+        return handle
 
     def _hook(self, token: object) -> Callable[[tuple[Any, ...]], None]:
         def prehook(grad_outputs: tuple[Any, ...]) -> None:
@@ -417,6 +547,8 @@ class Ceiling:
             self._scale_read = False
             self._token = object()
             self._unhook_lasting()
+            self._multi_walk_last, self._multi_walk = self._multi_walk, False
+            self._replayed = None
 
     def remove(self) -> None:
         """Remove the hooks left on nodes that outlive a graph (the Probe's stop() calls it)."""

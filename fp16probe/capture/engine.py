@@ -134,7 +134,8 @@ def count_into(
             if arr.dtype != np.float32:
                 arr = arr.astype(np.float32)
             host = _host_view(counts, keys)
-            kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace)
+            kernel.count_into(arr.reshape(-1).view(np.int32), host[1], host[3], row, replace,
+                              torch.get_num_threads())
             return
     elif x.device.type == "cuda" and counts.device == x.device and _triton_available():
         from fp16probe.capture import _triton_kernel
@@ -183,8 +184,16 @@ def count_many(
 
     On the CPU with the numba engine, contiguous fp32 tensors (not unscaled) go to the
     kernel in one call, so a model of many small parameters pays the Python and dispatch
-    cost once per backward instead of once per tensor. Everything else goes one by one.
+    cost once per backward instead of once per tensor; on CUDA with Triton, one launch per
+    element type counts them all. Everything else goes one by one.
     """
+    if counts.device.type == "cuda" and _triton_available() and all(
+        type(x) is torch.Tensor and x.device == counts.device and x.is_floating_point() and not x.is_sparse for x in xs
+    ):
+        from fp16probe.capture import _triton_kernel
+
+        _triton_kernel.count_many(xs, counts, keys, rows, replace, inv)  # one launch per dtype
+        return
     kernel = _numba_kernel() if counts.is_cpu and inv is None else None
     if kernel is None:
         for x, row in zip(xs, rows):
@@ -192,8 +201,10 @@ def count_many(
         return
     batch: list[torch.Tensor] = []
     batch_rows: list[int] = []
+    # Tensors the kernel would split across threads go one by one (one thread: never).
+    split_at = kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62
     for x, row in zip(xs, rows):
-        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and 0 < x.numel() < kernel.SPLIT_AT \
+        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and 0 < x.numel() < split_at \
                 and x.is_contiguous():
             batch.append(x)
             batch_rows.append(row)
@@ -207,6 +218,25 @@ def count_many(
             np.array(batch_rows, dtype=np.int64),
             host[1], host[3], replace,
         )  # ``batch`` keeps the tensors alive until the kernel returns
+
+
+def thin_counter() -> tuple[object, int] | None:
+    """The CPU kernel's raw entry and the largest size it takes, or None when numba does not count here.
+
+    ``fn(address, numel, counts_np, keys_np, row, replace)`` counts contiguous fp32 CPU data at
+    ``address`` into a table's numpy views (:func:`host_views`): the recorder's thin per-tensor path.
+    Tensors of the size limit or more go through :func:`count_into` (which may split them).
+    """
+    kernel = _numba_kernel()
+    if kernel is None:
+        return None
+    return kernel.count_at, (kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62)
+
+
+def host_views(counts: torch.Tensor, keys: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """numpy views of a CPU table (cached), for :func:`thin_counter`'s entry."""
+    host = _host_view(counts, keys)
+    return host[1], host[3]
 
 
 def _host_view(counts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:

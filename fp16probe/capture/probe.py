@@ -95,6 +95,12 @@ class Probe:
             autocast uses the real dtypes.
         regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
             trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
+        block_formats: scaled formats to gather statistics for (``"fp8_e4m3"``,
+            ``"mxfp8_e4m3"``, ``"nvfp4"``...; see :mod:`fp16probe.capture.blockcapture`):
+            the GEMM operands of every Linear-like module, counted on the same pass. Off by
+            default: without it nothing of that module is registered.
+        delayed_recipes: :class:`fp16probe.blockscale.DelayedRecipe` s counted live for FP8
+            (default: TransformerEngine's ``DelayedScaling()``).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -123,6 +129,8 @@ class Probe:
         history: bool = True,
         target: str | None = "cuda",
         regime: str = "autocast",
+        block_formats: Sequence[str] | str | None = None,
+        delayed_recipes: Sequence[Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -178,6 +186,7 @@ class Probe:
         self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
+        self._blocks = _block_capture(model, block_formats, delayed_recipes, self._patterns, rec)
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
             raise ProbeError(
@@ -225,6 +234,8 @@ class Probe:
         rows = rec.rows[WEIGHT_GRAD].index if self._capture[WEIGHT_GRAD] else {}
         self._param_hooks = [(p, _param_hook(rec, rows[pname])) for pname, _, p in self._params if pname in rows]
         self._active = self.recorder.enabled = True
+        if self._blocks is not None:
+            self._blocks.start()
         if self.recorder.sampling:
             self._attach()
         if self.history is not None:
@@ -241,6 +252,8 @@ class Probe:
             self.history.detach()
         if self._shadow is not None:
             self._shadow.detach()
+        if self._blocks is not None:
+            self._blocks.stop()
         return self
 
     @property
@@ -336,6 +349,8 @@ class Probe:
         sampled = self.recorder.sampling
         if self.history is not None:
             self.history.close_step()
+        if self._blocks is not None:
+            self._blocks.close_step()
         self.recorder.close_step()
         if self._shadow is not None:
             self._shadow.close_step(sampled)
@@ -441,6 +456,8 @@ class Probe:
             scaler_settings = self.history.scaler_settings(self.scaler)
             if scaler_settings:
                 extra_meta["scaler_settings"] = scaler_settings
+        if self._blocks is not None:
+            extra_meta["block_formats"] = self._blocks.collect()
         if got.errors:
             extra_meta["hook_errors"] = got.errors
             extra_meta["first_hook_error"] = got.first_error
@@ -514,6 +531,20 @@ def _json_float(v: float) -> float | str:
     if v in (float("inf"), float("-inf")):
         return "inf"
     return float(v)
+
+
+def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delayed: Sequence[Any] | None,
+                   patterns: Sequence[str], rec: Recorder) -> Any:
+    """The scaled-format collector when ``formats`` name one (else None: nothing registered)."""
+    from fp16probe.blockscale import DelayedRecipe, families_for
+
+    families = families_for(formats or ())
+    if not families:
+        return None
+    from fp16probe.capture.blockcapture import BlockCapture
+
+    return BlockCapture(model, families, modules=patterns, delayed=tuple(delayed or (DelayedRecipe(),)),
+                        sampling=lambda: rec.enabled and rec.sampling, inv_scale=rec.inv_scale)
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

@@ -185,6 +185,7 @@ class Recorder:
         self.rows = {k: _Rows() for k in KINDS}
         self._output_rows: dict[str, tuple[int | None, int | None]] = {}
         self._grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # one closure per row, reused
+        self._node_hooks: dict[tuple[int, int], Callable[[tuple[Any, ...]], None]] = {}  # per (row, output_nr)
         self._state = _State(0, True, 0, {}, {}, {})
         self._trace: list[_StepRecord] = []
         self._pending_params: list[tuple[int, torch.Tensor]] = []
@@ -242,7 +243,11 @@ class Recorder:
                     if act_i is not None:
                         self.record(ACTIVATION, act_i, output)
                     if grad_i is not None and output.requires_grad:
-                        output.register_hook(self._grad_hook(grad_i))
+                        node = output.grad_fn
+                        if node is not None:  # a pre-hook on the node: half the cost of Tensor.register_hook
+                            node.register_prehook(self._node_hook(grad_i, output.output_nr))
+                        else:
+                            output.register_hook(self._grad_hook(grad_i))
                         mark_covered(output)
                 return
             seen: set[int] = set()
@@ -268,10 +273,42 @@ class Recorder:
 
             def hook(grad: torch.Tensor) -> None:
                 if self.enabled:
-                    self.record(ACTIVATION_GRAD, i, grad)
+                    self._record_grad(i, grad)
 
             self._grad_hooks[i] = hook
         return hook
+
+    def _node_hook(self, i: int, output_nr: int) -> Callable[[tuple[Any, ...]], None]:
+        """A pre-hook for the node that made an output of row ``i``: it counts that output's gradient."""
+        hook = self._node_hooks.get((i, output_nr))
+        if hook is None:
+
+            def hook(grad_outputs: tuple[Any, ...]) -> None:
+                grad = grad_outputs[output_nr]
+                if grad is not None and self.enabled:
+                    self._record_grad(i, grad)
+
+            self._node_hooks[(i, output_nr)] = hook
+        return hook
+
+    def _record_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
+        thin = engine.thin_counter() if self.scaler is None else None
+        if thin is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
+                and grad.is_contiguous() and 0 < grad.numel() < thin[1]:
+            try:
+                with self.lock:
+                    st = self._state
+                    table = st.open.get(ACTIVATION_GRAD)
+                    if table is not None:
+                        counts, keys = engine.host_views(*table)
+                        thin[0](grad.data_ptr(), grad.numel(), counts, keys, i, False)  # type: ignore[operator]
+                        st.dirty = True
+                        return
+            except Exception as e:
+                self.note_error(e)
+                return
+        self.record(ACTIVATION_GRAD, i, grad)
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """Note that parameter row ``i`` has its gradient; count it once backward is over.
@@ -366,9 +403,13 @@ class Recorder:
                 st = self._state
                 if not st.sampling:
                     return
-                v = value.detach().float().reshape(())
+                v = value
+                if v.dtype is not torch.float32 or v.dim() or v.requires_grad:  # the hooks' scalars need none of it
+                    v = v.detach().float().reshape(())
                 old = st.maxima.get(channel)
-                st.maxima[channel] = v if old is None else torch.maximum(old, v.to(old.device, non_blocking=True))
+                if old is not None and old.device != v.device:
+                    v = v.to(old.device, non_blocking=True)
+                st.maxima[channel] = v if old is None else torch.maximum(old, v)
                 st.dirty = True
         except Exception as e:
             self.note_error(e)

@@ -176,6 +176,21 @@ def print_summary(console: Any, report: Report, rec: Recommendation | None, **op
     console.print(summary_view(report, rec, **options), soft_wrap=True)
 
 
+def print_block_advice(console: Any, report: Report, *, header: bool = True, out: str | None = None,
+                       advice: Any = None) -> None:
+    """Print the scaled-format answer (``advice``, default: the one stored in ``report``)."""
+    from fp16probe.presentation.blockview import block_advice_lines
+
+    advice = report.metadata.extra.get("block_advice") if advice is None else advice
+    if advice is None:
+        return
+    lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20)
+    if out is not None:
+        lines.append(f"report written to {out}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def print_recommendation(console: Any, rec: Recommendation, report: Report | None = None,
                          device: str | None = None) -> None:
     """Print the recommendation with its full reasoning (``recommend``)."""

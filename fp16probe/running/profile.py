@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
@@ -119,7 +121,8 @@ def check_settings(
         raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
-    get_format(format)  # raises UnknownFormatError naming the known formats
+    if format not in BLOCK_FORMATS:
+        get_format(format)  # raises UnknownFormatError naming the known formats
     if target not in TARGETS:
         raise InputError(f"target={target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 autocast "
                          "rules the prediction applies)")
@@ -154,6 +157,7 @@ def profile(
     verify: bool = False,
     extra: Mapping[str, Any] | None = None,
     target: str | None = None,
+    recipe: str | None = None,
     **probe_options: Any,
 ) -> Report | None:
     """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
@@ -185,6 +189,10 @@ def profile(
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
         extra: more ``metadata.extra`` entries for the report.
+        recipe: for a scaled format (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``,
+            ``nvfp4``), the recipe to judge (see :data:`fp16probe.analysis.blockformats.RECIPES`);
+            the statistics are captured on the same pass and the per-layer advice is stored
+            as ``metadata.extra["block_advice"]``.
         target: the device whose fp16 autocast rules the prediction applies: ``"cuda"``
             (where fp16 training runs) or ``"cpu"``. Default: CUDA, except with ``verify``
             on a CPU, where the prediction checked is the CPU's. Every fp32 profiled step
@@ -215,6 +223,7 @@ def profile(
         target = "cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda"
     check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
                    format=format, kind=kind, verify=verify, target=target)
+    probe_options = _block_options(format, recipe, probe_options)
     if verify and run_device is not None and run_device.type != target:
         raise InputError(f"target={target!r} with verify=True on {run_device.type}: the verification runs {run_device.type} "
                          f"autocast, whose op rules differ; pass target={run_device.type!r} (or verify on {target})")
@@ -273,6 +282,8 @@ def profile(
         gather = "local"
     report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra,
                      gather=gather)
+    if report is not None and "block_formats" in report.metadata.extra:
+        report = _with_block_advice(report, format, recipe)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -304,6 +315,49 @@ def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss
 def _marked(report: Report, why: str) -> Report:
     """``report`` noting that its verification did not run to the end (``why``: interrupted, terminated, hangup)."""
     extra = {**report.metadata.extra, "verification_stopped": why}
+    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
+
+
+def check_recipe(format: str, recipe: str | None) -> Any:
+    """Refuse a ``recipe`` that ``format`` has not; return the delayed-scaling recipe it names, or None."""
+    from fp16probe.analysis.blockformats import parse_recipe
+    from fp16probe.errors import AnalysisError
+
+    if format not in BLOCK_FORMATS:
+        if recipe is not None:
+            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
+                             f"not format={format!r}")
+        return None
+    try:
+        return parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]
+    except AnalysisError as e:
+        raise InputError(str(e)) from None
+
+
+def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+    from fp16probe.blockscale import DelayedRecipe
+
+    out = dict(options)
+    delayed = check_recipe(format, recipe)
+    if format not in BLOCK_FORMATS:
+        return out
+    out.setdefault("block_formats", [format])
+    recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
+    out.setdefault("delayed_recipes", recipes)
+    return out
+
+
+def _with_block_advice(report: Report, format: str, recipe: str | None) -> Report:
+    """The report with the per-layer scaled-format advice in ``metadata.extra["block_advice"]``."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import block_stats_of
+
+    stats = block_stats_of(report)
+    if stats is None or format not in BLOCK_FORMATS:
+        return report
+    advice = advise(stats, format, recipe)
+    extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
     return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
 
 
@@ -494,6 +548,8 @@ def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | No
         report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}), group=group)
     if report is None:  # a rank other than 0: rank 0 analyses and writes
         return None
+    if format not in FORMATS:  # MXFP8, NVFP4: no loss scale to recommend; their advice is per layer
+        return report
     return report.with_recommendation(analyze(report, format, kind=kind))
 
 
