@@ -675,13 +675,12 @@ class _ForwardMaxima:
         if self.step is None or i >= len(self.views) or self.step.device != t.device:
             self._grow(t.device, i + 1)
         view = self.views[i]
-        with torch.no_grad():
-            d = t.detach()
-            if d.numel() >= _AMINMAX_FROM:  # one pass, no |t| copy: 2x faster on large outputs
-                lo, hi = torch.aminmax(d)
-                torch.maximum(view, torch.maximum(hi, lo.neg()), out=view)
-            else:  # fewer kernels for small ones
-                torch.maximum(view, d.abs().amax(), out=view)
+        d = t.detach()  # no graph is recorded from a detached tensor: no no_grad() needed (a third of the cost)
+        if d.numel() >= _AMINMAX_FROM:  # one pass, no |t| copy: 2x faster on large outputs
+            lo, hi = torch.aminmax(d)
+            torch.maximum(view, torch.maximum(hi, lo.neg()), out=view)
+        else:  # fewer kernels for small ones
+            torch.maximum(view, d.abs().amax(), out=view)
 
     def _grow(self, device: torch.device, need: int) -> None:
         n = max(16, 2 * need)
