@@ -108,11 +108,27 @@ app = typer.Typer(
     cls=_OneLineErrors,
     name="fp16probe",
     help="Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it.",
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+def _print_version(value: bool) -> None:
+    if value:
+        from fp16probe._version import __version__
+
+        sys.stdout.write(f"fp16probe {__version__}\n")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it."""
+
 
 FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
 
@@ -155,8 +171,11 @@ class InputDtype(str, enum.Enum):
     int32 = "int32"
 
 
-FormatOpt = Annotated[FormatName, typer.Option("--format", "-f", help="Target number format.")]
-KindOpt = Annotated[Kind, typer.Option("--kind", help="Which gradients to analyse.")]
+FormatOpt = Annotated[Optional[FormatName], typer.Option(
+    "--format", "-f", help="Target number format (default: the one the report was judged for; profile: fp16, "
+                           "or bf16 with --precision bf16).")]
+KindOpt = Annotated[Optional[Kind], typer.Option(
+    "--kind", help="Which gradients to analyse (default: the report's own choice, else all).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON alone on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
 ExplainOpt = Annotated[bool, typer.Option("--explain", help="After the short answer, the reasoning, evidence, replay and sources.")]
@@ -219,10 +238,17 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
     raise typer.Exit(code)
 
 
-def _analyze(report: Report, fmt: str, kind: str) -> Any:
-    from fp16probe.analysis.recommend import analyze
+def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
+    """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
+    from fp16probe.analysis.recommend import analyze, target_of
 
-    return analyze(report, fmt, kind=kind)
+    fmt, knd = target_of(report, None if format is None else format.value, None if kind is None else kind.value)
+    return fmt, knd, analyze(report, fmt, kind=knd)
+
+
+def default_format(precision: str) -> str:
+    """The format a profile is judged for without --format: bf16 for a bf16 run, else fp16."""
+    return "bf16" if precision == "bf16" else "fp16"
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -281,8 +307,8 @@ def profile(
     loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
     optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
@@ -294,6 +320,10 @@ def profile(
     debug: DebugOpt = False,
 ) -> None:
     """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
+    if not json_out and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0":
+        # Said before torch and the model load (seconds): a terminal is never silent.
+        sys.stderr.write(f"loading {model or 'the built-in demo model'}...\n")
+        sys.stderr.flush()
     import torch
 
     from fp16probe.capture import distributed
@@ -321,8 +351,10 @@ def profile(
             figures.check_figure_path(plot)
             _check_writable(plot, "--plot")
         opt = None if optimizer is OptimizerName.none else optimizer.value
+        fmt = format.value if format is not None else default_format(precision.value)
+        knd = kind.value if kind is not None else Kind.all.value
         check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                       format=format.value, kind=kind.value, verify=verify)
+                       format=fmt, kind=knd, verify=verify)
         is_dist = distributed.init_from_env()
         rank = distributed.rank()
         dev = pick_device(device.value)
@@ -358,7 +390,7 @@ def profile(
             with render.progress(console, steps, enabled=not json_out and rank == 0) as update:
                 report = run(loaded.model, batch_src, loss_src, steps=steps,
                              precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                             format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
+                             format=fmt, kind=knd, device=dev, on_step=update, verify=verify,
                              extra=extra, modules=modules or None, granularity=granularity.value)
         except Terminated:
             print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
@@ -380,11 +412,11 @@ def profile(
         rec = report.recommendation
         if plot is not None:
             with _writing(plot, "--plot"):
-                _save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
+                _save_figures(report, plot, recommendation=rec, format=fmt, kind=knd)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
         else:
-            render.print_summary(console, report, rec, kind=kind.value, explain=explain, out=str(out))
+            render.print_summary(console, report, rec, kind=knd, explain=explain, out=str(out))
     raise typer.Exit(_exit_code(report))
 
 
@@ -431,8 +463,8 @@ def _check_writable(path: Path, option: str) -> None:
 @app.command()
 def show(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
@@ -444,12 +476,12 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        rec = _analyze(r, format.value, kind.value)
+        fmt, knd, rec = _judged(r, format, kind)
         if json_out:
-            data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
+            data = _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report))
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
-            render.print_summary(console, r, rec, kind=kind.value, top=top, distribution=True, explain=explain)
+            render.print_summary(console, r, rec, kind=knd, top=top, distribution=True, explain=explain)
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
@@ -499,8 +531,8 @@ def _finite(obj: Any) -> Any:
 def plot(
     report: ReportArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Draw the report: the Figure 3 view, per-module heatmap, what-if curve and scale timeline."""
@@ -514,17 +546,17 @@ def plot(
 
         figures.check_figure_path(output)
         r = Report.load(report)
-        rec = _analyze(r, format.value, kind.value)
+        fmt, knd, rec = _judged(r, format, kind)
         with _writing(output, "--output"):
-            _save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+            _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
         console.print(f"figures written to {output}", markup=False)
 
 
 @app.command()
 def recommend(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -535,7 +567,7 @@ def recommend(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        rec = _analyze(r, format.value, kind.value)
+        _, _, rec = _judged(r, format, kind)
         if json_out:
             from fp16probe.presentation.answer import grad_scaler_code, scaler_device
 
@@ -560,8 +592,8 @@ def compare(
     allow_new_overflow: Annotated[bool, typer.Option("--allow-new-overflow", help="Do not fail on new overflow.")] = False,
     allow_worse_verdict: Annotated[bool, typer.Option("--allow-worse-verdict", help="Do not fail when the verdict got worse.")] = False,
     require_same_workload: Annotated[bool, typer.Option("--require-same-workload", help="Refuse (exit 2) reports that profiled different models, precisions, inputs or losses, instead of warning.")] = False,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     summary: Annotated[Optional[Path], typer.Option(help="Append the Markdown summary to this file (also to $GITHUB_STEP_SUMMARY when set).")] = None,
     junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here.")] = None,
     json_out: JsonOpt = False,
@@ -587,12 +619,14 @@ def compare(
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
             fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)
         try:
-            snaps = []
+            snaps: list[Any] = []
             for path in (baseline, current):
                 r = Report.load(path)
                 gate.check_consistency(r, str(path))
-                rec = _analyze(r, format.value, kind.value)
-                snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
+                if not snaps:  # both are judged for the baseline's format and kind, unless the flags say
+                    fmt, knd, _ = _judged(r, format, kind)
+                rec = _judged(r, FormatName[fmt], Kind(knd))[2]
+                snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
             result = gate.compare(snaps[0], snaps[1], thresholds)
             if require_same_workload and result.warnings:
                 raise InputError(f"--require-same-workload: {result.warnings[0]}")
@@ -646,8 +680,8 @@ def export(
     modules: Annotated[bool, typer.Option("--modules", help="Also log each module's histogram.")] = False,
     name: Annotated[Optional[str], typer.Option("--name", help="Run name (wandb, MLflow).")] = None,
     project: Annotated[str, typer.Option("--project", help="wandb project / MLflow experiment.")] = "fp16probe",
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Log a report's histograms and scalars to TensorBoard, wandb or MLflow."""
@@ -659,7 +693,11 @@ def export(
         if to is Tracker.tensorboard and dest is None:
             raise InputError("export --to tensorboard needs DEST, the log folder, e.g. runs/fp16probe")
         r = Report.load(report)
-        where = export_report(r, to=to.value, dest=dest, format=format.value, kind=kind.value,
+        from fp16probe.analysis.recommend import target_of
+
+        fmt, _ = target_of(r, None if format is None else format.value, Kind.all.value)
+        where = export_report(r, to=to.value, dest=dest, format=fmt,
+                              kind=Kind.activation_grad.value if kind is None else kind.value,
                               modules=modules, run_name=name, project=project)
         console.print(f"exported {r.metadata.steps_seen} step(s) to {to.value}: {where}", markup=False)
 
