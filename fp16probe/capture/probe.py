@@ -63,7 +63,8 @@ class Probe:
         activations: also capture forward outputs (forward-pass overflow is real too).
         every: sample every Nth step (counted by :meth:`step`); others cost nothing.
         scaler: what scales the loss, when something does: a ``torch.amp.GradScaler``,
-            a DeepSpeed (``cur_scale``) or Megatron (``scale``) loss scaler, a fixed
+            a DeepSpeed engine, its fp16 optimizer (``loss_scale``: the current dynamic
+            scale) or its loss scaler (``cur_scale``), a Megatron (``scale``) loss scaler, a fixed
             number or tensor, or a function returning the scale (see
             :mod:`fp16probe.capture.scale`). Gradients seen in backward are then scaled;
             the Probe records them unscaled, reading the scale once per step without a
