@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from fp16probe.presentation.trackers import export
     from fp16probe.recommendation import Recommendation, Verdict
     from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+    from fp16probe.running.fixes import keep_in_fp32
     from fp16probe.running.profile import profile
     from fp16probe.running.verify import verify
     from fp16probe.verification import Verification
@@ -48,6 +49,7 @@ _LAZY = {
     **dict.fromkeys(("Recommendation", "Verdict"), "fp16probe.recommendation"),
     **dict.fromkeys(("Histogram", "Metadata", "ModuleStats", "Report", "StepTrace"), "fp16probe.report"),
     "profile": "fp16probe.running.profile",
+    "keep_in_fp32": "fp16probe.running.fixes",
     "verify": "fp16probe.running.verify",
     "Verification": "fp16probe.verification",
 }
@@ -96,6 +98,7 @@ __all__ = [
     "analyze",
     "export",
     "get_format",
+    "keep_in_fp32",
     "profile",
     "replay_scaler",
     "simulate",

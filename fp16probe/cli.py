@@ -156,6 +156,11 @@ class Precision(str, enum.Enum):
     bf16 = "bf16"
 
 
+class Target(str, enum.Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 class OptimizerName(str, enum.Enum):
     none = "none"
     sgd = "sgd"
@@ -190,7 +195,7 @@ PARAMETER_FLAGS = {
     "loss_fn": "--loss", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
     "optimizer": "--optimizer", "precision": "--precision", "scaler": "--loss-scale", "seed": "--seed",
     "steps": "--steps", "trust_checkpoint": "--trust-checkpoint", "trust_remote_code": "--trust-remote-code",
-    "verify": "--verify", "vocab_size": "--vocab-size", "weights": "--weights",
+    "verify": "--verify", "target": "--target", "vocab_size": "--vocab-size", "weights": "--weights",
 }
 _PARAMETER_RE = re.compile(r"(?<![\w.-])(" + "|".join(PARAMETER_FLAGS) + r")=(?: ?(?=[^\s,;:)])|(?=[\s,;:)]|$))")
 
@@ -314,7 +319,8 @@ def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
-    verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches) and report predicted against measured.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches; .half() for a model that came in fp16) and report predicted against measured.")] = False,
+    target: Annotated[Optional[Target], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu.")] = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
     debug: DebugOpt = False,
@@ -354,7 +360,8 @@ def profile(
         fmt = format.value if format is not None else default_format(precision.value)
         knd = kind.value if kind is not None else Kind.all.value
         check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                       format=fmt, kind=knd, verify=verify)
+                       format=fmt, kind=knd, verify=verify,
+                       target=target.value if target is not None else "cuda")
         is_dist = distributed.init_from_env()
         rank = distributed.rank()
         dev = pick_device(device.value)
@@ -391,7 +398,8 @@ def profile(
                 report = run(loaded.model, batch_src, loss_src, steps=steps,
                              precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
                              format=fmt, kind=knd, device=dev, on_step=update, verify=verify,
-                             extra=extra, modules=modules or None, granularity=granularity.value)
+                             extra=extra, modules=modules or None, granularity=granularity.value,
+                             target=target.value if target is not None else None)
         except Terminated:
             print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
             raise typer.Exit(EXIT_TERMINATED) from None

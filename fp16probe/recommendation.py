@@ -33,6 +33,8 @@ class Verdict(str, Enum):
     PER_TENSOR_SCALING = "per_tensor_scaling"
     NO_SINGLE_SCALE = "no_single_scale"
     INSUFFICIENT_EVIDENCE = "insufficient_evidence"
+    FORWARD_UNDERFLOW = "forward_underflow"  # forward values flush in fp16: no loss scale brings them back
+    FORWARD_OVERFLOW = "forward_overflow"  # a forward value passes fp16's max: inf at every loss scale
 
     # A str mixin formats as "Verdict.X" on some Pythons; the value is what users read.
     def __str__(self) -> str:
@@ -54,6 +56,8 @@ _SEVERITY = {
     Verdict.PER_TENSOR_SCALING: 3,
     Verdict.NO_SINGLE_SCALE: 4,
     Verdict.INSUFFICIENT_EVIDENCE: 5,
+    Verdict.FORWARD_UNDERFLOW: 6,
+    Verdict.FORWARD_OVERFLOW: 7,
 }
 
 
@@ -145,6 +149,20 @@ class Evidence(TypedDict, total=False):
     per_tensor_flushed_fraction: float  # flushed with one scale per tensor
     saturated_fraction_at_scale: float  # saturated with one scale per tensor
     single_scale_saturated_fraction: float
+    # the forward pass and the loss of the target run (fp16probe.analysis.forward)
+    target: str  # the device whose autocast rules the prediction applies ("cuda", "cpu")
+    regime: str  # "autocast" or "pure_fp16" (a .half() model)
+    forward_source: str  # "audit" (op by op, in a profile) or "modules" (module outputs, the Probe)
+    forward_overflow: list[dict[str, Any]]  # fp16 forward tensors that pass fp16's max, in forward order
+    forward_low_headroom: list[dict[str, Any]]  # fp16 forward tensors within a few bits of fp16's max
+    forward_flushing: list[dict[str, Any]]  # fp16 forward tensors that flush more than the threshold
+    loss_fp16: bool  # the loss itself is fp16 in the target run: its seed gradient is S in fp16
+    log2_scale_without_loss_cap: int  # what S would be with the loss computed in fp32
+    custom_functions: list[str]  # custom autograd.Function nodes: their backward is opaque to the ceiling
+    fix_code: str  # the code to paste for a forward verdict
+    fix_modules: list[str]  # the modules that code keeps in fp32
+    backward_verdict: str  # the loss-scale verdict the gradients alone give, once the forward is fixed
+    backward_log2_scale: int | None
 
 
 @dataclass(frozen=True)

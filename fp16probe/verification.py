@@ -15,7 +15,7 @@ from typing import Any
 from fp16probe import formatting as num
 from fp16probe.errors import ReportError
 
-__all__ = ["DEFAULT_TOLERANCE", "RELATIVE_TOLERANCE", "Verification", "tolerance_for"]
+__all__ = ["DEFAULT_TOLERANCE", "RELATIVE_TOLERANCE", "VALUE_TOLERANCE", "Verification", "tolerance_for"]
 
 # How far the measured share of zeroed values may lie from the predicted one. The prediction
 # multiplies fp32 gradients by S and rounds them to the format once; a real fp16 run also
@@ -32,6 +32,12 @@ def tolerance_for(predicted_zeroed_fraction: float, *, relative: float = RELATIV
                   floor: float = DEFAULT_TOLERANCE) -> float:
     """Return the absolute tolerance on a predicted zeroed share: ``relative`` of it, at least ``floor``."""
     return max(floor, relative * predicted_zeroed_fraction)
+
+
+# How far the fp16 run's gradients may lie from the fp32 run's, as sum |fp16 - fp32| / sum |fp32|
+# over the judged kind on finite steps: fp16 keeps 11 significant bits (about 0.05% per value),
+# and the demo's measured error is 0.03-0.05%; a forward that flushes puts it at tens of percent.
+VALUE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -66,9 +72,12 @@ class Verification:
     @staticmethod
     def judge(predicted_overflow_steps: int, measured_overflow_steps: int, predicted_zeroed_fraction: float,
               measured_zeroed_fraction: float, tolerance: float) -> bool:
-        """Return whether a prediction held: no unforeseen overflow, zeroed share within tolerance."""
+        """Return whether a prediction held: no unforeseen overflow, no more zeroed than predicted plus tolerance.
+
+        A run that zeroed fewer values than predicted did better than the prediction: it holds.
+        """
         return (measured_overflow_steps <= predicted_overflow_steps
-                and abs(measured_zeroed_fraction - predicted_zeroed_fraction) <= tolerance)
+                and measured_zeroed_fraction - predicted_zeroed_fraction <= tolerance)
 
     @property
     def summary(self) -> str:

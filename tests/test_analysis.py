@@ -237,8 +237,24 @@ def test_no_trace_falls_back_honestly():
     assert "not chosen from data" in rec.text and rec.growth_interval_table is None
 
 
+def with_forward(report, *, overflow=False, flushed=0, loss_fp16=False):
+    """The report with a forward audit of one fp16 tensor, as fp16probe.profile writes it."""
+    import dataclasses
+
+    tensor = {"name": "m/linear", "module": "m", "op": "linear", "role": "output", "fp16_on": ["cuda", "cpu"],
+              "max_abs": 8.2e4 if overflow else 1.0, "nonzero": 10, "flushed": flushed, "subnormal": 0,
+              "overflowed": 3 if overflow else 0, "first_overflow_step": 0 if overflow else None,
+              "nonfinite": False, "per_step_max": [8.2e4 if overflow else 1.0]}
+    forward = {"regime": "autocast", "targets": ["cuda", "cpu"], "steps": [0], "tensors": [tensor],
+               "loss_fp16_on": ["cuda", "cpu"] if loss_fp16 else [], "custom_functions": []}
+    md = dataclasses.replace(report.metadata, extra={**report.metadata.extra, "forward": forward})
+    return dataclasses.replace(report, metadata=md)
+
+
 def test_every_verdict_is_reached_and_round_trips_through_json():
     reports = {
+        "forward_overflow": with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), overflow=True),
+        "forward_underflow": with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), flushed=10),
         "none_needed": make_report([{"m": H({-10: 10})}]),
         "constant": make_report([{"m": H({-30: 1000, 0: 1})}]),
         "dynamic": two_step_report(),
@@ -271,6 +287,8 @@ def all_texts():
         (make_report([{"m": H({-11: 100, 0: 1})}]), "fp8_e4m3"),
         (make_report([{"m": H({-20: 100, 0: 1})}]), "fp8_e5m2"),
         (make_report([{"m": H({}, zero=10)}]), "fp16"),
+        (with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), overflow=True), "fp16"),
+        (with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), flushed=10), "fp16"),
     ]
     return [analyze(r, f, **FAST) for r, f in cases]
 
@@ -284,7 +302,8 @@ def test_every_verdicts_wording_keeps_the_provenance_rules():
             assert "1710.03740" in rec.text  # the underflow mechanism is Micikevicius et al.'s
         assert "LIT-" not in rec.text and not any("LIT-" in c for c in rec.citations + rec.caveats)
         assert "optimal" not in rec.text.lower()
-        if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence"):
+        if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence", "forward_overflow",
+                               "forward_underflow"):
             # The schedule's constants are the guide's and GradScaler's defaults, said so.
             assert NVIDIA_GUIDE_URL in rec.text
             assert "many other settings are valid" in rec.text and "not a measured optimum" in rec.text

@@ -85,3 +85,14 @@ def test_peak_memory_script_runs_both_variants(tmp_path: Path) -> None:
     assert len(got["peak_rss_kib"]["plain"]) == len(got["peak_rss_kib"]["probe"]) == 1
     assert got["peak_rss_kib"]["probe"][0] > 100 * 1024  # a real process with torch loaded
     assert got["fp16probe"].endswith("fp16probe")
+
+
+def test_forward_cost_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import forward_cost
+
+    out = tmp_path / "forward.json"
+    assert forward_cost.main(["--quick", "--json", str(out)]) == 0
+    loaded = json.loads(out.read_text())
+    assert {m["model"] for m in loaded["models"]} == {"conv", "transformer", "gpt-mid", "mlp-200"}
+    assert all(m["forward_capture"] > 0 and m["audit_over_plain"] > 0 for m in loaded["models"])
+    assert "ForwardAudit / plain" in capsys.readouterr().out

@@ -187,6 +187,47 @@ def test_no_sync_with_gradient_accumulation_and_a_watched_loss() -> None:
     assert len(report.trace.ceiling) == 3 and all(c > 0 for c in report.trace.ceiling)
 
 
+def test_forward_headroom_capture_and_the_forward_audit_never_sync() -> None:
+    """The Probe's per-module forward maxima (on by default) and the profile's ForwardAudit stay on the device."""
+    from fp16probe.capture.forward import ForwardAudit
+
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 4, 4)
+    with Probe(model, forward=True) as probe:
+        calls = _probed_steps(model, x, probe, 3, guard=True)
+    assert calls == []
+    forward = probe.report().metadata.extra["forward_max"]
+    assert forward["modules"] and len(forward["step_max"]) == 3 and all(v > 0 for v in forward["step_max"])
+    audit = ForwardAudit(model)
+    for step in range(2):
+        with forbid_host_sync() as seen, audit.step(step):
+            loss = model(x).square().mean()
+            audit.note_loss(loss)
+        loss.backward()
+        assert seen == []
+    assert audit.result()["tensors"]
+
+
+def test_a_syncing_forward_capture_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard sees a sync in the forward capture, so the test above covers it."""
+    from fp16probe.capture import recorder
+
+    real = recorder.Recorder.note_max
+
+    def syncing(self, channel, value):
+        value.item()
+        return real(self, channel, value)
+
+    monkeypatch.setattr(recorder.Recorder, "note_max", syncing)
+    torch.manual_seed(0)
+    model = _Net()
+    with Probe(model, forward=True, activation_grads=False, weight_grads=False) as probe, \
+            pytest.warns(RuntimeWarning, match="hook failed"):
+        calls = _probed_steps(model, torch.randn(2, 3, 4, 4), probe, 1, guard=True)
+    assert "item" in calls
+
+
 def test_a_syncing_ceiling_hook_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard sees a sync in the ceiling's node hooks, so the test above covers them."""
     real = torch.aminmax

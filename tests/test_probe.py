@@ -362,7 +362,7 @@ def test_bad_arguments():
     with pytest.raises(ProbeError, match="every must be"):
         Probe(nn.Linear(1, 1), every=0)
     with pytest.raises(ProbeError, match="nothing to capture"):
-        Probe(nn.Linear(1, 1), activation_grads=False, weight_grads=False)
+        Probe(nn.Linear(1, 1), activation_grads=False, weight_grads=False, forward=False)
 
 
 def test_activations_capture_the_forward_pass():

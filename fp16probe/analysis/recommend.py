@@ -27,6 +27,7 @@ from fp16probe.analysis.ceiling import (
     run_format,
 )
 from fp16probe.analysis.provenance import (
+    PAPER,
     BF16_NO_SCALER,
     CITATION_GRADSCALER,
     CITATION_NVIDIA_GUIDE,
@@ -37,6 +38,7 @@ from fp16probe.analysis.provenance import (
     SIMULATION_CAVEAT,
     UNDERFLOW_MECHANISM,
 )
+from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
 from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
@@ -49,6 +51,9 @@ from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 __all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale", "target_of"]
 
 VERDICTS = tuple(v.value for v in Verdict)
+# An fp16 forward tensor that loses this share of its nonzero values to zero leads the answer
+# (forward_underflow); a smaller share above the threshold is a caveat beside the scale verdict.
+FORWARD_UNDERFLOW_VERDICT = 0.1
 
 _KIND_WORDS = {ACTIVATION_GRAD: "activation gradients", WEIGHT_GRAD: "weight gradients"}
 
@@ -84,6 +89,7 @@ def analyze(
     hysteresis: int = 1,
     min_scale: float = 0.0,
     worst: int = 5,
+    target: str | None = None,
 ) -> Recommendation:
     """Decide whether and how to scale the loss for ``format``, from a profile.
 
@@ -108,8 +114,14 @@ def analyze(
         hysteresis, min_scale: DeepSpeed/Megatron variants for the replay (1 and 0:
             GradScaler's rule).
         worst: how many worst modules to list.
+        target: the device whose fp16 autocast rules the prediction applies (``"cuda"``,
+            ``"cpu"``); default: what the profile recorded, else CUDA.
 
     Verdicts, in the order they are tried:
+
+    * ``forward_overflow`` (fp16): a tensor that is fp16 in the target run passes fp16's
+      max in the forward pass (:mod:`.forward`): inf at every loss scale. Names the first
+      such op or module and the fix (keep those modules in fp32, or train in bf16).
 
     * ``insufficient_evidence``: nothing captured, every gradient zero, every gradient
       inf/NaN, or an fp16 profile whose exact zeros may hide more flushed values than the
@@ -122,6 +134,12 @@ def analyze(
     * ``dynamic``: the constant S flushes too much, but a scale fitted to each profiled
       step would not.
     * ``no_single_scale``: even per step, the values span more than the format holds.
+    * ``forward_underflow`` (fp16): some fp16 forward tensor flushes at least
+      ``FORWARD_UNDERFLOW_VERDICT`` (10%) of its nonzero values to zero, which no loss scale
+      brings back (a smaller share above ``max_flushed_fraction`` is a caveat).
+
+    When the loss itself is fp16 in the target run (``-out.mean()`` under autocast, a
+    ``.half()`` model), its seed gradient is S in fp16, so S is capped at 2^15.
 
     Every verdict that advises a scale advises it through a scaler that backs off on
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
@@ -131,17 +149,38 @@ def analyze(
     thresholds = _thresholds(fmt, kind, margin_bits, max_flushed_fraction, growth_factor, backoff_factor,
                              growth_intervals, horizon, seed, hysteresis, min_scale, worst)
     m = _measure(report, kind)
+    ff = forward_findings(report, target, max_flushed_fraction=max_flushed_fraction) if fmt.name == "fp16" else None
+    rec = _gradient_verdict(report, m, fmt, thresholds, ff)
+    if ff is None:
+        return rec
+    if ff.overflowing:
+        return _forward_verdict(report, fmt, thresholds, ff, rec, Verdict.FORWARD_OVERFLOW)
+    if (ff.flushing and ff.flushing[0].flushed_fraction >= FORWARD_UNDERFLOW_VERDICT
+            and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE):
+        return _forward_verdict(report, fmt, thresholds, ff, rec, Verdict.FORWARD_UNDERFLOW)
+    return rec
+
+
+def _gradient_verdict(report: Report, m: "_Measured", fmt: Format, thresholds: Thresholds,
+                      ff: ForwardFindings | None) -> Recommendation:
+    """The loss-scale verdict the gradients give (with the loss's own dtype applied)."""
+    tau, margin_bits = thresholds["max_flushed_fraction"], thresholds["margin_bits"]
     evidence = _base_evidence(m, fmt)
-    caveats = _caveats(report, m, fmt)
-    reason = _weak_evidence(report, m, fmt, max_flushed_fraction)
+    caveats = _caveats(report, m, fmt) + _forward_caveats(ff)
+    if ff is not None:
+        evidence.update(_forward_evidence(ff))
+    reason = _weak_evidence(report, m, fmt, tau)
     if reason is not None:
         return _insufficient(m, fmt, evidence, thresholds, caveats, reason)
     if not fmt.has_inf:
         return _per_tensor(report, m, fmt, evidence, thresholds, caveats)
     k_max = m.ceiling.largest_safe_log2_scale(fmt)
-    if k_max is None or (_flushed_at(m, fmt, 0) <= max_flushed_fraction and k_max - int(margin_bits) >= 0):
+    if k_max is None or (_flushed_at(m, fmt, 0) <= tau and k_max - int(margin_bits) >= 0):
         return _none_needed(report, m, fmt, evidence, thresholds, caveats, k_max)
-    return _scaled(report, m, fmt, evidence, thresholds, caveats, k_max)
+    rec = _scaled(report, m, fmt, evidence, thresholds, caveats, k_max)
+    if ff is not None and ff.loss_fp16 and rec.log2_scale is not None and rec.log2_scale > FP16_LOSS_LOG2_CAP:
+        rec = _loss_capped(m, fmt, rec)
+    return rec
 
 
 # -- step 1: the parameters ---------------------------------------------------------------
@@ -730,3 +769,155 @@ def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any
 
 _TEXTS = {Verdict.CONSTANT: _text_constant, Verdict.DYNAMIC: _text_dynamic,
           Verdict.NO_SINGLE_SCALE: _text_no_single_scale}
+
+
+# -- the forward pass and the loss's dtype (fp16probe.analysis.forward) ----------------------
+
+def _forward_evidence(ff: ForwardFindings) -> Evidence:
+    ev: Evidence = {
+        "target": ff.target, "regime": ff.regime, "forward_source": ff.source,
+        "forward_overflow": [t.to_dict() for t in ff.overflowing[:20]],
+        "forward_low_headroom": [t.to_dict() for t in ff.low_headroom[:10]],
+        "forward_flushing": [t.to_dict() for t in ff.flushing[:10]],
+        "custom_functions": list(ff.custom_functions),
+    }
+    if ff.loss_fp16 is not None:
+        ev["loss_fp16"] = ff.loss_fp16
+    return ev
+
+
+def _where(ff: ForwardFindings) -> str:
+    regime = "a model converted with .half() (pure fp16)" if ff.regime == "pure_fp16" else "fp16 autocast"
+    return f"{regime} on {ff.target.upper() if ff.target == 'cuda' else ff.target}"
+
+
+def _forward_caveats(ff: ForwardFindings | None) -> tuple[str, ...]:
+    if ff is None:
+        return ()
+    out: list[str] = []
+    if ff.regime == "pure_fp16":
+        out.append("Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, every "
+                   "gradient and the loss are fp16, and without fp32 master weights an update smaller than about "
+                   "2^-11 of its weight is lost (profile with --optimizer to measure that share).")
+    if ff.source == "modules":
+        out.append("The forward pass was judged on the hooked modules' outputs only (the Probe's own maxima); "
+                   "functional ops between modules and the loss's dtype were not audited: fp16probe.profile "
+                   "(the command line's profile) audits every op.")
+    if ff.low_headroom and not ff.overflowing:
+        names = ", ".join(f"{t.name} ({bits(t.headroom_bits or 0.0)} bits)" for t in ff.low_headroom[:5])
+        out.append(f"Forward values close to fp16's max (65504) under {_where(ff)}: {names}. Less than "
+                   f"{bits(3.0)} bits of headroom is how forward overflow starts (a trained T5's feed-forward "
+                   "output grew past 65504 this way); watch these as training goes on, or keep them in fp32.")
+    if ff.flushing and ff.flushing[0].flushed_fraction < FORWARD_UNDERFLOW_VERDICT:
+        names = ", ".join(f"{t.name} {percent(t.flushed_fraction)}" for t in ff.flushing[:4])
+        out.append(f"Forward values flush to zero in fp16 under {_where(ff)} (share of each tensor's nonzero "
+                   f"values): {names}{', ...' if len(ff.flushing) > 4 else ''}. A loss scale does not act on "
+                   "forward values; these zeros are in the fp16 run whatever S is.")
+    if ff.custom_functions:
+        out.append(f"The graph holds custom autograd Functions ({', '.join(ff.custom_functions[:5])}): the "
+                   "overflow ceiling sees only what flows into and out of their backward, not the values it "
+                   "forms inside (a backward that multiplies before it divides can overflow at a lower S). "
+                   "Run with --verify (fp16probe.profile(..., verify=True)) to check the scale for real.")
+    if ff.loss_fp16:
+        out.append(f"The loss is computed in fp16 under {_where(ff)}: its gradient seeds backward with S "
+                   f"itself as an fp16 number, so any S of 65520 or more overflows on every step. Compute the "
+                   "loss in fp32 to lift that cap: loss_fn(output.float(), target).")
+    return tuple(out)
+
+
+def _loss_capped(m: "_Measured", fmt: Format, rec: Recommendation) -> Recommendation:
+    """The scale verdict with S capped at 2^15 because the loss is fp16 in the target run."""
+    import dataclasses
+
+    k, cap = rec.log2_scale, FP16_LOSS_LOG2_CAP
+    assert k is not None
+    ev: Evidence = dict(rec.evidence)  # type: ignore[assignment]
+    ev["log2_scale_without_loss_cap"] = k
+    ev.update(_at_scale(m, fmt, cap))
+    k_max = ev.get("largest_safe_log2_scale")
+    if k_max is not None:
+        ev["largest_safe_log2_scale"] = min(int(k_max), cap)
+    kwargs = dict(rec.grad_scaler_kwargs)
+    kwargs["init_scale"] = math.ldexp(1.0, cap)
+    text = (f"{rec.text} The loss is computed in fp16 in the target run, so its seed gradient S must stay below "
+            f"65520: S is capped at 2^{cap} (it would be 2^{k} with the loss in fp32: compute it as "
+            f"loss_fn(output.float(), target)); at 2^{cap}, {percent(ev['flushed_fraction_at_scale'])} of the "
+            "nonzero gradient values flush.")
+    text = text.replace(f"init_scale=2.0**{k}", f"init_scale=2.0**{cap}")
+    return dataclasses.replace(
+        rec, log2_scale=cap, scale=math.ldexp(1.0, cap), grad_scaler_kwargs=kwargs,
+        flushed_fraction_at_scale=ev["flushed_fraction_at_scale"], overflow_steps_at_scale=ev["overflow_steps_at_scale"],
+        headroom_bits=None if k_max is None else min(int(k_max), cap) - cap, evidence=ev, text=text)
+
+
+def fix_modules(ff: ForwardFindings, verdict: Verdict) -> list[str]:
+    """The modules to keep in fp32 for a forward verdict, in forward order (empty: the model's own code)."""
+    rows = ff.overflowing if verdict is Verdict.FORWARD_OVERFLOW else ff.flushing
+    names: list[str] = []
+    for t in rows:
+        module = t.module
+        if module and module != "(model)" and module not in names:
+            names.append(module)
+    # A module inside another one already listed is covered by it.
+    return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+def _fix_code(modules: Sequence[str], device: str) -> str:
+    if not modules:
+        return ""
+    return f'fp16probe.keep_in_fp32(model, {list(modules)!r}, device_type="{device}")'
+
+
+def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFindings, inner: Recommendation,
+                     verdict: Verdict) -> Recommendation:
+    ev: Evidence = dict(inner.evidence)  # type: ignore[assignment]
+    ev.update(_forward_evidence(ff))
+    ev["backward_verdict"] = inner.verdict.value
+    ev["backward_log2_scale"] = inner.log2_scale
+    modules = fix_modules(ff, verdict)
+    code = _fix_code(modules, ff.target if ff.target in ("cuda", "cpu") else "cuda")
+    ev["fix_code"] = code
+    ev["fix_modules"] = modules
+    where = _where(ff)
+    after = (f"Once the forward is fixed, the gradients alone give: {inner.verdict.value}"
+             + (f" at S = 2^{inner.log2_scale}" if inner.log2_scale not in (None, 0) else "") + ".")
+    keep = (f"Keep {', '.join(modules[:5])}{', ...' if len(modules) > 5 else ''} in fp32 (autocast off inside, "
+            f"fp32 inputs: {code}; for a Hugging Face model loaded in fp16, list the same module names in "
+            "_keep_in_fp32_modules), or train in bf16, which has fp32's exponent range."
+            if modules else "The op runs in the model's top-level forward: compute it in fp32 there "
+            "(torch.autocast(device_type, enabled=False) around it, with .float() inputs), or train in bf16.")
+    rows = ff.overflowing if verdict is Verdict.FORWARD_OVERFLOW else ff.flushing
+    top = [t.name for t in rows if t.module == "(model)"]
+    if modules and top:
+        keep += (f" {', '.join(top[:3])} run{'s' if len(top) == 1 else ''} in the model's own forward, outside any "
+                 "submodule: compute that in fp32 there too (torch.autocast(device_type, enabled=False), .float() "
+                 "inputs).")
+    if verdict is Verdict.FORWARD_OVERFLOW:
+        first = ff.overflowing[0]
+        size = ("held inf/NaN" if first.max_abs is None or math.isinf(first.max_abs)
+                else f"reached {magnitude(first.max_abs)}, {bits(-(first.headroom_bits or 0.0))} bits past fp16's max "
+                     "(65504)")
+        text = (f"The forward pass overflows fp16 under {where}: {first.name} ({first.role}) {size} at step "
+                f"{first.first_overflow_step}, and {len(ff.overflowing)} fp16 tensor(s) in all pass 65504. In fp16 "
+                "those values become inf, and the loss NaN, at every loss scale: a loss scale acts on backward only, "
+                f"so no GradScaler setting fixes this. {keep} {after} "
+                f"(Forward values traced op by op: {ff.tensors} fp16 tensors measured.)")
+    else:
+        worst = ff.flushing[0]
+        text = (f"The forward pass loses values to fp16 underflow under {where}: {percent(worst.flushed_fraction)} of "
+                f"the nonzero values of {worst.name} ({worst.role}) flush to zero (threshold "
+                f"{percent(th['max_flushed_fraction'])}), and {len(ff.flushing)} fp16 tensor(s) flush more than "
+                "the threshold. A loss scale multiplies gradients, not forward values, so no S brings them back; a "
+                "layer whose input flushes also loses that part of its weight gradient at every S. "
+                f"{keep} Or rescale the values (the op that makes them this small) into fp16's range. {after}")
+    text += (f" Mixed-precision training keeps such ops in fp32 for this reason: fp16 holds magnitudes from 2^-24 to "
+             f"65504 only ({PAPER}).")
+    caveats = inner.caveats
+    if verdict is Verdict.FORWARD_OVERFLOW:  # the inf came from the forward, not from the scale in force
+        caveats = tuple(c for c in caveats if "held inf/NaN at the scale in force" not in c)
+    return Recommendation(
+        verdict=verdict, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
+        flushed_fraction_at_1=inner.flushed_fraction_at_1, flushed_fraction_at_scale=None,
+        overflow_steps_at_scale=None, headroom_bits=None, worst_modules=inner.worst_modules, evidence=ev,
+        thresholds=th, citations=(CITATION_PAPER,), text=text, kind=inner.kind, caveats=caveats,
+    )

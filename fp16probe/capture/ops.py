@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fp16probe.capture.autocast_rules import output_is_low
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
@@ -105,9 +106,12 @@ _NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, tor
 class _OpCapture(TorchFunctionMode):
     """Hook the gradient of every differentiable op output while a forward runs."""
 
-    def __init__(self, recorder: Recorder, record: bool = True) -> None:
+    def __init__(self, recorder: Recorder, record: bool = True, target: str | None = None) -> None:
         super().__init__()
         self.recorder = recorder
+        # The device whose autocast rules decide (fp16probe.capture.autocast_rules); None: the
+        # device the profile runs on, asked of autocast itself.
+        self.target = target
         self.record = record  # False: only work out autocast dtypes, to mark nodes for the ceiling
         self.wanted: Any = None  # record=False: a callable saying whether this forward needs the marks
         self.depth = [0]  # nesting of the probed model's forward calls (the mode is on while > 0)
@@ -191,6 +195,8 @@ class _OpCapture(TorchFunctionMode):
                 return low
         if op in LAYOUT_OPS or op in _CASTS:
             return bool(inputs) and self._is_low(inputs[0])
+        if self.target is not None:
+            return output_is_low(func, args, kwargs, self._is_low, self.target)
         floats = [t for t in inputs if t.is_floating_point()]
         if self._class(func, args, kwargs, out.device, False) == _FP32:
             return False
@@ -339,10 +345,13 @@ def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.dev
         return _LOW
     try:
         dtype = torch.float32 if fp32_run else torch.float16
-        a, k = _copy_args(tuple(args), dtype), _copy_args(dict(kwargs), dtype)
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, dtype=torch.float16):
-            got = func(*a, **k)
+        # The probing calls are not the model's: no other torch function mode sees them.
+        with torch._C.DisableTorchFunction():
+            a, k = _copy_args(tuple(args), dtype), _copy_args(dict(kwargs), dtype)
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type,
+                                                                                          dtype=torch.float16):
+                got = func(*a, **k)
         first = next((t for t in iter_tensors(got) if t.is_floating_point()), None)
     except Exception:
         return _LOW
@@ -353,9 +362,13 @@ def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.dev
     return _FP32 if first.dtype == torch.float32 else _PASS
 
 
-def new_capture(recorder: Recorder, record: bool = True) -> _OpCapture:
-    """Make the capture object :func:`attach` uses; keep it to reuse its cache across attaches."""
-    return _OpCapture(recorder, record)
+def new_capture(recorder: Recorder, record: bool = True, target: str | None = None) -> _OpCapture:
+    """Make the capture object :func:`attach` uses; keep it to reuse its cache across attaches.
+
+    ``target``: the device whose fp16 autocast rules decide which outputs stay fp32
+    (``"cuda"``, ``"cpu"``); None asks autocast on the device the profile runs on.
+    """
+    return _OpCapture(recorder, record, target)
 
 
 def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, capture: Any = None,

@@ -21,7 +21,7 @@ from torch import nn
 from fp16probe._version import __version__
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture.ceiling import CHANNEL, Ceiling, step_ceilings
-from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
+from fp16probe.capture.recorder import FORWARD, ROOT_NAME, Recorder, iter_tensors
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report
 
@@ -60,7 +60,10 @@ class Probe:
         types: hook only modules of these classes (combined with ``modules``).
         activation_grads: capture the gradient w.r.t. each hooked module's output.
         weight_grads: capture each parameter's accumulated gradient.
-        activations: also capture forward outputs (forward-pass overflow is real too).
+        activations: also capture histograms of forward outputs.
+        forward: keep each hooked module's largest forward output (one ``amax`` per output,
+            on the device) and the step's largest, so the analysis can see forward values
+            that pass fp16's max (inf at every loss scale). On by default.
         every: sample every Nth step (counted by :meth:`step`); others cost nothing.
         scaler: what scales the loss, when something does: a ``torch.amp.GradScaler``,
             a DeepSpeed engine, its fp16 optimizer (``loss_scale``: the current dynamic
@@ -76,6 +79,12 @@ class Probe:
             the selected modules (functional calls too: ``F.gelu``, residual adds,
             softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.capture.ops`). With
             ``"op"`` the default selection is every module, not only leaves.
+        target: the device whose fp16 autocast rules decide which gradients stay fp32 (left
+            out of the overflow ceiling): ``"cuda"`` (default, where fp16 training runs) or
+            ``"cpu"``; None asks autocast on the device the run is on. A run under real
+            autocast uses the real dtypes.
+        regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
+            trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -95,20 +104,28 @@ class Probe:
         activation_grads: bool = True,
         weight_grads: bool = True,
         activations: bool = False,
+        forward: bool = True,
         every: int = 1,
         scaler: Any = None,
         precision: str | None = None,
         granularity: str = "module",
+        target: str | None = "cuda",
+        regime: str = "autocast",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
         if int(every) < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every!r}")
-        if not (activation_grads or weight_grads or activations):
-            raise ProbeError("nothing to capture: enable activation_grads, weight_grads or activations")
+        if not (activation_grads or weight_grads or activations or forward):
+            raise ProbeError("nothing to capture: enable activation_grads, weight_grads, activations or forward")
         if granularity not in GRANULARITIES:
             raise ProbeError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if regime not in ("autocast", "pure_fp16"):
+            raise ProbeError(f"regime must be 'autocast' or 'pure_fp16', got {regime!r}")
+        if target not in (None, "cuda", "cpu"):
+            raise ProbeError(f"target must be 'cuda', 'cpu' or None, got {target!r}")
         self.granularity = granularity
+        self.target = target
         self.model = model
         self.every = int(every)
         self.scaler = scaler
@@ -121,6 +138,7 @@ class Probe:
         self._types = tuple(types) if isinstance(types, (list, tuple)) else ((types,) if types else ())
         self.recorder = Recorder(self._capture, every=self.every, scaler=scaler, precision=precision)
         rec = self.recorder
+        rec.forward = bool(forward)
         # The overflow ceiling covers every gradient backward makes, not only hooked modules'.
         self._ceiling = (
             Ceiling(
@@ -138,7 +156,8 @@ class Probe:
         self._param_hooks: list[tuple[nn.Parameter, Any]] = []
         # Work out autocast's dtypes while a module-granularity forward runs, so the ceiling
         # leaves out gradients that stay fp32 (see fp16probe.capture.ops).
-        self._autocast_dtypes = True
+        # A model that trains as .half() computes every gradient in fp16: nothing is left out then.
+        self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
@@ -233,7 +252,8 @@ class Probe:
                 tracking = self._op_capture(False)
                 tracking.wanted = self._ceiling.begin_forward  # marks reused while the graph repeats
                 self._handles.extend(ops.attach(self.model, (), rec, capture=tracking))
-            if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]):
+            if self.granularity == "module" and (self._capture[ACTIVATION] or self._capture[ACTIVATION_GRAD]
+                                                 or rec.forward):
                 for module, hook in self._output_hooks:
                     self._handles.append(module.register_forward_hook(hook))
             if self._ceiling is not None:
@@ -254,7 +274,7 @@ class Probe:
         from fp16probe.capture import ops
 
         if record not in self._op_captures:
-            self._op_captures[record] = ops.new_capture(self.recorder, record)
+            self._op_captures[record] = ops.new_capture(self.recorder, record, self.target)
         return self._op_captures[record]
 
     def _detach(self) -> None:
@@ -329,6 +349,13 @@ class Probe:
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
+        forward_max = self.recorder.forward_maxima()
+        if forward_max:
+            extra_meta["forward_max"] = {
+                "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
+                "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
+            }
         if self.recorder.sharded_weight_grads:
             extra_meta["weight_grad_sharding"] = "sharded"
         if self.recorder.scale_source is not None:
@@ -396,6 +423,14 @@ class Probe:
             tied = bool(own) and all(id(p) in seen_params for p in own)
             (gradient_free if not own or tied else findings).append(display)
         return findings, gradient_free
+
+
+def _json_float(v: float) -> float | str:
+    if v != v:
+        return "nan"
+    if v in (float("inf"), float("-inf")):
+        return "inf"
+    return float(v)
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

@@ -42,6 +42,7 @@ from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Mo
 __all__ = ["ROOT_NAME", "Collected", "Recorder", "detect_precision", "histogram_from", "iter_tensors"]
 
 ROOT_NAME = "(model)"
+FORWARD = "forward"  # the per-step maximum of every recorded forward output (note_forward)
 
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
@@ -175,6 +176,8 @@ class Recorder:
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
+        self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
+        self._forward_max: dict[str, torch.Tensor] = {}  # module -> running max over the run (device)
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
         self.enabled = False
         self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
@@ -234,6 +237,8 @@ class Recorder:
             act_i, grad_i = rows
             if type(output) is torch.Tensor:  # the common case, without the generator
                 if output.is_floating_point():
+                    if self.forward:
+                        self.note_forward(name, output)
                     if act_i is not None:
                         self.record(ACTIVATION, act_i, output)
                     if grad_i is not None and output.requires_grad:
@@ -247,6 +252,8 @@ class Recorder:
                 if not t.is_floating_point() or id(t) in seen:
                     continue
                 seen.add(id(t))
+                if self.forward:
+                    self.note_forward(name, t)
                 if act_i is not None:
                     self.record(ACTIVATION, act_i, t)
                 if grad_i is not None and t.requires_grad:
@@ -365,6 +372,34 @@ class Recorder:
                 st.dirty = True
         except Exception as e:
             self.note_error(e)
+
+    def note_forward(self, name: str, t: torch.Tensor) -> None:
+        """Fold ``max |t|`` of a forward output into its module's maximum and the step's (no host sync).
+
+        Only values that are fp16 in this run count: fp16/bf16 outputs, or any floating output
+        of a run without autocast (whose outputs an fp16 run would compute in fp16). inf/NaN
+        propagate (a NaN maximum reads as overflow).
+        """
+        try:
+            if t.numel() == 0 or t.dtype == torch.float64:
+                return
+            if t.dtype == torch.float32 and _autocast_on(t.device.type):
+                return  # autocast keeps it fp32: it cannot overflow fp16
+            with torch.no_grad():
+                v = t.detach().abs().amax().float()
+            old = self._forward_max.get(name)
+            self._forward_max[name] = v if old is None else torch.maximum(old, v.to(old.device))
+            self.note_max(FORWARD, v)
+        except Exception as e:
+            self.note_error(e)
+
+    def forward_maxima(self) -> dict[str, float]:
+        """Each module's largest forward output over the run, brought to the host (one transfer)."""
+        if not self._forward_max:
+            return {}
+        names = list(self._forward_max)
+        values = torch.stack([self._forward_max[n].cpu() for n in names]).tolist()
+        return dict(zip(names, values))
 
     def note_error(self, e: BaseException) -> None:
         """Count a failed hook; warn once, with the first failure's message."""
@@ -548,6 +583,13 @@ class Recorder:
                 errors=self.errors,
                 first_error=self.first_error,
             )
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        return False
 
 
 def _copy_state(st: _State) -> _State:

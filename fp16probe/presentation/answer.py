@@ -47,6 +47,8 @@ VERDICT_WORDS = {
     Verdict.PER_TENSOR_SCALING: "per-tensor scaling",
     Verdict.NO_SINGLE_SCALE: "no single loss scale fits",
     Verdict.INSUFFICIENT_EVIDENCE: "not enough evidence for a verdict",
+    Verdict.FORWARD_OVERFLOW: "the forward pass overflows (no loss scale fixes it)",
+    Verdict.FORWARD_UNDERFLOW: "the forward pass flushes values to zero (no loss scale fixes it)",
 }
 KIND_WORDS = {"all": "gradients", "activation_grad": "activation gradients", "weight_grad": "weight gradients",
               "activation": "activations"}
@@ -156,6 +158,10 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("todo", todo))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
+    fix = str(rec.evidence.get("fix_code") or "")
+    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW):
+        lines.append(Line("device", "fix (or train in bf16):"))
+        lines.append(Line("code", "import fp16probe\n" + fix))
     if code:
         least_bad = "if you keep one scale, the least bad; " if todo else ""
         lines.append(Line("device", f"paste ({least_bad}{how}):"))
@@ -186,6 +192,19 @@ def _verdict_sentence(rec: Recommendation) -> str:
         return f"{head}; the least bad is S = {num.power_of_two(k)}"
     if rec.verdict is Verdict.PER_TENSOR_SCALING and k is not None:
         return f"{head}, about 2^{k} from the measured maxima"
+    if rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW):
+        ev = rec.evidence
+        rows = ev.get("forward_overflow" if rec.verdict is Verdict.FORWARD_OVERFLOW else "forward_flushing") or []
+        where = f" under {ev.get('regime', 'autocast').replace('_', ' ')} on {ev.get('target', 'cuda')}"
+        if rows:
+            first = rows[0]
+            if rec.verdict is Verdict.FORWARD_OVERFLOW:
+                m = first.get("max_abs")
+                size = "inf/NaN" if m is None or m == float("inf") else f"max {num.magnitude(m)} > 65504"
+                return f"{head}: {first.get('name')} {size} at step {first.get('first_overflow_step')}{where}"
+            return (f"{head}: {num.percent(first.get('flushed_fraction'))} of {first.get('name')} flushes"
+                    f"{where}")
+        return head
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
         why = re.split(r"(?<=[.;])\s", rec.text.removeprefix(f"No verdict for {rec.format}: "))[0]
         return f"{head}: {why.rstrip('.;')} (--explain says what to do)"

@@ -36,7 +36,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
@@ -181,6 +181,8 @@ def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, 
     scalars: list[tuple[str, int, float]] = []
     skipped = 0
     last_step = step_offset
+    fwd = report.metadata.extra.get("forward_max")
+    forward_steps = list(fwd.get("step_max") or ()) if isinstance(fwd, Mapping) else []
     for i, raw_step in enumerate(trace.steps):
         step = int(raw_step) + step_offset
         last_step = max(last_step, step)
@@ -216,6 +218,12 @@ def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, 
         ceiling = trace.ceiling
         if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
             scalars.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
+        if i < len(forward_steps):  # the forward pass's largest |x| and its headroom below fp16's max
+            v = forward_steps[i]
+            v = math.inf if isinstance(v, str) else float(v)
+            scalars.append((f"{PREFIX}/forward/max_abs", step, v))
+            if 0 < v < math.inf:
+                scalars.append((f"{PREFIX}/forward/headroom_bits", step, math.log2(65504.0 / v)))
         if scale is not None:
             scalars.append((f"{PREFIX}/loss_scale", step, float(scale)))
         if scaled:

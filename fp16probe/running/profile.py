@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+TARGETS = ("cuda", "cpu")  # the devices whose fp16 autocast rules a prediction can apply
 STOPPED_INTERRUPTED = "interrupted"  # Ctrl-C (KeyboardInterrupt)
 STOPPED_TERMINATED = "terminated"  # SIGTERM, as timeout, docker and Kubernetes send
 STOPPED_ERROR = "error"  # the model, the loss or the batches raised
@@ -94,6 +95,7 @@ def check_settings(
     format: str = "fp16",
     kind: str = ALL_GRADS,
     verify: bool = False,
+    target: str = "cuda",
 ) -> None:
     """Refuse, before anything runs, settings that cannot work; raise InputError naming the parameter."""
     from fp16probe.formats import get_format
@@ -118,6 +120,9 @@ def check_settings(
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
     get_format(format)  # raises UnknownFormatError naming the known formats
+    if target not in TARGETS:
+        raise InputError(f"target={target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 autocast "
+                         "rules the prediction applies)")
     if kind not in (ALL_GRADS,) + KINDS:
         raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}")
     if verify and precision != "fp32":
@@ -148,6 +153,7 @@ def profile(
     on_step: Callable[[int], None] | None = None,
     verify: bool = False,
     extra: Mapping[str, Any] | None = None,
+    target: str | None = None,
     **probe_options: Any,
 ) -> Report | None:
     """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
@@ -181,6 +187,12 @@ def profile(
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
         extra: more ``metadata.extra`` entries for the report.
+        target: the device whose fp16 autocast rules the prediction applies: ``"cuda"``
+            (where fp16 training runs) or ``"cpu"``. Default: CUDA, except with ``verify``
+            on a CPU, where the prediction checked is the CPU's. Every fp32 profiled step
+            also audits the forward pass and the loss as the target run computes them
+            (:class:`fp16probe.capture.forward.ForwardAudit`); a model whose parameters came
+            in fp16 is predicted as a pure-fp16 (``.half()``) run.
         **probe_options: passed to :class:`fp16probe.Probe` (``modules``, ``granularity``, ...).
 
     Returns:
@@ -197,22 +209,39 @@ def profile(
     """
     if format is None:
         format = "bf16" if precision == "bf16" else "fp16"
+    run_device = torch.device(device) if device is not None else next(
+        (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
+    if target is None:
+        target = "cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda"
     check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
-                   format=format, kind=kind, verify=verify)
+                   format=format, kind=kind, verify=verify, target=target)
+    if verify and run_device is not None and run_device.type != target:
+        raise InputError(f"target={target!r} with verify=True on {run_device.type}: the verification runs {run_device.type} "
+                         f"autocast, whose op rules differ; pass target={run_device.type!r} (or verify on {target})")
+    regime = "pure_fp16" if isinstance(model, nn.Module) and any(
+        p.dtype == torch.float16 for p in model.parameters()) else "autocast"
     model, dev, notes = prepare_model(model, device)
+    if regime == "pure_fp16":
+        notes.append("the model came in fp16: profiled in fp32 and predicted as it trains, a .half() run "
+                     "(every op and the loss in fp16, no autocast)")
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
     grad_scaler = _make_scaler(scaler, precision, dev)
-    probe = _make_probe(model, grad_scaler, probe_options)
+    probe = _make_probe(model, grad_scaler, {"target": target, "regime": regime, **probe_options})
     settings = RunSettings(steps=steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
     runner = _distributed_runner(model)
     initial = copy.deepcopy(model) if verify else None  # the weights before the run, for verify()
+    audit = None
+    if precision == "fp32":
+        from fp16probe.capture.forward import ForwardAudit
+
+        audit = ForwardAudit(model, regime=regime)
     with probe, _sigterm_as_interrupt():
         result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                              optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                             keep_batches=verify)
+                             keep_batches=verify, audit=audit)
     if result.steps_done == 0:
         if result.error is not None:
             raise result.error
@@ -222,6 +251,10 @@ def profile(
             raise KeyboardInterrupt()
         raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
     extra = dict(extra or {})
+    extra["target"] = target
+    extra["regime"] = regime
+    if audit is not None:
+        extra["forward"] = audit.result()
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
@@ -433,6 +466,7 @@ def run_profile(
     optimizer: torch.optim.Optimizer | None = None,
     on_step: Callable[[int], None] | None = None,
     keep_batches: bool = False,
+    audit: Any = None,
 ) -> RunResult:
     """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C or a failure stops early.
 
@@ -464,10 +498,13 @@ def run_profile(
                     exhausted = True
                     break
                 what = "forward"
-                with _autocast(device, settings.precision):
+                with _autocast(device, settings.precision), (
+                        audit.step(step) if audit is not None else contextlib.nullcontext()):
                     output = call_model(model, batch)
                     what = f"loss ({loss.description})"
                     value = loss.fn(output, batch)
+                    if audit is not None and isinstance(value, torch.Tensor):
+                        audit.note_loss(value)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
                     raise InputError(
                         f"the loss ({loss.description}) returned {type(value).__name__}, expected a scalar tensor"

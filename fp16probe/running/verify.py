@@ -13,6 +13,7 @@ these steps on these batches, not for a whole training run.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 from fp16probe.running.inputs import call_model, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
-from fp16probe.verification import Verification, tolerance_for
+from fp16probe.verification import VALUE_TOLERANCE, Verification, tolerance_for
 
 __all__ = ["VERIFIABLE_FORMATS", "verify"]
 
@@ -76,7 +77,9 @@ def verify(
         raise InputError("batches: no batch to verify on")
     notes: list[str] = []
     kwargs = dict(rec.grad_scaler_kwargs)
-    if rec.log2_scale is None:
+    pure = report.metadata.extra.get("regime") == "pure_fp16"
+    fix = list(rec.evidence.get("fix_modules") or ()) if rec.verdict in ("forward_overflow", "forward_underflow") else []
+    if rec.log2_scale is None and not fix:
         notes.append(f"the verdict is {rec.verdict}: there is no recommended scale, so this ran without a loss scaler")
     predicted_zeroed = rec.flushed_fraction_at_scale if rec.flushed_fraction_at_scale is not None else (
         rec.flushed_fraction_at_1 or 0.0)
@@ -86,7 +89,23 @@ def verify(
 
     reference = copy.deepcopy(model).to(dev).float().train()
     target = copy.deepcopy(model).to(dev).float().train()
-    scaler = torch.amp.GradScaler(dev.type, **kwargs) if kwargs else None
+    if fix:
+        from fp16probe.running.fixes import keep_in_fp32
+
+        keep_in_fp32(target, fix, device_type=dev.type)
+        notes.append(f"ran the fix the verdict prints: {', '.join(fix)} kept in fp32 (autocast off inside)")
+        backward_k = rec.evidence.get("backward_log2_scale")
+        if backward_k:
+            kwargs = {"init_scale": math.ldexp(1.0, int(backward_k))}
+    pure_scale: float | None = None
+    if pure:  # the user's regime: a .half() model, no autocast, loss.float() * S as DeepSpeed's fp16 mode does
+        target = target.half()
+        pure_scale = float(kwargs.get("init_scale", 1.0))
+        notes.append(f"ran as the model came: .half(), no autocast, loss.float() * {pure_scale:g}, no master weights")
+        kwargs_run: dict[str, Any] = {}
+    else:
+        kwargs_run = kwargs
+    scaler = torch.amp.GradScaler(dev.type, **kwargs_run) if kwargs_run else None
     optimizer_spec = report.metadata.extra.get("optimizer")
     if isinstance(optimizer_spec, Mapping) and optimizer_spec.get("name") not in OPTIMIZERS:
         notes.append(f"the profile's optimizer {optimizer_spec.get('name')} is not rebuilt here; both runs kept "
@@ -97,39 +116,63 @@ def verify(
         [p for p in target.parameters() if p.requires_grad], lr=0.0)
     names = [n for n in report.metadata.hooked_modules]
     counts = {ACTIVATION_GRAD: [0, 0], WEIGHT_GRAD: [0, 0]}  # kind -> [nonzero in fp32, of those zero in target]
+    errors = {ACTIVATION_GRAD: [0.0, 0.0], WEIGHT_GRAD: [0.0, 0.0]}  # kind -> [sum |fp16 - fp32|, sum |fp32|]
     overflow_steps = 0
     scales: list[float] = []
-    with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads:
+    watch = _FirstNonfinite(target)
+    with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
         for step, batch in enumerate(batch_list):
             ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None, ref_opt)
-            scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
-            tgt_w = _run_step(target, batch, loss, step, seed, dev, dtype, scaler, None)
-            overflowed = _finish_target_step(target, scaler, tgt_opt)
+            scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
+            watch.step = step
+            tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler, None,
+                              pure_scale=pure_scale, watch=watch)
+            overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             overflow_steps += int(overflowed)
             pairs = {
                 ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), notes, "module output gradients"),
                 WEIGHT_GRAD: _pair(ref_w, tgt_w, notes, "weight gradients"),
             }
-            for kind, tensors in pairs.items():
-                nz, lost = _compare(tensors)
-                counts[kind][0] += nz
-                counts[kind][1] += lost
+            if not overflowed:  # zeros and errors are counted on finite steps only
+                for kind, tensors in pairs.items():
+                    nz, lost = _compare(tensors)
+                    counts[kind][0] += nz
+                    counts[kind][1] += lost
+                    # GradScaler.step unscaled the weight gradients in place; the rest are still scaled.
+                    unscaled = kind == WEIGHT_GRAD and scaler is not None
+                    diff, size = _error(tensors, 1.0 if unscaled else 1.0 / scales[-1])
+                    errors[kind][0] += diff
+                    errors[kind][1] += size
             if ref_opt is not None:
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
             target.zero_grad(set_to_none=True)
-    by_kind = {k: {"nonzero_values": nz, "zeroed_values": z, "zeroed_fraction": z / nz if nz else 0.0}
-               for k, (nz, z) in counts.items()}
+    by_kind: dict[str, dict[str, Any]] = {
+        k: {"nonzero_values": nz, "zeroed_values": z, "zeroed_fraction": z / nz if nz else 0.0,
+            "relative_error": errors[k][0] / errors[k][1] if errors[k][1] else None}
+        for k, (nz, z) in counts.items()}
+    notes.extend(watch.causes(overflow_steps, len(batch_list), rec))
     nz_all = sum(nz for nz, _ in counts.values())
     z_all = sum(z for _, z in counts.values())
+    err_all = sum(e[0] for e in errors.values()), sum(e[1] for e in errors.values())
     by_kind[ALL_KINDS] = {"nonzero_values": nz_all, "zeroed_values": z_all,
-                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0}
+                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0,
+                          "relative_error": err_all[0] / err_all[1] if err_all[1] else None}
     kind = rec.kind if rec.kind in counts else ALL_KINDS
     measured = by_kind[kind]
     if measured["nonzero_values"] == 0:
         notes.append(f"the fp32 run had no nonzero {kind} values to compare")
-    held = rec.log2_scale is not None and Verification.judge(
-        predicted_overflow, overflow_steps, predicted_zeroed, measured["zeroed_fraction"], tolerance)
+    if fix:  # the fix is proven when the run is finite on every step
+        held = overflow_steps == 0 and watch.first_loss_step is None
+    else:
+        held = rec.log2_scale is not None and Verification.judge(
+            predicted_overflow, overflow_steps, predicted_zeroed, measured["zeroed_fraction"], tolerance)
+    error = measured.get("relative_error")
+    if error is not None and error > VALUE_TOLERANCE:
+        held = False
+        notes.append(f"the fp16 run's {kind} gradients are {error * 100:.3g}% off the fp32 run's (sum of |fp16 - fp32| "
+                     f"over sum of |fp32|, finite steps; tolerance {VALUE_TOLERANCE * 100:g}%): the run computes "
+                     "different gradients, not only fewer")
     return Verification(
         precision=rec.format, device=str(dev), steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
         predicted_overflow_steps=predicted_overflow, measured_overflow_steps=overflow_steps,
@@ -146,19 +189,28 @@ def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
 
 
 def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, device: torch.device,
-              dtype: torch.dtype | None, scaler: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+              dtype: torch.dtype | None, scaler: Any, optimizer: Any, *, pure_scale: float | None = None,
+              watch: "_FirstNonfinite | None" = None) -> dict[str, torch.Tensor]:
     """One forward and backward; return the weight gradients (scaled ones stay scaled: zeros are zeros)."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed + step)
         try:
-            if dtype is None:
+            if pure_scale is not None:
+                half = _to_half(batch)
+                value = loss.fn(call_model(model, half), half)
+            elif dtype is None:
                 value = loss.fn(call_model(model, batch), batch)
             else:
                 with torch.autocast(device_type=device.type, dtype=dtype):
                     value = loss.fn(call_model(model, batch), batch)
             value = value.reshape(())
-            (scaler.scale(value) if scaler is not None else value).backward()
+            if watch is not None:
+                watch.loss(value)
+            if pure_scale is not None:
+                (value.float() * pure_scale).backward()
+            else:
+                (scaler.scale(value) if scaler is not None else value).backward()
         except Fp16ProbeError:
             raise
         except Exception as e:  # the profile ran these batches; a failure now is the model's
@@ -167,18 +219,96 @@ def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, de
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _finish_target_step(model: nn.Module, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+def _finish_target_step(model: nn.Module, scaler: Any, optimizer: torch.optim.Optimizer | None) -> bool:
     """Step the target run through its scaler; return whether its gradients held inf/NaN."""
-    if scaler is not None:
+    if scaler is not None and optimizer is not None:
         before = scaler.get_scale()
         scaler.step(optimizer)  # skips the update on inf/NaN
         scaler.update()
         return scaler.get_scale() < before  # GradScaler backs off exactly when it found inf/NaN
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bad = bool(torch.stack([~torch.isfinite(g).all() for g in grads]).any()) if grads else False
-    if not bad:
+    if not bad and optimizer is not None:
         optimizer.step()
     return bad
+
+
+def _to_half(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.half() if obj.dtype == torch.float32 else obj
+    if isinstance(obj, tuple):
+        return tuple(_to_half(v) for v in obj)
+    if isinstance(obj, list):
+        return [_to_half(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_half(v) for k, v in obj.items()}
+    return obj
+
+
+def _error(pairs: list[tuple[torch.Tensor, torch.Tensor]], inv: float) -> tuple[float, float]:
+    """Sum of |fp16 * inv - fp32| (the fp16 gradients unscaled by ``inv``) and of |fp32| over matched gradients."""
+    if not pairs:
+        return 0.0, 0.0
+    diff = torch.zeros((), dtype=torch.float64, device=pairs[0][0].device)
+    size = torch.zeros_like(diff)
+    for r, t in pairs:
+        r64 = r.double()
+        diff += (t.to(r.device).double() * inv - r64).abs().sum()
+        size += r64.abs().sum()
+    return float(diff), float(size)  # one host sync per step
+
+
+class _FirstNonfinite:
+    """Watch the target run for the first cause it can see: a non-finite loss, a module output that held inf."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.step = 0
+        self.first_loss_step: int | None = None
+        self.loss_dtype: torch.dtype | None = None
+        self.first_module: tuple[int, str] | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_FirstNonfinite":
+        for name, module in self.model.named_modules():
+            if name:
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.first_module is not None:
+                return
+            for t in _floating(output):
+                if t.dtype in (torch.float16, torch.bfloat16) and not bool(torch.isfinite(t).all()):
+                    self.first_module = (self.step, name)  # a sync per output: verification only
+                    return
+
+        return hook
+
+    def loss(self, value: torch.Tensor) -> None:
+        self.loss_dtype = value.dtype
+        if self.first_loss_step is None and not bool(torch.isfinite(value.detach()).all()):
+            self.first_loss_step = self.step
+
+    def causes(self, overflow_steps: int, steps: int, rec: Any) -> list[str]:
+        """The causes seen, in words (empty when the run stayed finite)."""
+        out: list[str] = []
+        if self.first_loss_step is not None:
+            out.append(f"cause: the fp16 run's loss was inf/NaN from step {self.first_loss_step + 1}")
+        if self.first_module is not None:
+            out.append(f"cause: the first module whose fp16 forward output held inf/NaN was {self.first_module[1]} "
+                       f"(step {self.first_module[0] + 1})")
+        if self.loss_dtype == torch.float16 and overflow_steps and rec.log2_scale is not None and rec.log2_scale > 15:
+            out.append("cause: the loss was fp16 in this run, so its seed gradient S overflows from 65520")
+        if overflow_steps:
+            out.append(f"{overflow_steps} of {steps} step(s) held inf/NaN gradients; zeroed shares and errors are "
+                       "counted on the finite steps only")
+        return out
 
 
 def _pair(ref: Mapping[str, Any], tgt: Mapping[str, Any], notes: list[str], what: str) -> list[tuple[Any, Any]]:

@@ -1,0 +1,284 @@
+"""What dtype an op's output would have in the target run, asked of torch's own dispatcher.
+
+A profile runs in fp32, often on a CPU; the run it predicts computes under CUDA fp16
+autocast (or CPU autocast, or a model converted with ``.half()``). Which ops autocast
+lowers to fp16, which it runs in fp32 and which it passes through differs by device
+(torch's "Autocast Op Reference": on CUDA ``pow``, ``sum``, ``softmax``, ``layer_norm`` and
+``exp`` run in fp32, on the CPU in fp16). Nothing here relies on a typed-in table when
+torch can answer: the op is run on *fake* tensors (``torch._subclasses.FakeTensorMode``,
+shapes and dtypes only, no data, no device needed) of the dtypes the target run would have,
+with the target device's autocast switched on, and the output's dtype is read off. Fake
+CUDA tensors work on a CPU-only build, and CUDA autocast's own kernels (registered in
+every build) decide. Answers are cached per op and input-dtype signature.
+
+Where the fake call fails (an op without a fake kernel, a data-dependent op), the
+documented CUDA lists below decide, and otherwise type promotion (fp16 out only when every
+floating input is fp16). The lists are torch's "CUDA Ops that can autocast to float16 /
+float32 / promote" for torch 2.4-2.13; ``bench/gpu_check.py`` checks them against a real
+GPU when one is at hand.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CUDA_FP16_OPS",
+    "CUDA_FP32_OPS",
+    "CUDA_PROMOTE_OPS",
+    "REGIMES",
+    "TARGETS",
+    "output_is_low",
+]
+
+TARGETS = ("cuda", "cpu")
+REGIMES = ("autocast", "pure_fp16")
+
+# torch's Autocast Op Reference, CUDA, torch 2.4-2.13 (the Python names the ops are called by).
+CUDA_FP16_OPS = frozenset({
+    "matmul", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "conv_tbc", "gru_cell", "linear", "lstm_cell", "mm", "mv", "prelu", "rnn_tanh_cell",
+    "rnn_relu_cell", "scaled_dot_product_attention", "_convolution", "convolution",
+})
+CUDA_FP32_OPS = frozenset({
+    "pow", "rdiv", "rpow", "rtruediv", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum",
+    "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss",
+    "layer_norm", "log", "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss",
+    "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist",
+    "poisson_nll_loss", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss",
+    "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss", "rms_norm",
+    "batch_norm", "instance_norm", "native_layer_norm",
+})
+CUDA_PROMOTE_OPS = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sample", "index_put",
+    "scatter_add", "tensordot", "cat", "stack", "index_copy",
+})
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+_cache: dict[tuple[Any, ...], bool | None] = {}
+_lock = threading.Lock()
+_fake_mode: Any = None
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return name[2:-2] if name.startswith("__") and name.endswith("__") else name
+
+
+def output_is_low(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Callable[[torch.Tensor], bool],
+                  target: str, regime: str = "autocast") -> bool:
+    """Whether ``func``'s floating output would be fp16 in the target run.
+
+    ``is_low(t)`` says whether an input tensor would be fp16 there. ``regime`` is
+    ``"autocast"`` (fp16 autocast on ``target``) or ``"pure_fp16"`` (a ``.half()`` model, no
+    autocast: type promotion and explicit casts alone decide).
+    """
+    sig: list[Any] = []
+    floats: list[bool] = []
+
+    def note(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            low = obj.is_floating_point() and is_low(obj)
+            if obj.is_floating_point() and obj.dim() > 0:
+                floats.append(low)
+            sig.append(("T", str(obj.dtype) if not obj.is_floating_point() else low, obj.dim() == 0))
+        elif isinstance(obj, (torch.dtype, str, bool)):
+            sig.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            sig.append(len(obj))
+            for v in obj:
+                note(v)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                sig.append(k)
+                note(v)
+        else:
+            sig.append(type(obj).__name__)
+        return obj
+
+    for a in args:
+        note(a)
+    for k in sorted(kwargs):
+        sig.append(k)
+        note(kwargs[k])
+    key = (func, target, regime, tuple(sig))
+    got = _cache.get(key)
+    if got is None and key not in _cache:
+        got = _ask_fake(func, args, kwargs, is_low, target, regime)
+        with _lock:
+            _cache[key] = got
+    if got is not None:
+        return got
+    return _by_lists(_op_name(func), floats, target, regime)
+
+
+def _by_lists(name: str, floats: list[bool], target: str, regime: str) -> bool:
+    """The documented rule where no fake run could answer."""
+    promoted = bool(floats) and all(floats)
+    if regime == "pure_fp16" or target != "cuda":
+        return promoted
+    if name in CUDA_FP16_OPS:
+        return True
+    if name in CUDA_FP32_OPS:
+        return False
+    return promoted
+
+
+def _ask_fake(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Callable[[torch.Tensor], bool],
+              target: str, regime: str) -> bool | None:
+    """Run ``func`` on fake tensors of the target run's dtypes; whether its output is fp16 (None: it failed)."""
+    global _fake_mode
+    if _op_name(func).endswith("_") or "out" in kwargs:
+        return None  # in place: its dtype is its first input's (the caller's rule handles it)
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        if _fake_mode is None:
+            _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        mode = _fake_mode
+        device = "cuda" if target == "cuda" else "cpu"
+
+        # DisableTorchFunction: the fake calls are not the model's, and no torch function mode
+        # (the audit, op capture) may see them.
+        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
+            warnings.simplefilter("ignore")
+            with mode:
+                def fake(obj: Any) -> Any:
+                    if isinstance(obj, torch.Tensor):
+                        dtype = obj.dtype
+                        if obj.is_floating_point():
+                            dtype = torch.float16 if is_low(obj) else torch.float32
+                        return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=dtype,
+                                                   device=device)
+                    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+                        return type(obj)(fake(v) for v in obj)
+                    if isinstance(obj, dict):
+                        return {k: fake(v) for k, v in obj.items()}
+                    return obj
+
+                a, k = fake(tuple(args)), fake(dict(kwargs))
+                if regime == "pure_fp16":
+                    out = func(*a, **k)
+                else:
+                    prev_on, prev_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+                    torch.set_autocast_enabled(device, True)
+                    torch.set_autocast_dtype(device, torch.float16)
+                    try:
+                        out = func(*a, **k)
+                    finally:
+                        torch.set_autocast_enabled(device, prev_on)
+                        torch.set_autocast_dtype(device, prev_dtype)
+                        torch.clear_autocast_cache()
+        first = _first_float(out)
+    except Exception:
+        return None
+    if first is None:
+        return None
+    return first in _LOW_DTYPES
+
+
+def _first_float(obj: Any) -> torch.dtype | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype if obj.is_floating_point() else None
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            got = _first_float(v)
+            if got is not None:
+                return got
+    return None
+
+
+def _op_cases() -> list[tuple[str, Callable[[Callable[..., torch.Tensor]], Any]]]:
+    """(name, run) pairs: ``run(make)`` calls the op on tensors from ``make(shape, low)``."""
+    F = torch.nn.functional
+    return [
+        ("mm", lambda t: torch.mm(t((4, 4), False), t((4, 4), False))),
+        ("matmul", lambda t: torch.matmul(t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("linear", lambda t: F.linear(t((4, 4), False), t((4, 4), False))),
+        ("conv2d", lambda t: F.conv2d(t((1, 2, 4, 4), False), t((2, 2, 3, 3), False))),
+        ("bmm", lambda t: torch.bmm(t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("baddbmm", lambda t: torch.baddbmm(t((2, 4, 4), False), t((2, 4, 4), False), t((2, 4, 4), False))),
+        ("addmm", lambda t: torch.addmm(t((4, 4), False), t((4, 4), False), t((4, 4), False))),
+        ("pow", lambda t: t((4, 4), True).pow(2)),
+        ("sum", lambda t: t((4, 4), True).sum()),
+        ("softmax", lambda t: torch.softmax(t((4, 4), True), -1)),
+        ("log_softmax", lambda t: torch.log_softmax(t((4, 4), True), -1)),
+        ("layer_norm", lambda t: F.layer_norm(t((4, 4), True), (4,))),
+        ("group_norm", lambda t: F.group_norm(t((2, 4, 3), True), 2)),
+        ("exp", lambda t: torch.exp(t((4, 4), True))),
+        ("log", lambda t: torch.log(t((4, 4), True))),
+        ("cumsum", lambda t: torch.cumsum(t((4, 4), True), 0)),
+        ("mse_loss", lambda t: F.mse_loss(t((4, 4), True), t((4, 4), True))),
+        ("abs", lambda t: t((4, 4), True).abs()),
+        ("mean", lambda t: t((4, 4), True).mean()),
+        ("add", lambda t: t((4, 4), True) + t((4, 4), True)),
+        ("addcmul", lambda t: torch.addcmul(t((4, 4), False), t((4, 4), True), t((4, 4), True))),
+        ("cat", lambda t: torch.cat([t((4, 4), True), t((4, 4), False)])),
+    ]
+
+
+def compare_with_device(device: str = "cuda") -> dict[str, Any]:
+    """Check the answers this module gives for ``device`` against torch's autocast run there for real.
+
+    Runs each of a list of ops (matmuls, convolutions, reductions, norms, losses, pointwise,
+    promotion) on real tensors of ``device`` under fp16 autocast and compares the output's
+    dtype with :func:`output_is_low` (the fake-tensor answer, with the documented CUDA lists as
+    its fallback). On ``"cuda"`` it needs a GPU (``bench/gpu_check.py`` runs it there); on
+    ``"cpu"`` it runs anywhere. Returns ``{"device", "checked", "agree", "disagree": [...]}``.
+    """
+    rows = [_check_case(name, run, device) for name, run in _op_cases()]
+    judged = [r for r in rows if "agree" in r]
+    return {"device": device, "torch": torch.__version__, "checked": len(judged),
+            "agree": sum(1 for r in judged if r["agree"]), "disagree": [r for r in judged if not r["agree"]],
+            "errors": [r for r in rows if "error" in r]}
+
+
+def _check_case(name: str, run: Callable[[Callable[..., torch.Tensor]], Any], device: str) -> dict[str, Any]:
+    """Run one op case for real on ``device`` under autocast and ask :func:`output_is_low` about it."""
+
+    def real(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+        x = torch.rand(shape, device=device) + 0.5
+        return x.half() if low else x
+
+    try:
+        with torch.autocast(device, dtype=torch.float16):
+            got = run(real).dtype == torch.float16
+    except Exception as e:  # an op the device cannot run: reported, not judged
+        return {"op": name, "error": f"{type(e).__name__}: {e}"}
+    made: list[torch.Tensor] = []  # kept alive for the case: an id in low_ids is never reused
+    low_ids: set[int] = set()
+
+    def is_low(t: torch.Tensor) -> bool:
+        return id(t) in low_ids
+
+    def stand_in(shape: tuple[int, ...], low: bool) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():  # made outside the op under test
+            x = torch.rand(shape) + 0.5  # fp32 on the CPU; is_low says what it would be
+        made.append(x)
+        if low:
+            low_ids.add(id(x))
+        return x
+
+    recorded: list[bool] = []
+
+    class _Ask(torch.overrides.TorchFunctionMode):
+        """Ask output_is_low about the op the case calls (the last torch call it makes)."""
+
+        def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                recorded.append(output_is_low(func, args, kwargs, is_low, device))
+            return out
+
+    with _Ask():
+        run(stand_in)
+    predicted = recorded[-1] if recorded else None
+    return {"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got}

@@ -1,0 +1,57 @@
+"""Fixes a forward verdict pastes: keep named modules in fp32 inside an fp16 run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp16probe.errors import InputError
+
+__all__ = ["keep_in_fp32"]
+
+
+def _up(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dtype in (torch.float16, torch.bfloat16):
+        return obj.float()
+    if isinstance(obj, tuple):
+        return tuple(_up(v) for v in obj)
+    if isinstance(obj, list):
+        return [_up(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _up(v) for k, v in obj.items()}
+    return obj
+
+
+_MARK = "_fp16probe_keep_fp32"
+
+
+def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cuda") -> nn.Module:
+    """Run each named submodule of ``model`` in fp32 with autocast off, in place; return ``model``.
+
+    The module's weights become fp32 and its floating inputs are cast up; its output stays
+    fp32 (casting a value past 65504 back to fp16 would make it inf again), and the ops
+    after it promote or cast as autocast does. Names and the state dict are unchanged (the
+    module's ``forward`` is wrapped, not the module). ``device_type`` is the autocast device
+    switched off inside. An unknown name raises InputError naming it.
+    """
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules.get(name)
+        if module is None or not name:
+            raise InputError(f"keep_in_fp32: {type(model).__name__} has no submodule {name!r}; "
+                             "expected names as model.named_modules() gives them")
+        if getattr(module, _MARK, False):
+            continue
+        module.float()
+        inner = module.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, enabled=False):
+                return _inner(*_up(args), **_up(kwargs))
+
+        module.forward = forward  # type: ignore[method-assign]
+        setattr(module, _MARK, True)
+    return model
