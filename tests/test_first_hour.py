@@ -316,3 +316,50 @@ def test_the_terminal_hears_at_once_and_the_bar_tells_time_left(tmp_path):
         update(2)
     drawn = stream.getvalue()
     assert "2/4" in drawn and "elapsed," in drawn and "left" in drawn, drawn
+
+
+def test_user_facing_text_cites_works_not_internal_labels():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "notebooks").glob("*.ipynb")]
+    for page in pages:
+        assert "LIT-" not in page.read_text(encoding="utf-8"), page.name
+
+
+def test_the_json_schema_refuses_the_bin_names_the_loader_refuses():
+    """The schema accepted bins 129, -150, 999 and -999, which the loader refuses (fp32's exponents only)."""
+    import copy
+    import re
+    from importlib import resources
+
+    import jsonschema
+
+    from fp16probe.histogram import MAX_EXP, MIN_EXP
+    from fp16probe.report import Report
+    from tests.fixtures.reports import tiny_report_json
+
+    schema = json.loads(resources.files("fp16probe").joinpath("schema/report.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    base = tiny_report_json()
+    pattern = schema["$defs"]["histogram"]["properties"]["bins"]["propertyNames"]["pattern"]
+    assert [e for e in range(-1000, 1000) if re.fullmatch(pattern, str(e))] == list(range(MIN_EXP, MAX_EXP + 1))
+    for name in (str(MAX_EXP + 1), str(MIN_EXP - 1), "999", "-999"):
+        bad = copy.deepcopy(base)
+        bad["modules"][0]["histogram"]["bins"][name] = 1
+        with pytest.raises(Exception):
+            Report.from_dict(copy.deepcopy(bad))
+        assert not validator.is_valid(bad), name
+    assert validator.is_valid(base)
+
+
+def test_the_api_reference_names_every_public_entry_point():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    names = set(fp16probe.__all__) | {"LiveLogger", "hf_trackers", "lightning_trackers", "gather_report",
+                                      "merge_rank_reports", "conclude", "trainer_scaler", "lightning_scaler",
+                                      "integrations.huggingface.Fp16ProbeCallback",
+                                      "integrations.lightning.Fp16ProbeCallback"}
+    missing = sorted(n for n in names if n not in page)
+    assert not missing, missing
