@@ -251,11 +251,6 @@ def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     return fmt, knd, analyze(report, fmt, kind=knd)
 
 
-def default_format(precision: str) -> str:
-    """The format a profile is judged for without --format: bf16 for a bf16 run, else fp16."""
-    return "bf16" if precision == "bf16" else "fp16"
-
-
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
@@ -330,102 +325,83 @@ def profile(
         # Said before torch and the model load (seconds): a terminal is never silent.
         sys.stderr.write(f"loading {model or 'the built-in demo model'}...\n")
         sys.stderr.flush()
-    import torch
-
-    from fp16probe.capture import distributed
-    from fp16probe.presentation import figures
     from fp16probe.presentation import terminal as render
-    from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
-    from fp16probe.running.loading import load_model
-    from fp16probe.running.losses import check_loss_spec, make_loss
-    from fp16probe.running.profile import Terminated, check_settings
-    from fp16probe.running.profile import profile as run
+    from fp16probe.running.profile import Terminated
+    from fp16probe.running.request import ProfileRequest, profile_request
 
     console = render.make_console()
-    print_error = render.print_error
-    with _errors(console, debug), contextlib.ExitStack() as stack:
-        # Everything that can be refused is refused before the model loads or runs.
-        inputs = [Path(model)] if model and Path(model).exists() else []
-        if weights is not None:
-            inputs.append(weights)
-        _check_output(out, "--out")
-        _refuse_overwrite(out, inputs, "--out")
-        _check_writable(out, "--out")
-        if plot is not None:
-            _check_output(plot, "--plot")
-            _refuse_overwrite(plot, inputs + [out], "--plot")
-            figures.check_figure_path(plot)
-            _check_writable(plot, "--plot")
-        opt = None if optimizer is OptimizerName.none else optimizer.value
-        fmt = format.value if format is not None else default_format(precision.value)
-        knd = kind.value if kind is not None else Kind.all.value
-        check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                       format=fmt, kind=knd, verify=verify,
-                       target=target.value if target is not None else "cuda")
-        is_dist = distributed.init_from_env()
-        rank = distributed.rank()
-        dev = pick_device(device.value)
-        if is_dist and dev.type == "cuda":
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        check_loss_spec(loss)
-        if 0 <= seed < 2**63:  # make_batches refuses any other seed in one line
-            torch.manual_seed(seed + rank)  # a factory's initialisation and dropout repeat from run to run
-        check_inputs_before_load(model, dev, input_shape=input_shape, input_dtype=input_dtype.value,
-                                 vocab_size=vocab_size, batches=batches)
-        loaded = load_model(model, weights=weights, trust_checkpoint=trust_checkpoint,
-                            trust_remote_code=trust_remote_code)
-        batch_src = make_batches(loaded, dev, input_shape=input_shape, input_dtype=input_dtype.value,
-                                 vocab_size=vocab_size, batches=batches,
-                                 seed=seed + rank)  # each rank draws its own synthetic batches
-        loss_src = make_loss(loaded, loss, batch_src, seed=seed + rank)
-        if loaded.kind == "huggingface":  # its warnings (a loss_type it falls back from) would bury the summary
-            from fp16probe.running.loading import quiet_transformers
-
-            stack.enter_context(quiet_transformers())
-        notes = [*loaded.notes, *batch_src.notes]
-        if not json_out and rank == 0:
-            for note in notes:  # what loading and the inputs changed: said now, and kept in the report
-                console.print(f"note: {note}", markup=False, highlight=False)
-        extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source,
-                                 "notes": notes, **loaded.extra}
-        if batch_src.family is not None:
-            extra["family"] = batch_src.family
-        if is_dist:
-            extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
-                                         else "each rank ran the batches it was given")
+    with _errors(console, debug):
+        _check_profile_outputs(model, weights, out, plot)  # refused before the model loads or runs
+        request = ProfileRequest(
+            model=model, weights=weights, trust_checkpoint=trust_checkpoint, trust_remote_code=trust_remote_code,
+            input_shape=input_shape, input_dtype=input_dtype.value, vocab_size=vocab_size, batches=batches,
+            loss=loss, steps=steps, device=device.value, precision=precision.value, loss_scale=loss_scale,
+            optimizer=None if optimizer is OptimizerName.none else optimizer.value, lr=lr,
+            format=None if format is None else format.value, kind=Kind.all.value if kind is None else kind.value,
+            granularity=granularity.value, modules=tuple(modules or ()), seed=seed, verify=verify,
+            target=None if target is None else target.value)
+        request.check()
         try:
-            with render.progress(console, steps, enabled=not json_out and rank == 0) as update:
-                report = run(loaded.model, batch_src, loss_src, steps=steps,
-                             precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                             format=fmt, kind=knd, device=dev, on_step=update, verify=verify,
-                             extra=extra, modules=modules or None, granularity=granularity.value,
-                             target=target.value if target is not None else None)
+            report = profile_request(
+                request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
+                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
         except Terminated:
-            print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
+            render.print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
             raise typer.Exit(EXIT_TERMINATED) from None
         except KeyboardInterrupt:
-            print_error(console, "interrupted before the first step finished; no report written")
+            render.print_error(console, "interrupted before the first step finished; no report written")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Fp16ProbeError as e:
-            if e.report is not None:  # a failure part-way: keep the steps before it
-                with _writing(out, "--out"):
-                    e.report.save(out)
-                steps_done = e.report.metadata.steps_seen
-                raise type(e)(f"{e}; the {steps_done} step(s) before it are in the partial report {out}") from e
-            raise
+            if e.report is None:
+                raise
+            raise _with_partial_report(e, out) from e
         if report is None:  # a rank other than 0: rank 0 writes and prints
             raise typer.Exit(EXIT_OK)
-        with _writing(out, "--out"):
-            report.save(out)
-        rec = report.recommendation
-        if plot is not None:
-            with _writing(plot, "--plot"):
-                _save_figures(report, plot, recommendation=rec, format=fmt, kind=knd)
+        _write_profile_outputs(report, out, plot, request)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
         else:
-            render.print_summary(console, report, rec, kind=knd, explain=explain, out=str(out))
+            render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain,
+                                 out=str(out))
     raise typer.Exit(_exit_code(report))
+
+
+def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, plot: Path | None) -> None:
+    """Refuse an output that is a folder, an input, unwritable, or (figures) of an unknown type."""
+    from fp16probe.presentation import figures
+
+    inputs = [Path(model)] if model and Path(model).exists() else []
+    if weights is not None:
+        inputs.append(weights)
+    _check_output(out, "--out")
+    _refuse_overwrite(out, inputs, "--out")
+    _check_writable(out, "--out")
+    if plot is not None:
+        _check_output(plot, "--plot")
+        _refuse_overwrite(plot, inputs + [out], "--plot")
+        figures.check_figure_path(plot)
+        _check_writable(plot, "--plot")
+
+
+def _print_notes(console: Any, notes: list[str]) -> None:
+    for note in notes:  # what loading and the inputs changed: said now, and kept in the report
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def _with_partial_report(e: Fp16ProbeError, out: Path) -> Fp16ProbeError:
+    """A failure part-way keeps the steps before it: write them and say where."""
+    with _writing(out, "--out"):
+        e.report.save(out)
+    return type(e)(f"{e}; the {e.report.metadata.steps_seen} step(s) before it are in the partial report {out}")
+
+
+def _write_profile_outputs(report: Report, out: Path, plot: Path | None, request: Any) -> None:
+    with _writing(out, "--out"):
+        report.save(out)
+    if plot is not None:
+        with _writing(plot, "--plot"):
+            _save_figures(report, plot, recommendation=report.recommendation, format=request.format,
+                          kind=request.kind)
 
 
 def _save_figures(report: Report, path: Path, **options: Any) -> None:
