@@ -24,6 +24,7 @@ from fp16probe.errors import (
 
 if TYPE_CHECKING:
     from fp16probe.analysis.recommend import analyze
+    from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.analysis.weight_updates import weight_update_loss
     from fp16probe.analysis.whatif import WhatIfRow, WhatIfTable, what_if
     from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from fp16probe.formats import FORMATS, Format, get_format
     from fp16probe.presentation.trackers import export
     from fp16probe.recommendation import Recommendation, Verdict
-    from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+    from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepHistory, StepTrace
     from fp16probe.running.fixes import keep_in_fp32
     from fp16probe.running.profile import profile
     from fp16probe.running.verify import verify
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it (imported when the name is first used)
 _LAZY = {
     "analyze": "fp16probe.analysis.recommend",
+    "judge_schedules": "fp16probe.analysis.schedule",
     "weight_update_loss": "fp16probe.analysis.weight_updates",
     **dict.fromkeys(("WhatIfRow", "WhatIfTable", "what_if"), "fp16probe.analysis.whatif"),
     **dict.fromkeys(("ReplayResult", "replay_scaler", "simulate"), "fp16probe.analysis.replay"),
@@ -47,7 +49,7 @@ _LAZY = {
     **dict.fromkeys(("FORMATS", "Format", "get_format"), "fp16probe.formats"),
     "export": "fp16probe.presentation.trackers",
     **dict.fromkeys(("Recommendation", "Verdict"), "fp16probe.recommendation"),
-    **dict.fromkeys(("Histogram", "Metadata", "ModuleStats", "Report", "StepTrace"), "fp16probe.report"),
+    **dict.fromkeys(("Histogram", "Metadata", "ModuleStats", "Report", "StepHistory", "StepTrace"), "fp16probe.report"),
     "profile": "fp16probe.running.profile",
     "keep_in_fp32": "fp16probe.running.fixes",
     "verify": "fp16probe.running.verify",
@@ -88,6 +90,7 @@ __all__ = [
     "Report",
     "ReportError",
     "ReportFieldError",
+    "StepHistory",
     "StepTrace",
     "UnknownFormatError",
     "Verdict",
@@ -98,6 +101,7 @@ __all__ = [
     "analyze",
     "export",
     "get_format",
+    "judge_schedules",
     "keep_in_fp32",
     "profile",
     "replay_scaler",

@@ -56,6 +56,9 @@ atomic_write_text: Any = _Deferred("fp16probe.report", "atomic_write_text")
 # The choices --format and --kind offer, spelled here so that --help needs no torch;
 # tests/test_cli_help.py checks them against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
 FORMAT_NAMES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+# The scaled formats only `profile` takes (their statistics are captured on the run itself);
+# tests/test_blockformats_cli.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
+BLOCK_FORMAT_NAMES = ("mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
 ACTIVATION_GRAD = "activation_grad"
 WEIGHT_GRAD = "weight_grad"
 
@@ -131,6 +134,7 @@ def _main(
 
 
 FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
+ProfileFormatName = enum.Enum("ProfileFormatName", {name: name for name in FORMAT_NAMES + BLOCK_FORMAT_NAMES}, type=str)
 
 
 class Kind(str, enum.Enum):
@@ -247,8 +251,18 @@ def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
     from fp16probe.analysis.recommend import analyze, target_of
 
-    fmt, knd = target_of(report, None if format is None else format.value, None if kind is None else kind.value)
+    fmt, knd = target_of(report, getattr(format, "value", format), getattr(kind, "value", kind))
     return fmt, knd, analyze(report, fmt, kind=knd)
+
+
+def _stored_format(report: Report) -> str:
+    """The format a report was made for: its recommendation's, its scaled-format advice's, else its precision's."""
+    from fp16probe.analysis.recommend import target_of
+
+    advice = report.metadata.extra.get("block_advice")
+    if report.recommendation is None and isinstance(advice, dict) and advice.get("format") in BLOCK_FORMAT_NAMES:
+        return str(advice["format"])
+    return target_of(report)[0]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -307,7 +321,8 @@ def profile(
     loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
     optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
-    format: FormatOpt = None,
+    format: Annotated[Optional[ProfileFormatName], typer.Option("--format", "-f", help="Target number format (default: fp16, or bf16 with --precision bf16). fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2 and nvfp4 also capture the scaled-format statistics and print per-layer advice (docs/block-formats.md).")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge: fp8: current (default), delayed[:history_len[:margin[:max|most_recent]]], rowwise, blockwise; mxfp8: rceil (default), floor, ceil, even; nvfp4: torchao (default), cast, 16x16.")] = None,
     kind: KindOpt = None,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
@@ -339,8 +354,11 @@ def profile(
             optimizer=None if optimizer is OptimizerName.none else optimizer.value, lr=lr,
             format=None if format is None else format.value, kind=Kind.all.value if kind is None else kind.value,
             granularity=granularity.value, modules=tuple(modules or ()), seed=seed, verify=verify,
-            target=None if target is None else target.value)
+            target=None if target is None else target.value, recipe=recipe)
         request.check()
+        if plot is not None and request.format in BLOCK_FORMAT_NAMES:
+            raise InputError(f"--plot draws fp16/bf16/fp8 histograms; --format {request.format} prints its per-layer "
+                             "table instead: drop --plot")
         try:
             report = profile_request(
                 request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
@@ -360,9 +378,13 @@ def profile(
         _write_profile_outputs(report, out, plot, request)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
+        elif report.recommendation is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: the per-layer answer only
+            render.print_block_advice(console, report, out=str(out))
         else:
             render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain,
                                  out=str(out))
+            if "block_advice" in report.metadata.extra:
+                render.print_block_advice(console, report, header=False)
     raise typer.Exit(_exit_code(report))
 
 
@@ -447,7 +469,8 @@ def _check_writable(path: Path, option: str) -> None:
 @app.command()
 def show(
     report: ReportArg,
-    format: FormatOpt = None,
+    format: Annotated[Optional[ProfileFormatName], typer.Option("--format", "-f", help="Target number format (default: the one the report was made for); the scaled ones (mxfp8_e4m3, mxfp8_e5m2, nvfp4, and fp8_* with their statistics) need a report profiled with that --format.")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge (see profile --help).")] = None,
     kind: KindOpt = None,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
@@ -460,12 +483,41 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        fmt, knd, rec = _judged(r, format, kind)
+        wanted = format.value if format is not None else _stored_format(r)
+        advice = _block_advice(r, wanted, recipe)
+        if wanted in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
+            if json_out:
+                sys.stdout.write(json.dumps(advice, indent=2, allow_nan=False) + "\n")
+            else:
+                render.print_block_advice(console, r, advice=advice)
+            return
+        fmt, knd, rec = _judged(r, wanted, None if kind is None else kind.value)
         if json_out:
             data = _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report))
+            if advice is not None:
+                data["block_advice"] = advice
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
             render.print_summary(console, r, rec, kind=knd, top=top, distribution=True, explain=explain)
+            if advice is not None:
+                render.print_block_advice(console, r, header=False, advice=advice)
+
+
+def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[dict[str, Any]]:
+    """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
+    from fp16probe.running.profile import check_recipe
+
+    check_recipe(fmt, recipe)
+    if fmt not in BLOCK_FORMATS:
+        return None
+    stats = block_stats_of(report)
+    if stats is None:
+        if fmt in BLOCK_FORMAT_NAMES:
+            raise InputError(f"this report has no scaled-format statistics: profile with --format {fmt}")
+        return None  # an fp8 report made without them: the histogram analysis alone, as before
+    return advise(stats, fmt, recipe).to_dict()
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
@@ -543,6 +595,7 @@ def recommend(
     kind: KindOpt = None,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Print the recommendation alone, with GradScaler arguments ready to paste."""
@@ -551,7 +604,7 @@ def recommend(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        _, _, rec = _judged(r, format, kind)
+        fmt, knd, rec = _judged(r, format, kind)
         if json_out:
             from fp16probe.presentation.answer import grad_scaler_code, scaler_device
 
@@ -559,9 +612,42 @@ def recommend(
             dev, how = scaler_device(r, device)
             d["grad_scaler_code"] = grad_scaler_code(rec, dev)
             d["grad_scaler_device"] = how
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                d["schedule"] = _finite(judge_schedules(r, fmt, kind=knd).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device)
+            if explain and r.history is not None:
+                from fp16probe.analysis.schedule import judge_schedules
+
+                render.print_schedule(console, judge_schedules(r, fmt, kind=knd))
+
+
+@app.command()
+def schedule(
+    report: ReportArg,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
+    max_flushed: Annotated[float, typer.Option("--max-flushed", help="Flushed share above which a step flushes too much (0.001 = 0.1%).")] = 1e-3,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Replay loss-scale rules over the run's own recorded steps; table and plain-words answer."""
+    from fp16probe.analysis.recommend import target_of
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.presentation import terminal as render
+
+    console = render.make_console()
+    with _errors(console, debug):
+        r = Report.load(report)
+        fmt, knd = target_of(r, getattr(format, "value", None), getattr(kind, "value", None))
+        table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
+        if json_out:
+            sys.stdout.write(json.dumps(_finite(table.to_dict()), indent=2) + "\n")
+        else:
+            render.print_schedule(console, table)
 
 
 @app.command()
@@ -609,7 +695,7 @@ def compare(
                 gate.check_consistency(r, str(path))
                 if not snaps:  # both are judged for the baseline's format and kind, unless the flags say
                     fmt, knd, _ = _judged(r, format, kind)
-                rec = _judged(r, FormatName[fmt], Kind(knd))[2]
+                rec = _judged(r, fmt, knd)[2]
                 snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
             result = gate.compare(snaps[0], snaps[1], thresholds)
             if require_same_workload and result.warnings:

@@ -149,6 +149,14 @@ class Evidence(TypedDict, total=False):
     per_tensor_flushed_fraction: float  # flushed with one scale per tensor
     saturated_fraction_at_scale: float  # saturated with one scale per tensor
     single_scale_saturated_fraction: float
+    # a live fp16/bf16 run judged on its fp32 shadow reruns (analysis.shadow)
+    reference: str  # what the verdict was judged on ("fp32 shadow reruns of the live run")
+    shadow_steps: list[int]  # the live steps rerun in fp32
+    shadow_next_step: int | None  # when the next rerun comes
+    live_zero_values: int  # exact zeros in the live run on the shadowed steps (judged kinds)
+    structural_zero_values: int  # of those, zero in the fp32 rerun too
+    flushed_in_live_run: int  # zero in the live run, nonzero in fp32: flushed at the scale in force
+    flushed_fraction_in_live_run: float | None  # of the fp32 rerun's nonzero values
     # the forward pass and the loss of the target run (fp16probe.analysis.forward)
     target: str  # the device whose autocast rules the prediction applies ("cuda", "cpu")
     regime: str  # "autocast" or "pure_fp16" (a .half() model)

@@ -31,6 +31,7 @@ __all__ = [
     "MetadataExtra",
     "ModuleStats",
     "Report",
+    "StepHistory",
     "StepTrace",
     "atomic_write_text",
 ]
@@ -142,6 +143,72 @@ class StepTrace:
         return cls(steps, histograms, module_max, scale, found_inf, ceiling)
 
 
+@dataclass(frozen=True)
+class StepHistory:
+    """Every training step from ``first_step`` on, sampled or not (:mod:`fp16probe.capture.history`).
+
+    ``scale[i]`` is the loss scale in force at step ``first_step + i`` (None: not scaled, or
+    no backward at that step); ``grad_max[i]`` the largest unscaled |g| over the parameters'
+    gradients at the end of its backward (``math.inf``/NaN when one was inf/NaN; None: no
+    backward); ``ceiling[i]`` the backward-wide overflow ceiling on sampled steps (None on the
+    others); ``forward_max[i]`` the largest forward output on sampled steps (None on the others;
+    the whole field None where the Probe's forward capture is off). In JSON, non-finite values are the strings ``"inf"`` and
+    ``"nan"``.
+    """
+
+    first_step: int = 0
+    scale: tuple[float | None, ...] = ()
+    grad_max: tuple[float | None, ...] = ()
+    ceiling: tuple[float | None, ...] = ()
+    forward_max: tuple[float | None, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.scale)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The step numbers, one per entry."""
+        return tuple(range(self.first_step, self.first_step + len(self.scale)))
+
+    @property
+    def found_inf(self) -> tuple[bool, ...]:
+        """Whether each step's gradients held inf or NaN: the steps a GradScaler skipped."""
+        return tuple(g is not None and not math.isfinite(g) for g in self.grad_max)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {
+            "first_step": self.first_step,
+            "scale": list(self.scale),
+            "grad_max": [_json_float(g) for g in self.grad_max],
+            "ceiling": [_json_float(c) for c in self.ceiling],
+            "forward_max": None if self.forward_max is None else [_json_float(f) for f in self.forward_max],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, path: str = "history") -> "StepHistory":
+        """Build the history from its JSON; a bad field raises ReportFieldError naming it."""
+        validation.check_history(d, path)
+        fwd = d.get("forward_max")
+        return cls(
+            first_step=int(d["first_step"]),
+            scale=tuple(None if s is None else float(s) for s in d["scale"]),
+            grad_max=tuple(_from_json_float(g) for g in d["grad_max"]),
+            ceiling=tuple(_from_json_float(c) for c in d.get("ceiling") or [None] * len(d["scale"])),
+            forward_max=None if fwd is None else tuple(_from_json_float(f) for f in fwd),
+        )
+
+
+def _json_float(v: float | None) -> float | str | None:
+    if v is None or math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else "inf"
+
+
+def _from_json_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
 class MetadataExtra(TypedDict, total=False):
     """The keys fp16probe writes into ``Metadata.extra`` (free-form JSON; each appears only where it applies).
 
@@ -180,9 +247,15 @@ class MetadataExtra(TypedDict, total=False):
     autocast_fp32_ops: list[str]  # ops left out because autocast keeps their gradients in fp32
     weight_grad_sharding: str
     scale_source: str  # where the Probe read the loss scale from
+    shadow: dict[str, Any]  # the fp32 reruns: every, steps, seconds, clock, next_step, off (why none ran)
+    trace_since_step: int  # the trace and history start at this step (a live logger's window)
+    scaler_settings: dict[str, Any]  # the live GradScaler's growth/backoff settings, for the schedule replay
     hook_errors: int
     weight_grad_merge: str  # how rank reports' weight gradients were merged
     weight_grads_identical_across_ranks: bool
+    # scaled formats (FP8 recipes, MXFP8, NVFP4)
+    block_formats: dict[str, Any]  # the capture's statistics, read by fp16probe.blockscale.BlockStats
+    block_advice: dict[str, Any]  # fp16probe.analysis.blockformats.BlockAdvice.to_dict()
 
 
 @dataclass(frozen=True)
@@ -235,6 +308,8 @@ class Report:
     recommendation: Recommendation | None = None
     schema_version: int = SCHEMA_VERSION
     verification: Verification | None = None  # the recommended setting run for real (profile --verify)
+    shadow: "Report | None" = None  # fp32 reruns of some live steps: the reference (capture.shadow)
+    history: StepHistory | None = None  # every step's scale, found_inf and largest gradient
 
     # -- accessors -----------------------------------------------------------------
     @property
@@ -302,6 +377,8 @@ class Report:
             "trace": self.trace.to_dict(),
             "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
             **({} if self.verification is None else {"verification": self.verification.to_dict()}),
+            **({} if self.shadow is None else {"shadow": self.shadow.to_dict()}),
+            **({} if self.history is None else {"history": self.history.to_dict()}),
         }
 
     @classmethod
@@ -319,6 +396,7 @@ class Report:
             )
         try:
             _check_report_fields(d)
+            _check_block_formats(d["metadata"])
             return cls(
                 metadata=Metadata.from_dict(d["metadata"]),
                 modules=tuple(ModuleStats.from_dict(m, path=f"modules[{i}]") for i, m in enumerate(d["modules"])),
@@ -328,6 +406,8 @@ class Report:
                 schema_version=version,
                 verification=(None if d.get("verification") is None
                               else Verification.from_dict(d["verification"])),
+                shadow=None if d.get("shadow") is None else Report.from_dict(d["shadow"], source=f"{source} shadow"),
+                history=None if d.get("history") is None else StepHistory.from_dict(d["history"]),
             )
         except ReportError as e:
             raise ReportError(f"{source}: {e}; the file is corrupt or was edited: re-create it with fp16probe profile") from e
@@ -473,6 +553,34 @@ def merge_ceilings(traces: Sequence[StepTrace]) -> tuple[float, ...] | None:
     return tuple(max(vals) for vals in zip(*(t.ceiling for t in traces)))
 
 
+def merge_histories(histories: Sequence[StepHistory | None]) -> StepHistory | None:
+    """The per-step histories of the ranks of one run: the first rank's scale, the max of the rest.
+
+    A rank's inf/NaN wins (the step was skipped everywhere); None when a rank has none or the
+    ranks recorded different steps.
+    """
+    if not histories or any(h is None for h in histories):
+        return None
+    hs = [h for h in histories if h is not None]
+    first = hs[0]
+    if any(h.first_step != first.first_step or len(h) != len(first) for h in hs):
+        return None
+
+    def top(values: Sequence[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        bad = [v for v in present if not math.isfinite(v)]
+        return (math.nan if any(math.isnan(v) for v in bad) else math.inf) if bad else max(present)
+
+    def column(get: Any) -> tuple[float | None, ...]:
+        return tuple(top(vals) for vals in zip(*(get(h) for h in hs)))
+
+    forward = None if any(h.forward_max is None for h in hs) else column(lambda h: h.forward_max)
+    return StepHistory(first.first_step, first.scale, column(lambda h: h.grad_max), column(lambda h: h.ceiling),
+                       forward)
+
+
 def _check_report_fields(d: Mapping[str, Any]) -> None:
     """Check the top level of a report's JSON: the parts' types, unique modules, free-form nesting."""
     for key in ("metadata", "modules", "trace"):
@@ -525,3 +633,13 @@ def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _check_block_formats(metadata: Any) -> None:
+    """Validate the scaled-format statistics a report carries (reports without them pass)."""
+    extra = metadata.get("extra") if isinstance(metadata, Mapping) else None
+    if isinstance(extra, Mapping) and "block_formats" in extra:
+        from fp16probe.blockscale import BlockStats
+
+        BlockStats.from_dict(extra["block_formats"])
+

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_DEPTH",
     "check_depth",
     "check_histogram",
+    "check_history",
     "check_metadata",
     "check_module",
     "check_modules",
@@ -230,6 +231,31 @@ def check_trace(d: Any, path: str = "trace") -> None:
         for i, c in enumerate(per_step(d["ceiling"], f"{path}.ceiling")):
             if c != "inf":  # a step whose gradients held inf or NaN
                 _number(c, f"{path}.ceiling[{i}]")
+
+
+def check_history(d: Any, path: str = "history") -> None:
+    """Check the per-step history: a first step, one entry per step in every list, values in range."""
+    d = _object(d, path)
+    for key in ("first_step", "scale", "grad_max"):
+        if key not in d:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+    _int(d["first_step"], f"{path}.first_step")
+    scale = _list(d["scale"], f"{path}.scale")
+    n = len(scale)
+    for i, s in enumerate(scale):
+        if s is not None:
+            _number(s, f"{path}.scale[{i}]", hi=sys.float_info.max)
+    for key in ("grad_max", "ceiling", "forward_max"):
+        if d.get(key) is None:
+            if key == "grad_max":
+                raise ReportFieldError(f"{path}.{key}", f"{path}.{key} must be a list")
+            continue
+        seq = _list(d[key], f"{path}.{key}")
+        if len(seq) != n:
+            raise ReportFieldError(f"{path}.{key}", f"{path}.{key} has {len(seq)} entries for {n} steps")
+        for i, v in enumerate(seq):
+            if v is not None and v not in ("inf", "nan"):
+                _number(v, f"{path}.{key}[{i}]", hi=sys.float_info.max)
 
 
 def check_metadata(d: Any, path: str = "metadata") -> None:

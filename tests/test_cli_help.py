@@ -29,7 +29,10 @@ def test_help_is_clean_at_80_columns(command):
     for line in text.splitlines():  # a choice list <a|b|c> is never wrapped mid-word
         opened = line.rfind("<")
         assert opened == -1 or ">" in line[opened:], line
-    known = ["<fp16|bf16|fp8_e4m3|fp8_e5m2>", "<activation_grad|weight_grad>", "<float32|float16|bfloat16|int64|int32>"]
+    formats = "<fp16|bf16|fp8_e4m3|fp8_e5m2>"
+    if command in ("profile", "show"):  # these also take the scaled formats
+        formats = "<fp16|bf16|fp8_e4m3|fp8_e5m2|mxfp8_e4m3|mxfp8_e5m2|nvfp4>"
+    known = [formats, "<activation_grad|weight_grad>", "<float32|float16|bfloat16|int64|int32>"]
     for choices in known:
         if choices.split("|")[0] + "|" in text:
             assert choices in text

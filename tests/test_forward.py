@@ -390,3 +390,25 @@ def test_verify_judges_values_not_only_zeros():
     assert not v.held
     assert v.by_kind["weight_grad"]["relative_error"] > 0.05
     assert any("% off the fp32 run's" in n for n in v.notes)
+
+
+def test_a_probe_in_a_real_fp16_loop_sees_the_forward_overflow_where_it_happens():
+    model, batches = HotMLP(), _batches(n=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with fp16probe.Probe(model, scaler=scaler) as probe:
+        for x in batches:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _mse(model(x), x)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            probe.step()
+    report = probe.report()
+    fm = report.metadata.extra["forward_max"]
+    assert fm["modules"]["fc1"] == "inf" and fm["first_overflow_step"]["fc1"] == 0 and len(fm["step_max"]) == 4
+    rec = analyze(report)
+    assert rec.verdict == "forward_overflow" and rec.evidence["forward_source"] == "modules"
+    assert rec.evidence["forward_overflow"][0]["name"] == "fc1" and "fc1" in rec.evidence["fix_modules"]
+    assert not any("held inf/NaN at the scale in force" in c for c in rec.caveats)

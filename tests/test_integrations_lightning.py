@@ -96,3 +96,28 @@ def test_16_mixed_with_a_real_grad_scaler_records_unscaled_gradients(tmp_path):
     assert last == sum(want[1:], want[0])
     scaled_max = max(float(g.abs().max()) for g in seen)
     assert last.max_abs == pytest.approx(scaled_max * 2.0**-10)
+
+
+@pytest.mark.slow
+def test_16_mixed_reruns_training_step_in_fp32_and_leaves_training_as_it_was(tmp_path):
+    """The callback's fp32 reruns give the live fp16 fit a verdict; the weights equal an unprobed fit's."""
+    from fp16probe.analysis.recommend import analyze
+
+    def fit(callbacks):
+        torch.manual_seed(1)
+        module = Tiny()
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                             callbacks=callbacks, plugins=[plugin])
+        trainer.fit(module, _data())
+        return module
+
+    callback = Fp16ProbeCallback(every=1)
+    probed = fit([callback])
+    plain = fit([])
+    report = callback.report
+    assert report.metadata.precision == "fp16-autocast"
+    assert report.shadow is not None and report.shadow.trace.steps == (0, 1, 2)
+    assert analyze(report).evidence["shadow_steps"] == [0, 1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(probed.state_dict().values(), plain.state_dict().values()))

@@ -37,7 +37,7 @@ SHIM_IMPORTERS = {"fp16probe.report", "fp16probe.recommendation"}
 ONLY_IN = {
     "rich": {"fp16probe.presentation.terminal"},
     "matplotlib": {"fp16probe.presentation.figures"},
-    "numba": {"fp16probe.capture._cpu_kernel"},
+    "numba": {"fp16probe.capture._cpu_kernel", "fp16probe.capture._cpu_blockkernel"},
     "typer": {"fp16probe.cli"},
     "tensorboard": {"fp16probe.presentation.trackers"},
     "wandb": {"fp16probe.presentation.trackers"},

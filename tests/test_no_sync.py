@@ -165,6 +165,52 @@ def test_no_sync_with_a_grad_scaler_under_autocast_and_sampling() -> None:
     assert report.histogram("weight_grad").total > 0
 
 
+def test_no_sync_in_the_per_step_history_and_the_fp32_reruns() -> None:
+    """Every step's scale and largest gradient (unsampled steps too) and a shadow rerun stay on the device."""
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    calls: list[str] = []
+    with Probe(model, scaler=scaler, every=3, shadow_every=2) as probe:
+        for _ in range(6):
+            opt.zero_grad(set_to_none=True)
+            with forbid_host_sync() as seen:
+                probe.shadow(lambda: model(x).float().square().mean())
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                scaler.scale(loss).backward()
+                probe.step()
+            calls += seen
+            scaler.step(opt)
+            scaler.update()
+    assert calls == []
+    report = probe.report()
+    assert "hook_errors" not in report.metadata.extra
+    assert report.trace.steps == (0, 3)
+    assert len(report.history) == 6 and report.history.scale == (65536.0, 65536.0, 131072.0, 131072.0,
+                                                                   262144.0, 262144.0)
+    assert all(g is not None and g > 0 for g in report.history.grad_max)
+    assert report.shadow is not None and report.shadow.trace.steps == (0, 3)
+
+
+def test_a_syncing_history_read_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard sees a sync in the per-step history's end-of-backward read."""
+    real = torch._foreach_norm
+
+    def syncing(tensors, *args, **kwargs):
+        tensors[0].abs().amax().item()
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr("fp16probe.capture.history.torch._foreach_norm", syncing)
+    torch.manual_seed(0)
+    model = _Net()
+    with Probe(model, every=2) as probe, pytest.warns(RuntimeWarning, match="hook failed"):
+        calls = _probed_steps(model, torch.randn(2, 3, 4, 4), probe, 2, guard=True)
+    assert "item" in calls
+
+
 def test_no_sync_with_gradient_accumulation_and_a_watched_loss() -> None:
     """Micro-batches: later walks re-hook nodes, the weight counts' maximum is folded; no sync."""
     torch.manual_seed(0)

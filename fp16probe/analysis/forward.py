@@ -180,6 +180,9 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
 
 
 def _first_step(fm: Mapping[str, Any], name: str, steps: Sequence[int]) -> int:
+    first = fm.get("first_overflow_step")
+    if isinstance(first, Mapping) and isinstance(first.get(name), int):
+        return int(first[name])
     per = fm.get("per_step", {})
     vals = per.get(name) if isinstance(per, Mapping) else None
     if isinstance(vals, Sequence):

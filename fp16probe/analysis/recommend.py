@@ -39,6 +39,7 @@ from fp16probe.analysis.provenance import (
     UNDERFLOW_MECHANISM,
 )
 from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
+from fp16probe.analysis import shadow
 from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
@@ -145,6 +146,13 @@ def analyze(
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
     format, kind = target_of(report, format, kind)
+    ref = shadow.reference(report)
+    if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
+        return shadow.with_reference(report, analyze(
+            ref, format, kind=kind, margin_bits=margin_bits, max_flushed_fraction=max_flushed_fraction,
+            growth_factor=growth_factor, backoff_factor=backoff_factor, growth_intervals=growth_intervals,
+            horizon=horizon, seed=seed, hysteresis=hysteresis, min_scale=min_scale, worst=worst,
+            target=target), kind)
     fmt = get_format(format)
     thresholds = _thresholds(fmt, kind, margin_bits, max_flushed_fraction, growth_factor, backoff_factor,
                              growth_intervals, horizon, seed, hysteresis, min_scale, worst)
@@ -171,6 +179,8 @@ def _gradient_verdict(report: Report, m: "_Measured", fmt: Format, thresholds: T
         evidence.update(_forward_evidence(ff))
     reason = _weak_evidence(report, m, fmt, tau)
     if reason is not None:
+        if reason[0] == "autocast_zeros":
+            reason = (reason[0], reason[1] + shadow.pending_words(report))
         return _insufficient(m, fmt, evidence, thresholds, caveats, reason)
     if not fmt.has_inf:
         return _per_tensor(report, m, fmt, evidence, thresholds, caveats)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fp16probe.errors import Fp16ProbeError
-from fp16probe.report import ACTIVATION, WEIGHT_GRAD, Histogram, Report, StepTrace, merge_ceilings, merge_reports
+from fp16probe.report import ACTIVATION, WEIGHT_GRAD, Histogram, Report, StepTrace, merge_ceilings, merge_histories, merge_reports
 
 __all__ = [
     "WEIGHT_GRAD_MERGES",
@@ -209,7 +209,8 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
         extra=extra,
     )
     modules = tuple(m for m in local.modules) + tuple(m for m in weight.modules)
-    return Report(metadata=metadata, modules=modules, trace=trace)
+    return Report(metadata=metadata, modules=modules, trace=trace,
+                  history=merge_histories([rep.history for rep in reports]))
 
 
 def _only(report: Report, *, keep_weight: bool) -> Report:

@@ -21,7 +21,9 @@ from torch import nn
 from fp16probe._version import __version__
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture.ceiling import CHANNEL, Ceiling, step_ceilings
+from fp16probe.capture.history import History
 from fp16probe.capture.recorder import FORWARD, ROOT_NAME, Recorder, iter_tensors
+from fp16probe.capture.shadow import DEFAULT_SHADOW_EVERY, Shadow
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report
 
@@ -79,12 +81,27 @@ class Probe:
             the selected modules (functional calls too: ``F.gelu``, residual adds,
             softmax), named ``"<module>/<op>"`` (see :mod:`fp16probe.capture.ops`). With
             ``"op"`` the default selection is every module, not only leaves.
+        shadow_every: under fp16 or bf16 autocast, rerun the first sampled step, the 2nd,
+            3rd, 5th, 9th, 17th and 33rd, then every ``shadow_every``-th sampled step in fp32
+            (same batch, weights and random state; training is left bit-identical) and record
+            it as the reference the verdict is judged by (see :mod:`fp16probe.capture.shadow`).
+            Default 50; 0 turns it off. The model's own forward call is replayed and its
+            returned loss used; for a loss computed outside the model call :meth:`shadow`.
+        history: record on every step, sampled or not, the scale in force, whether a
+            gradient was inf/NaN and the largest |g| of the parameters' gradients, as device
+            scalars (see :mod:`fp16probe.capture.history`); what ``fp16probe schedule`` replays.
         target: the device whose fp16 autocast rules decide which gradients stay fp32 (left
             out of the overflow ceiling): ``"cuda"`` (default, where fp16 training runs) or
             ``"cpu"``; None asks autocast on the device the run is on. A run under real
             autocast uses the real dtypes.
         regime: ``"autocast"`` (fp32 weights under fp16 autocast) or ``"pure_fp16"`` (a model
             trained as ``.half()``: every gradient is fp16, none is left out of the ceiling).
+        block_formats: scaled formats to gather statistics for (``"fp8_e4m3"``,
+            ``"mxfp8_e4m3"``, ``"nvfp4"``...; see :mod:`fp16probe.capture.blockcapture`):
+            the GEMM operands of every Linear-like module, counted on the same pass. Off by
+            default: without it nothing of that module is registered.
+        delayed_recipes: :class:`fp16probe.blockscale.DelayedRecipe` s counted live for FP8
+            (default: TransformerEngine's ``DelayedScaling()``).
 
     Under torch.distributed (a process group of more than one rank at :meth:`start`),
     weight gradients are read once backward has finished, after DDP's all-reduce, so
@@ -109,8 +126,12 @@ class Probe:
         scaler: Any = None,
         precision: str | None = None,
         granularity: str = "module",
+        shadow_every: int | None = None,
+        history: bool = True,
         target: str | None = "cuda",
         regime: str = "autocast",
+        block_formats: Sequence[str] | str | None = None,
+        delayed_recipes: Sequence[Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs a torch.nn.Module, got {type(model).__name__}")
@@ -160,12 +181,23 @@ class Probe:
         self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
+        self._blocks = _block_capture(model, block_formats, delayed_recipes, self._patterns, rec)
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
             raise ProbeError(
                 f"no module of {type(model).__name__} matches modules={self._patterns!r} "
                 f"types={[t.__name__ for t in self._types]!r}; check the names with model.named_modules()"
             )
+        every_shadow = DEFAULT_SHADOW_EVERY if shadow_every is None else shadow_every
+        if isinstance(every_shadow, bool) or int(every_shadow) != every_shadow or every_shadow < 0:
+            raise ProbeError(f"shadow_every must be a non-negative number of sampled steps (0: off), got {shadow_every!r}")
+        self._shadow: Shadow | None = None
+        if every_shadow and (activation_grads or weight_grads):
+            reference = Probe(model, modules=modules, types=types, activation_grads=activation_grads,
+                              weight_grads=weight_grads, activations=False, scaler=None, precision="fp32",
+                              granularity=granularity, target=target, shadow_every=0, history=False)
+            self._shadow = Shadow(model, reference, int(every_shadow), self.recorder)
+        self.history = History(rec) if history else None
 
     @property
     def hooked_modules(self) -> tuple[str, ...]:
@@ -197,14 +229,26 @@ class Probe:
         rows = rec.rows[WEIGHT_GRAD].index if self._capture[WEIGHT_GRAD] else {}
         self._param_hooks = [(p, _param_hook(rec, rows[pname])) for pname, _, p in self._params if pname in rows]
         self._active = self.recorder.enabled = True
+        if self._blocks is not None:
+            self._blocks.start()
         if self.recorder.sampling:
             self._attach()
+        if self.history is not None:
+            self.history.attach([p for _, _, p in self._params])
+        if self._shadow is not None and not self.recorder.defer_to_ddp:  # no reruns under DDP's collectives
+            self._shadow.attach()
         return self
 
     def stop(self) -> "Probe":
         """Remove every hook. Collected statistics stay for :meth:`report`."""
         self._active = self.recorder.enabled = False
         self._detach()
+        if self.history is not None:
+            self.history.detach()
+        if self._shadow is not None:
+            self._shadow.detach()
+        if self._blocks is not None:
+            self._blocks.stop()
         return self
 
     @property
@@ -296,7 +340,15 @@ class Probe:
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
             self._ceiling.close_step()
+        self.recorder.close_forward()
+        sampled = self.recorder.sampling
+        if self.history is not None:
+            self.history.close_step()
+        if self._blocks is not None:
+            self._blocks.close_step()
         self.recorder.close_step()
+        if self._shadow is not None:
+            self._shadow.close_step(sampled)
         if self._active:
             if self.recorder.sampling:
                 self._attach()
@@ -313,23 +365,43 @@ class Probe:
         if self._ceiling is not None and self._active:
             self._ceiling.watch(iter_tensors(loss))
 
+    def shadow(self, compute_loss: Any) -> bool:
+        """Rerun this step's batch in fp32 as the reference, if this step is a shadowed one.
+
+        ``compute_loss()`` runs the forward and the loss for the step's batch and returns
+        the loss; it must not enter autocast itself (the Probe runs it with autocast off).
+        Call it every step, before the optimizer step (the weights must be those the step
+        used): on steps that are not shadowed it returns False at once, without calling
+        ``compute_loss``. Called before the step's own forward, dropout draws the same masks
+        in both. Only needed when the loss is computed outside the model; a model that
+        returns its loss is rerun without it. The gradients, buffers and random state are
+        restored after.
+        """
+        if self._shadow is None or not self._active:
+            return False
+        return self._shadow.run(compute_loss)
+
     @property
     def steps_seen(self) -> int:
         """Steps with data so far (the open one included when it holds data)."""
         return self.recorder.steps_seen
 
     # -- report ------------------------------------------------------------------------
-    def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None) -> Report:
+    def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
+               since_step: int | None = None) -> Report:
         """Bring the statistics to the host (one transfer per table) and return a Report.
 
         A step still open (recorded but not yet closed by :meth:`step`) is included
         without closing it, so calling report() twice, or mid-step and then again after
         :meth:`step`, never counts a value twice.
+        ``since_step``: the per-step trace and history hold only the steps from that one on
+        (module totals, the shadow and the verdict's evidence stay whole), as
+        :class:`~fp16probe.integrations.live.LiveLogger` asks at each interval.
         This synchronises with the device; call it outside the training hot path.
         """
         if self._ceiling is not None:
             self._ceiling.flush()
-        got = self.recorder.collect({n: i for i, n in enumerate(self.hooked_modules)})
+        got = self.recorder.collect({n: i for i, n in enumerate(self.hooked_modules)}, since_step=since_step)
         trace = got.trace
         if self._ceiling is not None:
             n = len(trace)
@@ -349,10 +421,11 @@ class Probe:
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
-        forward_max = self.recorder.forward_maxima()
+        forward_max, first_over = self.recorder.forward_maxima()
         if forward_max:
             extra_meta["forward_max"] = {
                 "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "first_overflow_step": first_over,
                 "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
                 "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
             }
@@ -362,6 +435,16 @@ class Probe:
             extra_meta["scale_source"] = self.recorder.scale_source.describe
         if self.granularity != "module":
             extra_meta["granularity"] = self.granularity
+        if since_step is not None:
+            extra_meta["trace_since_step"] = since_step
+        if self._shadow is not None:
+            extra_meta["shadow"] = self._shadow_meta()
+        if self.history is not None:
+            scaler_settings = self.history.scaler_settings(self.scaler)
+            if scaler_settings:
+                extra_meta["scaler_settings"] = scaler_settings
+        if self._blocks is not None:
+            extra_meta["block_formats"] = self._blocks.collect()
         if got.errors:
             extra_meta["hook_errors"] = got.errors
             extra_meta["first_hook_error"] = got.first_error
@@ -395,7 +478,31 @@ class Probe:
                     n: v for n, v in module_max[ACTIVATION_GRAD].items() if n not in drop
                 }
             trace = dataclasses.replace(trace, module_max=module_max)
-        return Report(metadata=metadata, modules=modules, trace=trace)
+        return Report(metadata=metadata, modules=modules, trace=trace, shadow=self._shadow_report(),
+                      history=None if self.history is None else self.history.collect(
+                          trace, since_step, got.maxima.get(FORWARD)))
+
+    def _shadow_meta(self) -> dict[str, Any]:
+        sh = self._shadow
+        assert sh is not None
+        meta: dict[str, Any] = {"every": sh.every, "steps": list(sh.steps), **sh.cost(),
+                                "next_step": sh.next_step()}
+        if self.recorder.defer_to_ddp:
+            meta["off"] = "not under torch.distributed (a rerun would run DDP's collectives)"
+        elif sh.skipped:
+            meta["off"] = sh.skipped
+        return meta
+
+    def _shadow_report(self) -> Report | None:
+        """The fp32 reruns as a report of their own, their steps numbered as the live run's."""
+        sh = self._shadow
+        if sh is None or not sh.steps:
+            return None
+        ref = sh.probe.report(extra={"shadow_of": "fp32 reruns of the live run's steps"})
+        steps = tuple(sh.steps[: len(ref.trace)])
+        return dataclasses.replace(
+            ref, trace=dataclasses.replace(ref.trace, steps=steps),
+            metadata=dataclasses.replace(ref.metadata, steps_total=len(steps), steps_seen=len(steps)))
 
     def _silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> tuple[list[str], list[str]]:
         """Hooked modules whose output never carried a gradient: (findings, structurally gradient-free).
@@ -431,6 +538,20 @@ def _json_float(v: float) -> float | str:
     if v in (float("inf"), float("-inf")):
         return "inf"
     return float(v)
+
+
+def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delayed: Sequence[Any] | None,
+                   patterns: Sequence[str], rec: Recorder) -> Any:
+    """The scaled-format collector when ``formats`` name one (else None: nothing registered)."""
+    from fp16probe.blockscale import DelayedRecipe, families_for
+
+    families = families_for(formats or ())
+    if not families:
+        return None
+    from fp16probe.capture.blockcapture import BlockCapture
+
+    return BlockCapture(model, families, modules=patterns, delayed=tuple(delayed or (DelayedRecipe(),)),
+                        sampling=lambda: rec.enabled and rec.sampling, inv_scale=rec.inv_scale)
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

@@ -177,7 +177,7 @@ class Recorder:
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
-        self._forward_max: dict[str, torch.Tensor] = {}  # module -> running max over the run (device)
+        self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
         self.enabled = False
         self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
@@ -374,32 +374,37 @@ class Recorder:
             self.note_error(e)
 
     def note_forward(self, name: str, t: torch.Tensor) -> None:
-        """Fold ``max |t|`` of a forward output into its module's maximum and the step's (no host sync).
+        """Fold ``max |t|`` of a forward output into its module's maximum for this step (no host sync).
 
         Only values that are fp16 in this run count: fp16/bf16 outputs, or any floating output
         of a run without autocast (whose outputs an fp16 run would compute in fp16). inf/NaN
-        propagate (a NaN maximum reads as overflow).
+        propagate (a NaN maximum reads as overflow). Two kernels per output: the ``amax`` and
+        an in-place maximum into the module's slot.
         """
         try:
             if t.numel() == 0 or t.dtype == torch.float64:
                 return
             if t.dtype == torch.float32 and _autocast_on(t.device.type):
                 return  # autocast keeps it fp32: it cannot overflow fp16
-            with torch.no_grad():
-                v = t.detach().abs().amax().float()
-            old = self._forward_max.get(name)
-            self._forward_max[name] = v if old is None else torch.maximum(old, v.to(old.device))
-            self.note_max(FORWARD, v)
+            self._forward.fold(name, t)
+            self._state.dirty = True
         except Exception as e:
             self.note_error(e)
 
-    def forward_maxima(self) -> dict[str, float]:
-        """Each module's largest forward output over the run, brought to the host (one transfer)."""
-        if not self._forward_max:
-            return {}
-        names = list(self._forward_max)
-        values = torch.stack([self._forward_max[n].cpu() for n in names]).tolist()
-        return dict(zip(names, values))
+    def close_forward(self) -> None:
+        """Fold this step's forward maxima into the run's and the step's trace (a few kernels a step)."""
+        try:
+            if self._state.sampling:
+                step_max = self._forward.close(self._state.step_index)
+                if step_max is not None:
+                    self.note_max(FORWARD, step_max)
+        except Exception as e:
+            self.note_error(e)
+
+    def forward_maxima(self) -> tuple[dict[str, float], dict[str, int]]:
+        """Each module's largest forward output over the run, and the first step it passed fp16's max
+        (modules that never did are absent); brought to the host in one transfer. Includes the open step."""
+        return self._forward.collect(self._state.step_index)
 
     def note_error(self, e: BaseException) -> None:
         """Count a failed hook; warn once, with the first failure's message."""
@@ -510,17 +515,25 @@ class Recorder:
         return {"fixed_bytes": fixed, "trace_bytes": trace, "total_bytes": fixed + trace}
 
     # -- collecting ----------------------------------------------------------------------
-    def collect(self, order: Mapping[str, int] | None = None) -> Collected:
+    def collect(self, order: Mapping[str, int] | None = None, since_step: int | None = None) -> Collected:
         """Bring the counts to the host (one transfer per table) and return them as data.
 
         A step still open is included without closing it, so collecting twice, or
         mid-step and again after :meth:`close_step`, never counts a value twice.
+        ``since_step``: the per-step trace holds only steps from that one on (the module
+        totals stay whole), so a live logger's cost per interval does not grow with the run.
         This synchronises with the device; call it outside the training hot path.
         """
         order = order or {}
         with self.lock:
             st = self._state
-            records = self._trace[: st.closed]
+            first = st.closed
+            if since_step is None:
+                first = 0
+            else:  # walk back from the end: as long as the window, not the run
+                while first > 0 and self._trace[first - 1].step >= since_step:
+                    first -= 1
+            records = self._trace[first : st.closed]
             open_step = st.sampling and st.dirty
             if open_step:
                 records = records + [self._record_of(st)]
@@ -583,6 +596,77 @@ class Recorder:
                 errors=self.errors,
                 first_error=self.first_error,
             )
+
+
+_AMINMAX_FROM = 1 << 16  # elements from which one aminmax pass beats |t| then amax
+
+
+class _ForwardMaxima:
+    """Per-module forward maxima on the device: this step's, the run's, and the first step past fp16's max."""
+
+    __slots__ = ("index", "step", "views", "run", "first")
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.step: torch.Tensor | None = None  # [capacity] float32: this step's maxima
+        self.views: list[torch.Tensor] = []  # one 0-d view of ``step`` per module
+        self.run: torch.Tensor | None = None  # [capacity] float32: the run's maxima over closed steps
+        self.first: torch.Tensor | None = None  # [capacity] int64: first step past 65504 (-1: none yet)
+
+    def fold(self, name: str, t: torch.Tensor) -> None:
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.index)
+        if self.step is None or i >= len(self.views) or self.step.device != t.device:
+            self._grow(t.device, i + 1)
+        view = self.views[i]
+        with torch.no_grad():
+            d = t.detach()
+            if d.numel() >= _AMINMAX_FROM:  # one pass, no |t| copy: 2x faster on large outputs
+                lo, hi = torch.aminmax(d)
+                torch.maximum(view, torch.maximum(hi, lo.neg()), out=view)
+            else:  # fewer kernels for small ones
+                torch.maximum(view, d.abs().amax(), out=view)
+
+    def _grow(self, device: torch.device, need: int) -> None:
+        n = max(16, 2 * need)
+        step = torch.zeros(n, dtype=torch.float32, device=device)
+        run = torch.zeros(n, dtype=torch.float32, device=device)
+        first = torch.full((n,), -1, dtype=torch.int64, device=device)
+        if self.step is not None and self.run is not None and self.first is not None:
+            k = self.step.numel()
+            step[:k] = self.step.to(device)
+            run[:k] = self.run.to(device)
+            first[:k] = self.first.to(device)
+        self.step, self.run, self.first = step, run, first
+        self.views = [step[i] for i in range(n)]
+
+    def close(self, step_index: int) -> torch.Tensor | None:
+        buf = self.step
+        if buf is None or self.run is None or self.first is None:
+            return None
+        with torch.no_grad():
+            step_max = buf.amax()
+            over = (buf >= 65520.0) | torch.isnan(buf)
+            self.first = torch.where(over & (self.first < 0), torch.full_like(self.first, step_index), self.first)
+            self.run = torch.maximum(self.run, buf)
+            buf.zero_()
+        return step_max
+
+    def collect(self, step_index: int) -> tuple[dict[str, float], dict[str, int]]:
+        if self.step is None or self.run is None or self.first is None or not self.index:
+            return {}, {}
+        n = len(self.index)
+        with torch.no_grad():  # the open step counts too, without closing it
+            run = torch.maximum(self.run, self.step)[:n]
+            over = ((self.step >= 65520.0) | torch.isnan(self.step))[:n]
+            first = torch.where(over & (self.first[:n] < 0), torch.full_like(self.first[:n], step_index),
+                                self.first[:n])
+            both = torch.stack([run.double(), first.double()]).cpu().tolist()
+        names = sorted(self.index, key=self.index.__getitem__)
+        maxima = dict(zip(names, both[0]))
+        firsts = {name: int(f) for name, f in zip(names, both[1]) if f >= 0}
+        return maxima, firsts
 
 
 def _autocast_on(device_type: str) -> bool:

@@ -80,6 +80,15 @@ class Fp16ProbeCallback(pl.Callback):
                                    step_offset=trainer.global_step + 1, is_main=main, format=self.format,
                                    modules=self.log_modules)
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one.
+
+        Only under automatic optimization (a manual ``training_step`` steps the optimizer
+        itself); ``self.log`` is silenced during the rerun so the run's metrics stay its own.
+        """
+        if self.probe is not None and getattr(pl_module, "automatic_optimization", True):
+            self.probe.shadow(lambda: _quiet_training_step(pl_module, batch, batch_idx))
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """Close the Probe's step: one per optimizer step (after accumulation)."""
         # Called once per optimizer step, after the (accumulated) backward passes of it.
@@ -106,3 +115,20 @@ class Fp16ProbeCallback(pl.Callback):
         if self.probe is not None:
             self.probe.stop()
             self.probe = None
+
+
+def _quiet_training_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:
+    """``training_step`` with ``log``/``log_dict`` as no-ops (instance attributes, removed after)."""
+    def quiet(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.log = pl_module.log_dict = quiet
+    try:
+        return pl_module.training_step(batch, batch_idx)
+    finally:
+        for name in ("log", "log_dict"):
+            if name in saved:
+                setattr(pl_module, name, saved[name])
+            else:
+                del pl_module.__dict__[name]

@@ -65,6 +65,7 @@ class LiveLogger:
         self.logs = [TrackerLog(t, step_offset=step_offset, **options) for t in self.targets]
         self.calls = 0
         self.reports = 0
+        self._next_step: int | None = None  # the first step the next flush sends (None: from the start)
 
     def step(self) -> bool:
         """Count one optimizer step (call it after ``probe.step()``); log at every ``log_every``-th. Returns whether it logged."""
@@ -75,11 +76,23 @@ class LiveLogger:
         return True
 
     def flush(self) -> Any:
-        """Bring the statistics to the host now (a sync), send the steps not sent yet; return the report (None off the main rank)."""
+        """Bring the steps not sent yet to the host now (a sync) and send them; return that report (None off the main rank).
+
+        The report's trace and history hold only the steps since the last flush; its module
+        histograms (and so the verdict) cover the whole run so far.
+        """
         from fp16probe.capture import distributed
 
-        # every rank calls it; None off the main rank
-        report = distributed.gather_report(self.probe, extra=self.extra)
+        # Only the steps since the last flush come over (module totals stay whole), so an
+        # interval costs the same at step 100 as at step 100,000. Every rank calls it (the
+        # same window on each); None off the main rank.
+        since = self._next_step
+        recorder = getattr(self.probe, "recorder", None)
+        if recorder is not None:
+            self._next_step = recorder.step_index
+            report = distributed.gather_report(self.probe.report(extra=self.extra, since_step=since))
+        else:
+            report = distributed.gather_report(self.probe, extra=self.extra)
         self.reports += 1
         if report is None or not self.is_main:
             return None
@@ -93,7 +106,14 @@ class LiveLogger:
         Writers and runs the caller made stay open.
         """
         try:
-            report = self.flush()
+            from fp16probe.capture import distributed
+
+            # The whole run, once (the files hold all of it); the trackers get the steps not sent yet.
+            report = distributed.gather_report(self.probe, extra=self.extra)
+            self.reports += 1
+            if report is not None and self.is_main:
+                for log in self.logs:
+                    log.log(report)
             if report is not None and self.artifacts:
                 for log in self.logs:
                     log.finish(report)

@@ -158,6 +158,11 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("todo", todo))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
+    if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
+        code = ""
+        lines.append(Line("finding", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
+                                     "no GradScaler; fp16probe profile --format "
+                                     f"{rec.format} gives the per-tensor, per-layer answer"))
     fix = str(rec.evidence.get("fix_code") or "")
     if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW):
         lines.append(Line("device", "fix (or train in bf16):"))

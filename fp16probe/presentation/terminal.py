@@ -39,6 +39,7 @@ __all__ = [
     "print_compare",
     "print_error",
     "print_recommendation",
+    "print_schedule",
     "print_summary",
     "progress",
     "recommendation_view",
@@ -169,6 +170,21 @@ def print_summary(console: Any, report: Report, rec: Recommendation | None, **op
     console.print(summary_view(report, rec, **options), soft_wrap=True)
 
 
+def print_block_advice(console: Any, report: Report, *, header: bool = True, out: str | None = None,
+                       advice: Any = None) -> None:
+    """Print the scaled-format answer (``advice``, default: the one stored in ``report``)."""
+    from fp16probe.presentation.blockview import block_advice_lines
+
+    advice = report.metadata.extra.get("block_advice") if advice is None else advice
+    if advice is None:
+        return
+    lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20)
+    if out is not None:
+        lines.append(f"report written to {out}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def print_recommendation(console: Any, rec: Recommendation, report: Report | None = None,
                          device: str | None = None) -> None:
     """Print the recommendation with its full reasoning (``recommend``)."""
@@ -253,6 +269,46 @@ def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
     if rec.citations:
         yield from _lines(["sources:"], "bold")
         yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
+
+
+def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
+    """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer."""
+    from rich.table import Table
+
+    flush = table.flush_reference is not None
+    t = Table(title=f"loss-scale rules replayed over this run's {num.count(table.steps)} recorded steps "
+                    f"({table.format})", title_justify="left")
+    columns = ["rule", "skipped", "flushing > " + num.percent(table.max_flushed_fraction),
+               "mean flushed", "worst flushed", "recovery mean/max", "final S"]
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for r in table.rows:
+        over = "n/a" if r.steps_over_threshold is None else num.count(r.steps_over_threshold)
+        if r.recovery_steps_mean is None:
+            recovery = "no backoff" if not r.backoffs else "not recovered"
+        else:
+            recovery = f"{r.recovery_steps_mean:.0f} / {r.recovery_steps_max}"
+        t.add_row(*_cells([r.name, num.count(r.skipped_steps), over,
+                           num.percent(r.mean_flushed_fraction) if flush else "n/a",
+                           num.percent(r.worst_flushed_fraction) if flush else "n/a",
+                           recovery, num.magnitude(r.final_scale)]))
+    yield t
+    if table.reproduced is not None:
+        yield from _lines([("check: the run's own settings reproduce its recorded scale on every step and its "
+                            "skipped steps exactly") if table.reproduced else
+                           "check: the run's own settings do NOT reproduce its recorded scales (see the note)"],
+                          "dim" if table.reproduced else "yellow")
+    yield from _lines([""])
+    yield from _para(table.answer, width)
+    for note in table.notes:
+        yield from _para(note, width, "yellow")
+
+
+def print_schedule(console: Any, table: Any) -> None:
+    """Print the schedule replay table and its answer."""
+    from rich.console import Group
+
+    console.print(Group(*schedule_view(table, console.width)))
 
 
 # -- tables ----------------------------------------------------------------------------------

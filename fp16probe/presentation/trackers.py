@@ -172,14 +172,18 @@ def tracker_series(
 
 
 def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, *, modules: bool = False,
-            axis: str = "log2", step_offset: int = 0, since_step: int | None = None) -> TrackerSeries:
-    """What :func:`tracker_series` computes, for a recommendation already chosen (None: no scale)."""
+            axis: str = "log2", step_offset: int = 0, since_step: int | None = None,
+            skipped_before: int = 0) -> TrackerSeries:
+    """What :func:`tracker_series` computes, for a recommendation already chosen (None: no scale).
+
+    ``skipped_before``: skipped steps before the report's trace starts (a windowed report).
+    """
     trace = report.trace
     rec_k = None if rec is None else rec.log2_scale
     scaled = bool(report.metadata.grad_scaler) or any(s is not None for s in trace.scale)
     histograms: list[tuple[str, int, LogHistogram]] = []
     scalars: list[tuple[str, int, float]] = []
-    skipped = 0
+    skipped = skipped_before
     last_step = step_offset
     fwd = report.metadata.extra.get("forward_max")
     forward_steps = list(fwd.get("step_max") or ()) if isinstance(fwd, Mapping) else []
@@ -571,17 +575,27 @@ class TrackerLog:
         self.step_offset = step_offset
         self.recommend = recommend
         self.last_step: int | None = None
+        self._skipped = 0  # skipped steps sent so far (windowed reports)
 
     def log(self, report: Report, recommendation: Recommendation | None = None) -> int:
         """Send the steps of ``report`` not sent yet; return how many steps were sent."""
         rec = _recommendation(report, recommendation, self.format, self.kind) if self.recommend else recommendation
+        # A windowed report (Probe.report(since_step=...)) starts where the last one ended: carry
+        # the skipped-step count over, less the steps it sends again.
+        windowed = report.metadata.extra.get("trace_since_step") is not None
+        prev = self.last_step
+        trace = report.trace
+        again = sum(1 for st, f in zip(trace.steps, trace.found_inf)
+                    if f and prev is not None and st + self.step_offset <= prev)
+        before = self._skipped - again if windowed else 0
         series = _series(report, self.format, self.kind, rec, modules=self.modules, axis=self.axis,
-                         step_offset=self.step_offset, since_step=self.last_step)
+                         step_offset=self.step_offset, since_step=self.last_step, skipped_before=before)
         if not series.steps() or (self.last_step is not None and max(series.steps()) <= self.last_step):
             return 0  # no new step: module totals alone are not logged again
         self.sink.write(series)
         sent = len(series.steps())
         self.last_step = series.last_step
+        self._skipped = before + sum(1 for f in trace.found_inf if f)
         return sent
 
     def finish(self, report: Report) -> None:

@@ -8,6 +8,7 @@ parameters (``steps=...``); the command line maps parameter names to its flags.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import math
 import re
@@ -20,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, KINDS, Report
 from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
 from fp16probe.running.losses import Loss, as_loss
@@ -119,7 +122,8 @@ def check_settings(
         raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
-    get_format(format)  # raises UnknownFormatError naming the known formats
+    if format not in BLOCK_FORMATS:
+        get_format(format)  # raises UnknownFormatError naming the known formats
     if target not in TARGETS:
         raise InputError(f"target={target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 autocast "
                          "rules the prediction applies)")
@@ -154,6 +158,7 @@ def profile(
     verify: bool = False,
     extra: Mapping[str, Any] | None = None,
     target: str | None = None,
+    recipe: str | None = None,
     **probe_options: Any,
 ) -> Report | None:
     """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
@@ -187,6 +192,10 @@ def profile(
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
         extra: more ``metadata.extra`` entries for the report.
+        recipe: for a scaled format (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``,
+            ``nvfp4``), the recipe to judge (see :data:`fp16probe.analysis.blockformats.RECIPES`);
+            the statistics are captured on the same pass and the per-layer advice is stored
+            as ``metadata.extra["block_advice"]``.
         target: the device whose fp16 autocast rules the prediction applies: ``"cuda"``
             (where fp16 training runs) or ``"cpu"``. Default: CUDA, except with ``verify``
             on a CPU, where the prediction checked is the CPU's. Every fp32 profiled step
@@ -215,6 +224,7 @@ def profile(
         target = "cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda"
     check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
                    format=format, kind=kind, verify=verify, target=target)
+    probe_options = _block_options(format, recipe, probe_options)
     if verify and run_device is not None and run_device.type != target:
         raise InputError(f"target={target!r} with verify=True on {run_device.type}: the verification runs {run_device.type} "
                          f"autocast, whose op rules differ; pass target={run_device.type!r} (or verify on {target})")
@@ -259,6 +269,8 @@ def profile(
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
     report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra)
+    if report is not None and "block_formats" in report.metadata.extra:
+        report = _with_block_advice(report, format, recipe)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -267,6 +279,49 @@ def profile(
 
         report = report.with_verification(run_verification(initial, report, result.batches, loss, device=dev))
     return report
+
+
+def check_recipe(format: str, recipe: str | None) -> Any:
+    """Refuse a ``recipe`` that ``format`` has not; return the delayed-scaling recipe it names, or None."""
+    from fp16probe.analysis.blockformats import parse_recipe
+    from fp16probe.errors import AnalysisError
+
+    if format not in BLOCK_FORMATS:
+        if recipe is not None:
+            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
+                             f"not format={format!r}")
+        return None
+    try:
+        return parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]
+    except AnalysisError as e:
+        raise InputError(str(e)) from None
+
+
+def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+    from fp16probe.blockscale import DelayedRecipe
+
+    out = dict(options)
+    delayed = check_recipe(format, recipe)
+    if format not in BLOCK_FORMATS:
+        return out
+    out.setdefault("block_formats", [format])
+    recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
+    out.setdefault("delayed_recipes", recipes)
+    return out
+
+
+def _with_block_advice(report: Report, format: str, recipe: str | None) -> Report:
+    """The report with the per-layer scaled-format advice in ``metadata.extra["block_advice"]``."""
+    from fp16probe.analysis.blockformats import advise
+    from fp16probe.blockscale import block_stats_of
+
+    stats = block_stats_of(report)
+    if stats is None or format not in BLOCK_FORMATS:
+        return report
+    advice = advise(stats, format, recipe)
+    extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
+    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
 
 
 def prepare_model(model: nn.Module, device: str | torch.device | None) -> tuple[nn.Module, torch.device, list[str]]:
@@ -320,7 +375,9 @@ def _scale_of(scaler: Any) -> float | None:
 def _make_probe(model: nn.Module, scaler: Any, options: Mapping[str, Any]) -> Any:
     from fp16probe.capture.probe import Probe
 
-    probe = Probe(model, scaler=scaler, **options)
+    # No fp32 reruns here: profile() measures in fp32 by default, and a --precision fp16 profile
+    # is asked for the run as it is (a Probe left on in training reruns, capture.shadow).
+    probe = Probe(model, scaler=scaler, **{"shadow_every": 0, **options})
     patterns = options.get("modules")
     if patterns and not probe.hooked_modules:
         names = [n for n, _ in model.named_modules() if n][:6]
@@ -409,6 +466,8 @@ def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | No
     report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}))
     if report is None:  # a rank other than 0: rank 0 analyses and writes
         return None
+    if format not in FORMATS:  # MXFP8, NVFP4: no loss scale to recommend; their advice is per layer
+        return report
     return report.with_recommendation(analyze(report, format, kind=kind))
 
 

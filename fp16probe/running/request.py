@@ -53,6 +53,7 @@ class ProfileRequest:
     seed: int = 0
     verify: bool = False
     target: str | None = None
+    recipe: str | None = None  # a scaled format's recipe (docs/block-formats.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,8 +63,9 @@ class ProfileRequest:
     def check(self) -> None:
         """Refuse, before the model loads, settings that cannot work (InputError naming the field)."""
         from fp16probe.running.losses import check_loss_spec
-        from fp16probe.running.profile import check_settings
+        from fp16probe.running.profile import check_recipe, check_settings
 
+        check_recipe(str(self.format), self.recipe)
         check_settings(steps=self.steps, precision=self.precision, scaler=self.loss_scale,
                        optimizer=self.optimizer, lr=self.lr, format=str(self.format), kind=self.kind,
                        verify=self.verify, target=self.target or "cuda")
@@ -127,4 +129,5 @@ def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], 
         return profile(loaded.model, batch_src, loss_src, steps=r.steps, precision=r.precision,
                        scaler=r.loss_scale, optimizer=r.optimizer, lr=r.lr, format=r.format, kind=r.kind,
                        device=dev, on_step=update, verify=r.verify, extra=extra,
-                       modules=list(r.modules) or None, granularity=r.granularity, target=r.target)
+                       modules=list(r.modules) or None, granularity=r.granularity, target=r.target,
+                       recipe=r.recipe)

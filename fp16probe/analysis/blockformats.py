@@ -1,0 +1,315 @@
+"""What FP8 recipes, MXFP8 and NVFP4 lose, per layer, and the recipe to use: pure analysis of BlockStats.
+
+Every share is computed from the captured statistics (:class:`fp16probe.blockscale.BlockStats`),
+exactly: for power-of-two scales from the relative-exponent histogram, for per-tensor and
+NVFP4 scales from counts made on the values themselves. A layer's loss is the largest share
+of nonzero values flushed or saturated over its GEMM operands (input and weight read by the
+forward GEMM along their rows; output gradient along rows for the input gradient, along
+columns for the weight gradient; input and weight columns for the backward's transposed reads).
+
+FP8 training scales each tensor (TransformerEngine, torchao): there is no global loss scale
+and no GradScaler. Sources: Micikevicius et al., "FP8 Formats for Deep Learning", arXiv
+2209.05433; OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling
+Data Formats for Deep Learning", arXiv 2310.10537; Mishra et al., "Recipes for Pre-training
+LLMs with MXFP8", arXiv 2506.08027; NVIDIA, "Pretraining Large Language Models with NVFP4",
+arXiv 2509.25149.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp16probe.blockscale import BLOCK_FORMATS, BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
+from fp16probe.errors import AnalysisError
+
+__all__ = ["CITATIONS", "RECIPES", "THRESHOLDS", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
+
+CITATIONS = (
+    'Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433',
+    "OCP Microscaling Formats (MX) Specification v1.0",
+    'Rouhani et al., "Microscaling Data Formats for Deep Learning", arXiv 2310.10537',
+    'Mishra et al., "Recipes for Pre-training LLMs with MXFP8", arXiv 2506.08027',
+    'NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149',
+)
+
+# Recipes by family, the default (what TransformerEngine does out of the box) first.
+RECIPES: dict[str, tuple[str, ...]] = {
+    "fp8": ("current", "delayed", "rowwise", "blockwise"),
+    "mx": ("rceil", "floor", "ceil", "even"),
+    "nvfp4": ("torchao", "cast", "16x16"),
+}
+
+# Which operand reads are GEMM inputs: (kind, layout) pairs per family and recipe.
+_FWD, _BWD_GRAD = ("input", "weight"), ("output_grad",)
+_MX_READS = tuple((k, lay) for k in ("input", "weight", "output_grad") for lay in ("mx32", "mx32_t"))
+_TILE_READS = (("input", "tile128"), ("input", "tile128_t"), ("weight", "tile128x128"),
+               ("output_grad", "tile128"), ("output_grad", "tile128_t"))
+_ROW_READS = (("input", "row"), ("weight", "row"), ("output_grad", "row"))
+
+
+def parse_recipe(family: str, text: str | None) -> tuple[str, DelayedRecipe | None]:
+    """Read a ``--recipe`` value: a name of :data:`RECIPES` for the family, or for FP8
+    ``delayed[:history_len[:margin[:max|most_recent]]]``. Return (name, delayed recipe or None)."""
+    if text is None:
+        return RECIPES[family][0], None
+    name, _, rest = str(text).partition(":")
+    if name not in RECIPES[family]:
+        raise AnalysisError(f"recipe {text!r} does not apply here: expected one of {', '.join(RECIPES[family])}"
+                            + (" (delayed takes :history_len:margin:algo)" if family == "fp8" else ""))
+    if name != "delayed":
+        if rest:
+            raise AnalysisError(f"recipe {text!r}: only delayed takes parameters")
+        return name, None
+    parts = rest.split(":") if rest else []
+    try:
+        hist = int(parts[0]) if len(parts) > 0 and parts[0] else 1024
+        margin = int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        algo = parts[2] if len(parts) > 2 and parts[2] else "max"
+        if len(parts) > 3:
+            raise ValueError("too many fields")
+        return name, DelayedRecipe(hist, margin, algo)
+    except ValueError as e:
+        raise AnalysisError(f"recipe {text!r}: expected delayed:history_len:margin:algo, e.g. delayed:1024:0:max "
+                            f"({e})") from None
+
+
+def _element_for(fmt: str, kind: str) -> str:
+    """The element format a tensor is cast to: e5m2 formats are TE's HYBRID (forward operands stay e4m3)."""
+    el = BLOCK_FORMATS[fmt]["element"]
+    if el == "e5m2" and kind in ("input", "weight"):
+        return "e4m3"
+    return el
+
+
+@dataclass(frozen=True)
+class LayerLoss:
+    """One layer under one recipe: counts per operand read, and the worst share lost."""
+
+    module: str
+    type: str
+    reads: Mapping[str, BlockCounts]  # "kind/layout" -> counts
+    loss: float  # the largest (flushed + saturated) / nonzero over the reads
+    worst_read: str
+    by_recipe: Mapping[str, float] = field(default_factory=dict)  # recipe -> loss
+
+
+@dataclass(frozen=True)
+class BlockAdvice:
+    """The per-layer answer for a scaled format: shares, the recipe to use, the layers to keep in bf16."""
+
+    format: str
+    recipe: str
+    advised_recipe: str
+    threshold: float
+    layers: tuple[LayerLoss, ...]
+    keep_high: tuple[str, ...]
+    te_code: str
+    torchao_code: str
+    notes: tuple[str, ...]
+    citations: tuple[str, ...] = CITATIONS
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (shares per layer and read, the advice and the code)."""
+        return {
+            "format": self.format, "recipe": self.recipe, "advised_recipe": self.advised_recipe,
+            "threshold": self.threshold, "keep_high": list(self.keep_high),
+            "layers": [{"module": layer.module, "type": layer.type, "loss": layer.loss, "worst_read": layer.worst_read,
+                        "by_recipe": dict(layer.by_recipe),
+                        "reads": {k: {**c.to_dict(), "flushed_share": c.share("flushed"),
+                                      "saturated_share": c.share("saturated")} for k, c in layer.reads.items()}}
+                       for layer in self.layers],
+            "te_code": self.te_code, "torchao_code": self.torchao_code, "notes": list(self.notes),
+            "citations": list(self.citations),
+        }
+
+
+def _reads(t: TensorBlockStats, fmt: str, family: str, recipe: str,
+           delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
+    """The counts of each read of one tensor under one recipe ({} when the recipe reads it not)."""
+    el = _element_for(fmt, t.kind)
+    out: dict[str, BlockCounts] = {}
+    if family == "mx":
+        for kind, lay in _MX_READS:
+            if kind == t.kind and lay in t.relative:
+                out[f"{kind}/{'rows' if lay == 'mx32' else 'columns'}"] = t.counts(lay, el, recipe)
+    elif family == "fp8":
+        if t.kind not in ("input", "weight", "output_grad"):
+            return out
+        if recipe == "current" and el in t.current:
+            out[f"{t.kind}/tensor"] = t.current[el]
+        elif recipe == "delayed":
+            want = delayed or DelayedRecipe()
+            for r, e, c in t.delayed:
+                if r == want and e == el:
+                    out[f"{t.kind}/tensor"] = c
+        else:
+            reads = _ROW_READS if recipe == "rowwise" else _TILE_READS
+            for kind, lay in reads:
+                if kind == t.kind and lay in t.relative:
+                    out[f"{kind}/{lay}"] = t.counts(lay, el, "pow2")
+    elif family == "nvfp4":
+        if t.kind not in ("input", "weight", "output_grad"):
+            return out
+        rows = {"torchao": "1x16", "cast": "1x16_cast", "16x16": "16x16" if t.kind == "weight" else "1x16"}[recipe]
+        cols = {"torchao": "1x16_t", "cast": "1x16_cast_t", "16x16": "16x16" if t.kind == "weight" else "1x16_t"}[recipe]
+        for variant, where in ((rows, "rows"), (cols, "columns")):
+            if variant in t.nvfp4:  # (reports made before the columns were counted have rows only)
+                out[f"{t.kind}/{where if variant != '16x16' else '16x16'}"] = t.nvfp4[variant]
+    return out
+
+
+def _loss(reads: Mapping[str, BlockCounts]) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k, c in reads.items():
+        share = (c.flushed + c.saturated) / c.nonzero if c.nonzero else 0.0
+        if share > worst or not where:
+            worst, where = share, k
+    return worst, where
+
+
+def _layers(stats: BlockStats, fmt: str, family: str, recipe: str,
+            delayed: DelayedRecipe | None) -> dict[str, tuple[str, dict[str, BlockCounts]]]:
+    layers: dict[str, tuple[str, dict[str, BlockCounts]]] = {}
+    for t in stats.tensors:
+        entry = layers.setdefault(t.module, (t.type, {}))
+        entry[1].update(_reads(t, fmt, family, recipe, delayed))
+    return layers
+
+
+# The loss a layer may take: 0.1% as for fp16 (the project's max_flushed_fraction); for NVFP4 10%,
+# since E2M1 flushes what lies more than log2(6 / 0.25) = 4.6 binades below its block's max: a
+# block of 16 Gaussian values loses about 6-7% by design, and the NVFP4 paper trains with that.
+THRESHOLDS = {"fp8": 1e-3, "mx": 1e-3, "nvfp4": 0.1}
+
+
+def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
+           threshold: float | None = None) -> BlockAdvice:
+    """Per layer, what ``format`` loses under ``recipe`` (default: TE's), which recipe keeps every layer's
+    loss at or under ``threshold`` (a share of nonzero values; default :data:`THRESHOLDS`), and which
+    layers to keep in bf16."""
+    if format not in BLOCK_FORMATS:
+        raise AnalysisError(f"format {format!r} is not a scaled format: expected one of {', '.join(BLOCK_FORMATS)}")
+    family = BLOCK_FORMATS[format]["family"]
+    if family not in stats.families:
+        raise AnalysisError(f"this report's block statistics cover {', '.join(stats.families) or 'nothing'}, "
+                            f"not {family}: profile again with --format {format}")
+    name, delayed = parse_recipe(family, recipe)
+    if threshold is None:
+        threshold = THRESHOLDS[family]
+    candidates = list(RECIPES[family])
+    per_recipe = {r: _layers(stats, format, family, r, delayed if r == "delayed" else None) for r in candidates}
+    if family == "fp8" and delayed is not None and not any(rc == delayed for t in stats.tensors for rc, _, _ in t.delayed):
+        raise AnalysisError(f"delayed scaling {delayed.to_dict()} was not captured live; profile with "
+                            f"--recipe delayed:{delayed.history_len}:{delayed.margin}:{delayed.algo}")
+    chosen = per_recipe[name]
+    layers = []
+    for module, (type_name, reads) in chosen.items():
+        if not reads:
+            continue
+        loss, worst = _loss(reads)
+        by = {r: _loss(per_recipe[r].get(module, ("", {}))[1])[0] for r in candidates}
+        layers.append(LayerLoss(module, type_name, reads, loss, worst, by))
+    over = {r: sum(1 for layer in layers if layer.by_recipe[r] > threshold) for r in candidates}
+    advised = min(candidates, key=lambda r: (over[r], candidates.index(r)))
+    if recipe is not None and over[name] <= over[advised]:
+        advised = name
+    keep = tuple(layer.module for layer in layers if layer.by_recipe[advised] > threshold)
+    notes = [
+        "shares are of nonzero values; TransformerEngine's underflows% divides by all elements, zeros included",
+        "not modelled: accumulation inside the GEMM kernels, and the random Hadamard transform NVFP4 applies to "
+        "some GEMM inputs",
+    ]
+    if family == "fp8":
+        notes.append("FP8 scales each tensor (no global loss scale: no GradScaler)")
+        notes.append("delayed scaling casts the first step with TE's initial scale 1.0 (counted here, as TE does); "
+                     "later steps use the amax window")
+    if any(layer.type == "Conv1D" for layer in layers):
+        notes.append("Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
+                     "convert nn.Linear only; the shares are those the layer has as a Linear")
+    if family == "nvfp4":
+        notes.append(f"threshold {threshold:.3g}: E2M1 flushes values more than 4.6 binades below their block's "
+                     "max, about 6-7% of a Gaussian block of 16 by design")
+        if any(c.blocks_lost for layer in layers for c in layer.reads.values()):
+            notes.append("some blocks lose every value: their E4M3 block scale flushes")
+    if stats.hook_errors:
+        notes.append(f"{stats.hook_errors} tensor(s) could not be counted (hook errors)")
+    return BlockAdvice(format, name, advised, threshold, tuple(layers), keep,
+                       te_code(format, advised, keep, delayed), torchao_code(format, advised, keep), tuple(notes))
+
+
+def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> tuple[list[float], list[int]]:
+    """Replay TE's delayed scaling over a tensor's amax trace: the scale of each step, and the steps whose
+    amax exceeds what that scale can hold (some values saturate there)."""
+    from fp16probe.blockscale import ELEMENTS
+
+    scales = delayed_scales(t.amax_trace, element, history_len=recipe.history_len, margin=recipe.margin,
+                            algo=recipe.algo)
+    limit = ELEMENTS[element].overflow
+    hot = [i for i, (a, s) in enumerate(zip(t.amax_trace, scales)) if a * s > limit]
+    return scales, hot
+
+
+def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecipe | None = None) -> str:
+    """TransformerEngine code for the recipe: the recipe object and the modules to keep in bf16."""
+    fmt = "Format.HYBRID" if BLOCK_FORMATS[format]["element"] == "e5m2" else "Format.E4M3"
+    family = BLOCK_FORMATS[format]["family"]
+    if family == "fp8":
+        if recipe == "delayed":
+            d = delayed or DelayedRecipe()
+            obj = (f"DelayedScaling(fp8_format={fmt}, amax_history_len={d.history_len}, margin={d.margin}, "
+                   f'amax_compute_algo="{d.algo}")')
+            name = "DelayedScaling"
+        elif recipe == "blockwise":
+            obj, name = "Float8BlockScaling()", "Float8BlockScaling"
+        elif recipe == "rowwise":
+            return "# TransformerEngine has no rowwise FP8 recipe: use torchao's (below)"
+        else:
+            obj, name = f"Float8CurrentScaling(fp8_format={fmt})", "Float8CurrentScaling"
+    elif family == "mx":
+        if recipe != "rceil":
+            return f"# TransformerEngine's MXFP8BlockScaling rounds scales up (RCEIL); for {recipe}, use torchao (below)"
+        obj, name = f"MXFP8BlockScaling(fp8_format={fmt})", "MXFP8BlockScaling"
+    else:
+        obj, name = "NVFP4BlockScaling()", "NVFP4BlockScaling"
+    imports = f"from transformer_engine.common.recipe import {'Format, ' if 'Format.' in obj else ''}{name}"
+    lines = ["import transformer_engine.pytorch as te", imports, f"recipe = {obj}"]
+    if keep:
+        lines.append(f"# keep in bf16 (build them as torch.nn.Linear, not te.Linear): {', '.join(keep)}")
+    lines += ["with te.fp8_autocast(enabled=True, fp8_recipe=recipe):", "    loss = model(batch)"]
+    return "\n".join(lines)
+
+
+def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
+    """torchao code for the recipe, leaving the ``keep`` modules in high precision."""
+    family = BLOCK_FORMATS[format]["family"]
+    keep_line = f"KEEP = {set(keep)!r}" if keep else "KEEP = set()"
+    if family == "fp8":
+        if recipe in ("delayed", "blockwise"):
+            return f"# torchao's float8 training has no {recipe} recipe: use TransformerEngine's (above)"
+        name = "rowwise" if recipe == "rowwise" else "tensorwise"
+        return "\n".join([
+            "from torchao.float8 import Float8LinearConfig, convert_to_float8_training",
+            keep_line,
+            f'config = Float8LinearConfig.from_recipe_name("{name}")',
+            "convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn not in KEEP)",
+        ])
+    if family == "mx":
+        return "\n".join([
+            "import torch",
+            "from torchao.quantization import quantize_",
+            "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig",
+            "from torchao.prototype.mx_formats.config import ScaleCalculationMode",
+            keep_line,
+            f"config = MXFP8TrainingOpConfig(scale_calculation_mode=ScaleCalculationMode.{recipe.upper()})",
+            "quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn not in KEEP)",
+        ])
+    return "\n".join([
+        "import torch",
+        "from torchao.quantization import quantize_",
+        "from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig",
+        keep_line,
+        "quantize_(model, NVFP4TrainingConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) "
+        "and fqn not in KEEP)",
+    ])

@@ -1,0 +1,162 @@
+"""The per-step history: a few device scalars on every training step, sampled or not.
+
+Histograms stay on sampled steps; a loss-scale schedule is judged on what happens at every
+step. So on each step :class:`History` keeps, in preallocated device buffers written by
+index (no host sync, no allocation per step but a doubling now and then):
+
+* ``scale``: the loss scale in force (the one the step's gradients were multiplied by);
+* ``grad_max``: the largest |g| over the parameters' gradients at the end of backward,
+  unscaled (inf or NaN when one was): the values GradScaler's overflow check reads, so
+  ``found_inf`` (a non-finite ``grad_max``) is exactly the step the scaler skipped;
+* ``forward_max``: the forward headroom per step (the largest forward output the Probe's
+  forward capture saw), on sampled steps; None on the others and where it is off.
+
+Three float32 scalars a step: a 100,000-step run keeps its whole history in 1.2 MB of
+device memory. It comes to the host in :meth:`History.collect`, with the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp16probe.capture import distributed as _distributed
+from fp16probe.report import StepHistory, StepTrace
+
+__all__ = ["History"]
+
+_FIRST_CAPACITY = 1024
+
+
+class History:
+    """Per-step scale, found_inf and largest gradient, kept on the device (see the module docstring)."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self._params: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+        self._buf: torch.Tensor | None = None  # [capacity, 3] float32: scale, grad_max, forward_max
+        self._written = -1  # the highest step index written
+        self._queued_for = -1  # the step whose end-of-backward callback is queued
+        self._start_step = 0
+
+    # -- hooks ----------------------------------------------------------------------------
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
+        """Hook every parameter's gradient accumulation; the first of a backward queues the read."""
+        if self._handles:
+            return
+        self._params = list(params)
+        self._start_step = self.recorder.step_index if self._buf is None else self._start_step
+        for p in self._params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def detach(self) -> None:
+        """Remove the hooks; what was recorded stays."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        rec = self.recorder
+        if not rec.enabled or self._queued_for == rec.step_index:
+            return
+        try:
+            self._queued_for = rec.step_index
+            if rec.defer_to_ddp:
+                _distributed.after_backward(self._read)
+            else:
+                torch.autograd.Variable._execution_engine.queue_callback(self._read)
+        except Exception as e:
+            rec.note_error(e)
+
+    def _read(self) -> None:
+        """At the end of backward: write the step's scale and largest unscaled |g| (device ops only)."""
+        rec = self.recorder
+        try:
+            self._queued_for = -1  # a second backward in the step (accumulation) reads again
+            grads = [p.grad for p in self._params if p.grad is not None]
+            grads = [g.to_local() if type(g) is not torch.Tensor and hasattr(g, "to_local") else g for g in grads]
+            grads = [g for g in grads if g.is_floating_point() and not g.is_sparse and g.numel()]
+            if not grads:
+                return
+            device = grads[0].device
+            norms = torch._foreach_norm(grads, math.inf)  # one fused pass (per device and dtype)
+            raw = torch.stack([n.float().to(device, non_blocking=True) for n in norms]).max()
+            scale = rec.scale_source.tensor() if rec.scale_source is not None else None
+            row = self._row(rec.step_index - self._start_step, device)
+            if scale is None:
+                row[0] = float("nan")
+                row[1] = raw
+            else:
+                s = scale.to(device, non_blocking=True).float().reshape(())
+                row[0] = s
+                row[1] = (raw.double() / s.double()).float()  # inf and NaN stay what they are
+            self._written = max(self._written, rec.step_index - self._start_step)
+        except Exception as e:
+            rec.note_error(e)
+
+    def _row(self, i: int, device: torch.device) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.device != device:
+            buf = self._buf = torch.full((_FIRST_CAPACITY, 3), -1.0, device=device)
+        if i >= buf.shape[0]:
+            grown = torch.full((max(2 * buf.shape[0], i + 1), 3), -1.0, device=device)
+            grown[: buf.shape[0]] = buf
+            buf = self._buf = grown
+        return buf[i]
+
+    def close_step(self) -> None:
+        """A step ended (nothing to do on the device: the row was written at the end of backward)."""
+        self._queued_for = -1
+
+    def memory_bytes(self) -> int:
+        """Device memory the history holds."""
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+    # -- to the host --------------------------------------------------------------------------
+    def collect(self, trace: StepTrace, since_step: int | None = None,
+                forward: Sequence[float] | None = None) -> StepHistory | None:
+        """Bring the history to the host (one transfer); fold in the sampled steps' ceilings.
+
+        ``since_step``: only the steps from that one on. ``forward``: the largest forward
+        output of each step of ``trace`` (the Probe's forward maxima, sampled steps only).
+        """
+        end = self._written + 1
+        lo = 0 if since_step is None else min(max(since_step - self._start_step, 0), max(end, 0))
+        n = end - lo
+        if self._buf is None or n <= 0:
+            return None
+        rows = self._buf[lo:end].cpu().tolist()
+        scale: list[float | None] = []
+        grad_max: list[float | None] = []
+        for s, g, _ in rows:
+            recorded = g != -1.0
+            scale.append(None if (not recorded or math.isnan(s)) else s)
+            grad_max.append(g if recorded else None)
+        ceiling: list[float | None] = [None] * n
+        if trace.ceiling is not None:
+            for step, c in zip(trace.steps, trace.ceiling):
+                i = step - self._start_step - lo
+                if 0 <= i < n:
+                    ceiling[i] = c
+        forward_max: list[float | None] | None = None
+        if forward:
+            forward_max = [None] * n
+            for step, f in zip(trace.steps, forward):
+                i = step - self._start_step - lo
+                if 0 <= i < n:
+                    forward_max[i] = f
+        return StepHistory(first_step=self._start_step + lo, scale=tuple(scale), grad_max=tuple(grad_max),
+                           ceiling=tuple(ceiling), forward_max=None if forward_max is None else tuple(forward_max))
+
+    @staticmethod
+    def scaler_settings(scaler: Any) -> dict[str, Any] | None:
+        """A GradScaler's growth and backoff settings (host numbers), for replaying it."""
+        if scaler is None or not hasattr(scaler, "_growth_interval") or not hasattr(scaler, "_backoff_factor"):
+            return None
+        return {"growth_factor": float(scaler._growth_factor), "backoff_factor": float(scaler._backoff_factor),
+                "growth_interval": int(scaler._growth_interval), "init_scale": float(scaler._init_scale),
+                "source": type(scaler).__name__}

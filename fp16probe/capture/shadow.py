@@ -1,0 +1,228 @@
+"""The fp32 shadow step: the same batch recomputed in fp32, so a live fp16 run can be judged.
+
+Under fp16 autocast a gradient that flushed is an exact zero, and so is a structural one
+(the logit gradient at a sequence's last position, an embedding row no token used): the
+live histograms cannot tell them apart. On a few scheduled steps (:func:`shadow_due`) the
+:class:`Shadow` reruns the step's forward and backward in fp32 on the same device, with the
+same weights and the same random state, and records what it sees with a second, fp32
+Probe. That fp32 record is the reference the analysis judges the run by: a value zero in
+both runs is structural, a value zero only in the live run flushed.
+
+The rerun leaves training exactly as it was: the parameters' ``.grad`` (the very tensors),
+the model's buffers (BatchNorm statistics) and the CPU and CUDA random states are saved
+before and put back after, and no optimizer steps. Training with a shadow is bit-identical
+to training without one.
+
+Where the batch comes from: by default the model's own forward call is replayed (its
+arguments, seen by a forward pre-hook at the first forward of a shadowed step) and the
+loss is the one the model returns (a 0-d tensor, ``output.loss`` or ``output["loss"]``,
+as Hugging Face models return with labels). A model whose loss is computed outside it needs
+``Probe.shadow(fn)``: ``fn()`` runs forward and loss for the batch (without entering
+autocast itself) and returns the loss; the Probe calls it only on shadowed steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp16probe.capture.recorder import iter_tensors
+
+__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "loss_of", "shadow_due"]
+
+DEFAULT_SHADOW_EVERY = 50
+# Sampled steps shadowed before the regular schedule starts, so a short run has a reference
+# early and more than one: with every=50, sampled steps 0, 1, 2, 4, 8, 16, 32, then 50, 100, ...
+EARLY_SHADOWS = (0, 1, 2, 4, 8, 16, 32)
+
+
+def shadow_due(sampled: int, every: int) -> bool:
+    """Whether the ``sampled``-th sampled step (0-based) is shadowed with ``shadow_every=every``.
+
+    The early steps of :data:`EARLY_SHADOWS` below ``every``, then every ``every``-th.
+    ``every=0`` never shadows.
+    """
+    if every <= 0:
+        return False
+    return sampled % every == 0 or (sampled < every and sampled in EARLY_SHADOWS)
+
+
+def next_due(sampled: int, every: int) -> int | None:
+    """The first sampled index at or after ``sampled`` that is shadowed (None: never)."""
+    if every <= 0:
+        return None
+    i = sampled
+    while not shadow_due(i, every):
+        i += 1
+    return i
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss a model's output carries: a 0-d tensor, ``.loss``, ``["loss"]``, or a 0-d first element."""
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 and output.is_floating_point() else None
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return loss_of(output[0])
+    return None
+
+
+class Shadow:
+    """Run scheduled fp32 reruns of training steps into an fp32 Probe (see the module docstring).
+
+    Args:
+        model: the probed model.
+        probe: a Probe on ``model`` without scaler or shadow, recording in fp32; started
+            only while a rerun runs.
+        every: the schedule's period in sampled steps (:func:`shadow_due`).
+        live: the live Probe's recorder, silenced while a rerun runs.
+    """
+
+    def __init__(self, model: nn.Module, probe: Any, every: int, live: Any) -> None:
+        self.model = model
+        self.probe = probe
+        self.every = int(every)
+        self.live = live
+        self.steps: list[int] = []  # live step numbers that were shadowed
+        self.seconds = 0.0  # host time spent in reruns (CPU: the cost; CUDA: see events)
+        self._events: list[tuple[Any, Any]] = []  # CUDA start/end events, read at report time
+        self.skipped: str | None = None  # why the default rerun could not run, once seen
+        self._sampled = 0  # sampled steps closed so far
+        self._done_this_step = False
+        self._running = False
+        self._handle: Any = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def attach(self) -> None:
+        """Watch the model's forward calls, to replay the first one of a shadowed step."""
+        if self._handle is None and self.every > 0:
+            self._handle = self.model.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True)
+
+    def detach(self) -> None:
+        """Stop watching forward calls."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def close_step(self, sampled: bool) -> None:
+        """A step ended; count it when it was sampled."""
+        if sampled:
+            self._sampled += 1
+        self._done_this_step = False
+
+    @property
+    def due(self) -> bool:
+        """Whether the open step is to be shadowed (and has not been yet)."""
+        return (not self._done_this_step and self.live.sampling and self.live.enabled
+                and shadow_due(self._sampled, self.every))
+
+    def next_step(self) -> int | None:
+        """The live step number of the next shadowed step, from the open one on."""
+        i = next_due(self._sampled + (1 if self._done_this_step else 0), self.every)
+        return None if i is None else i * self.live.every
+
+    # -- the rerun ------------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._running or not self.due or not torch.is_grad_enabled():
+            return
+        device = _device_of(args, kwargs, module)
+        if not torch.is_autocast_enabled(device.type):
+            return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
+        try:
+            self.run(lambda: module(*args, **kwargs), device, replayed=True)
+        except Exception as e:  # a rerun must never break training
+            self.live.note_error(e)
+        if self.skipped is not None:  # the model returns no loss: stop replaying its calls
+            self.detach()
+
+    def run(self, compute_loss: Callable[[], Any], device: torch.device | None = None, *,
+            replayed: bool = False) -> bool:
+        """Rerun one step in fp32 (``compute_loss()`` returns the loss or a model output that carries it).
+
+        Returns whether a rerun was recorded. Everything training sees is restored after.
+        """
+        if self._running or not self.due:
+            return False
+        device = device or _device_of((), {}, self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
+        buffers = [(b, b.clone()) for b in self.model.buffers()]
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        live_enabled = self.live.enabled
+        timer = _Timer(device)
+        self._running = True
+        self._done_this_step = True
+        recorded = False
+        try:
+            self.live.enabled = False  # the live Probe's hooks stay quiet during the rerun
+            for p in params:
+                p.grad = None
+            with torch.random.fork_rng(devices=cuda, enabled=True), torch.autocast(device.type, enabled=False):
+                self.probe.start()
+                try:
+                    loss = loss_of(compute_loss())
+                    if loss is None and replayed:
+                        self.skipped = ("the model's output carries no loss (no 0-d tensor, .loss or ['loss']); "
+                                        "call probe.shadow(fn) with fn() returning the loss of the batch")
+                    elif loss.requires_grad:
+                        loss.float().backward()
+                        recorded = True
+                finally:
+                    self.probe.step()
+                    self.probe.stop()
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            self.live.enabled = live_enabled
+            self._running = False
+            self.seconds += timer.stop(self._events)
+        if recorded:
+            self.steps.append(self.live.step_index)
+            self.skipped = None
+        elif replayed:
+            self._done_this_step = False  # an explicit probe.shadow(fn) may still rerun this step
+        return recorded
+
+    def cost(self) -> dict[str, Any]:
+        """What the reruns cost: their number and time (CUDA: measured by events, a sync here)."""
+        seconds = self.seconds
+        if self._events:
+            torch.cuda.synchronize()
+            seconds = sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        return {"count": len(self.steps), "seconds": seconds,
+                "clock": "cuda events" if self._events else "host wall time"}
+
+
+class _Timer:
+    """Wall time on the host; on CUDA a pair of events (read later, without a sync now)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.t0 = time.perf_counter()
+        self.start = None
+        if device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def stop(self, events: list[tuple[Any, Any]]) -> float:
+        if self.start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            events.append((self.start, end))
+            return 0.0
+        return time.perf_counter() - self.t0
+
+
+def _device_of(args: Any, kwargs: Any, model: nn.Module) -> torch.device:
+    for t in iter_tensors((args, kwargs)):
+        return t.device
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
