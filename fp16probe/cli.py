@@ -123,11 +123,27 @@ app = typer.Typer(
     cls=_OneLineErrors,
     name="fp16probe",
     help="Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it.",
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+def _print_version(value: bool) -> None:
+    if value:
+        from fp16probe._version import __version__
+
+        sys.stdout.write(f"fp16probe {__version__}\n")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it."""
+
 
 FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
 ProfileFormatName = enum.Enum("ProfileFormatName", {name: name for name in FORMAT_NAMES + BLOCK_FORMAT_NAMES}, type=str)
@@ -176,8 +192,11 @@ class InputDtype(str, enum.Enum):
     int32 = "int32"
 
 
-FormatOpt = Annotated[FormatName, typer.Option("--format", "-f", help="Target number format.")]
-KindOpt = Annotated[Kind, typer.Option("--kind", help="Which gradients to analyse.")]
+FormatOpt = Annotated[Optional[FormatName], typer.Option(
+    "--format", "-f", help="Target number format (default: the one the report was judged for; profile: fp16, "
+                           "or bf16 with --precision bf16).")]
+KindOpt = Annotated[Optional[Kind], typer.Option(
+    "--kind", help="Which gradients to analyse (default: the report's own choice, else all).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON alone on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
 ExplainOpt = Annotated[bool, typer.Option("--explain", help="After the short answer, the reasoning, evidence, replay and sources.")]
@@ -251,10 +270,22 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
     raise typer.Exit(code)
 
 
-def _analyze(report: Report, fmt: str, kind: str) -> Any:
-    from fp16probe.analysis.recommend import analyze
+def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
+    """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
+    from fp16probe.analysis.recommend import analyze, target_of
 
-    return analyze(report, fmt, kind=kind)
+    fmt, knd = target_of(report, getattr(format, "value", format), getattr(kind, "value", kind))
+    return fmt, knd, analyze(report, fmt, kind=knd)
+
+
+def _stored_format(report: Report) -> str:
+    """The format a report was made for: its recommendation's, its scaled-format advice's, else its precision's."""
+    from fp16probe.analysis.recommend import target_of
+
+    advice = report.metadata.extra.get("block_advice")
+    if report.recommendation is None and isinstance(advice, dict) and advice.get("format") in BLOCK_FORMAT_NAMES:
+        return str(advice["format"])
+    return target_of(report)[0]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -313,9 +344,9 @@ def profile(
     loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
     optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
-    format: Annotated[ProfileFormatName, typer.Option("--format", "-f", help="Target number format. fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2 and nvfp4 also capture the scaled-format statistics and print per-layer advice (docs/block-formats.md).")] = ProfileFormatName["fp16"],
+    format: Annotated[Optional[ProfileFormatName], typer.Option("--format", "-f", help="Target number format (default: fp16, or bf16 with --precision bf16). fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2 and nvfp4 also capture the scaled-format statistics and print per-layer advice (docs/block-formats.md).")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge: fp8: current (default), delayed[:history_len[:margin[:max|most_recent]]], rowwise, blockwise; mxfp8: rceil (default), floor, ceil, even; nvfp4: torchao (default), cast, 16x16.")] = None,
-    kind: KindOpt = Kind.all,
+    kind: KindOpt = None,
     granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
@@ -328,115 +359,62 @@ def profile(
     debug: DebugOpt = False,
 ) -> None:
     """Run N forward+backward steps of MODEL under the probe, analyse, and write the report."""
-    import torch
-
-    from fp16probe.capture import distributed
-    from fp16probe.presentation import figures
+    if not json_out and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0":
+        # Said before torch and the model load (seconds): a terminal is never silent.
+        sys.stderr.write(f"loading {model or 'the built-in demo model'}...\n")
+        sys.stderr.flush()
     from fp16probe.presentation import terminal as render
-    from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
-    from fp16probe.running.loading import load_model
-    from fp16probe.running.losses import check_loss_spec, make_loss
-    from fp16probe.running.profile import Hangup, Terminated, check_recipe, check_settings
-    from fp16probe.running.profile import profile as run
-    from fp16probe.running.ranks import timeout_s
+    from fp16probe.running.profile import Hangup, Terminated
+    from fp16probe.running.request import ProfileRequest, profile_request
     from fp16probe.running.signals import stop_signals
 
     console = render.make_console()
-    print_error = render.print_error
     with _errors(console, debug), contextlib.ExitStack() as stack:
         shield = stack.enter_context(stop_signals())  # a second Ctrl-C never aborts the partial report
-        # Everything that can be refused is refused before the model loads or runs.
-        inputs = [Path(model)] if model and Path(model).exists() else []
-        if weights is not None:
-            inputs.append(weights)
-        inputs += _code_files({"MODEL": model, "--batches": batches, "--loss": loss})
-        _check_output(out, "--out")
-        _refuse_overwrite(out, inputs, "--out")
-        _check_writable(out, "--out")
-        if plot is not None:
-            _check_output(plot, "--plot")
-            _refuse_overwrite(plot, inputs + [out], "--plot")
-            figures.check_figure_path(plot)
-            _check_writable(plot, "--plot")
-        opt = None if optimizer is OptimizerName.none else optimizer.value
-        check_recipe(format.value, recipe)
-        if plot is not None and format.value in BLOCK_FORMAT_NAMES:
-            raise InputError(f"--plot draws fp16/bf16/fp8 histograms; --format {format.value} prints its per-layer "
+        # Refused before the model loads or runs; the files behind module:function inputs are inputs too.
+        _check_profile_outputs(model, weights, out, plot,
+                               code=_code_files({"MODEL": model, "--batches": batches, "--loss": loss}))
+        request = ProfileRequest(
+            model=model, weights=weights, trust_checkpoint=trust_checkpoint, trust_remote_code=trust_remote_code,
+            input_shape=input_shape, input_dtype=input_dtype.value, vocab_size=vocab_size, batches=batches,
+            loss=loss, steps=steps, device=device.value, precision=precision.value, loss_scale=loss_scale,
+            optimizer=None if optimizer is OptimizerName.none else optimizer.value, lr=lr,
+            format=None if format is None else format.value, kind=Kind.all.value if kind is None else kind.value,
+            granularity=granularity.value, modules=tuple(modules or ()), seed=seed, verify=verify,
+            target=None if target is None else target.value, recipe=recipe)
+        request.check()
+        if plot is not None and request.format in BLOCK_FORMAT_NAMES:
+            raise InputError(f"--plot draws fp16/bf16/fp8 histograms; --format {request.format} prints its per-layer "
                              "table instead: drop --plot")
-        check_settings(steps=steps, precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                       format=format.value, kind=kind.value, verify=verify,
-                       target=target.value if target is not None else "cuda")
-        is_dist = distributed.init_from_env(timeout=timeout_s())
-        if is_dist:
-            shield.keep()  # torchrun's SIGTERM, once another rank exits, must not cut this one's exit short
-        rank = distributed.rank()
-        dev = pick_device(device.value)
-        if is_dist and dev.type == "cuda":
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        check_loss_spec(loss)
-        if 0 <= seed < 2**63:  # make_batches refuses any other seed in one line
-            torch.manual_seed(seed + rank)  # a factory's initialisation and dropout repeat from run to run
-        check_inputs_before_load(model, dev, input_shape=input_shape, input_dtype=input_dtype.value,
-                                 vocab_size=vocab_size, batches=batches)
-        loaded = load_model(model, weights=weights, trust_checkpoint=trust_checkpoint,
-                            trust_remote_code=trust_remote_code)
-        batch_src = make_batches(loaded, dev, input_shape=input_shape, input_dtype=input_dtype.value,
-                                 vocab_size=vocab_size, batches=batches,
-                                 seed=seed + rank)  # each rank draws its own synthetic batches
-        loss_src = make_loss(loaded, loss, batch_src, seed=seed + rank)
-        if loaded.kind == "huggingface":  # its warnings (a loss_type it falls back from) would bury the summary
-            from fp16probe.running.loading import quiet_transformers
-
-            stack.enter_context(quiet_transformers())
-        notes = [*loaded.notes, *batch_src.notes]
-        if not json_out and rank == 0:
-            for note in notes:  # what loading and the inputs changed: said now, and kept in the report
-                console.print(f"note: {note}", markup=False, highlight=False)
-        extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source,
-                                 "notes": notes, **loaded.extra}
-        if batch_src.family is not None:
-            extra["family"] = batch_src.family
-        if is_dist:
-            extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
-                                         else "each rank ran the batches it was given")
         try:
-            with render.progress(console, steps, enabled=not json_out and rank == 0) as update:
-                report = run(loaded.model, batch_src, loss_src, steps=steps,
-                             precision=precision.value, scaler=loss_scale, optimizer=opt, lr=lr,
-                             format=format.value, kind=kind.value, device=dev, on_step=update, verify=verify,
-                             extra=extra, modules=modules or None, granularity=granularity.value,
-                             target=target.value if target is not None else None,
-                             recipe=recipe)
+            report = profile_request(
+                request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
+                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main),
+                # torchrun's SIGTERM, once another rank exits, must not cut this one's exit short
+                on_distributed=shield.keep)
         except Hangup:
-            print_error(console, "hung up (SIGHUP) before the first step finished; no report written")
+            render.print_error(console, "hung up (SIGHUP) before the first step finished; no report written")
             raise typer.Exit(EXIT_HANGUP) from None
         except Terminated:
-            print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
+            render.print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
             raise typer.Exit(EXIT_TERMINATED) from None
         except KeyboardInterrupt:
-            print_error(console, "interrupted before the first step finished; no report written")
+            render.print_error(console, "interrupted before the first step finished; no report written")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Fp16ProbeError as e:
-            if e.report is not None:  # a failure part-way: keep the steps before it
-                with _writing(out, "--out"):
-                    e.report.save(out)
-                steps_done = e.report.metadata.steps_seen
-                raise type(e)(f"{e}; the {steps_done} step(s) before it are in the partial report {out}") from e
-            raise
+            if e.report is None:
+                raise
+            raise _with_partial_report(e, out) from e
         if report is None:  # a rank other than 0: rank 0 writes and prints
             raise typer.Exit(shield.exit_code or EXIT_OK)
-        with _writing(out, "--out"):
-            report.save(out)
-        rec = report.recommendation
-        if plot is not None:
-            with _writing(plot, "--plot"):
-                _save_figures(report, plot, recommendation=rec, format=format.value, kind=kind.value)
+        _write_profile_outputs(report, out, plot, request)
         if json_out:
             sys.stdout.write(report.to_json() + "\n")
-        elif rec is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: the per-layer answer only
+        elif report.recommendation is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: the per-layer answer only
             render.print_block_advice(console, report, out=str(out))
         else:
-            render.print_summary(console, report, rec, kind=kind.value, explain=explain, out=str(out))
+            render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain,
+                                 out=str(out))
             if "block_advice" in report.metadata.extra:
                 render.print_block_advice(console, report, header=False)
     # A signal that came after the loop (while the report was made and written) still says so.
@@ -454,6 +432,47 @@ def _code_files(specs: dict[str, Optional[str]]) -> list[Path]:
             if found is not None:
                 files.append(found)
     return files
+
+
+def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, plot: Path | None,
+                           code: list[Path] | None = None) -> None:
+    """Refuse an output that is a folder, an input (``code``: the files behind module:function inputs),
+    unwritable, or (figures) of an unknown type."""
+    from fp16probe.presentation import figures
+
+    inputs = [Path(model)] if model and Path(model).exists() else []
+    if weights is not None:
+        inputs.append(weights)
+    inputs += list(code or ())
+    _check_output(out, "--out")
+    _refuse_overwrite(out, inputs, "--out")
+    _check_writable(out, "--out")
+    if plot is not None:
+        _check_output(plot, "--plot")
+        _refuse_overwrite(plot, inputs + [out], "--plot")
+        figures.check_figure_path(plot)
+        _check_writable(plot, "--plot")
+
+
+def _print_notes(console: Any, notes: list[str]) -> None:
+    for note in notes:  # what loading and the inputs changed: said now, and kept in the report
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def _with_partial_report(e: Fp16ProbeError, out: Path) -> Fp16ProbeError:
+    """A failure part-way keeps the steps before it: write them and say where."""
+    with _writing(out, "--out"):
+        e.report.save(out)
+    return type(e)(f"{e}; the {e.report.metadata.steps_seen} step(s) before it are in the partial report {out}")
+
+
+def _write_profile_outputs(report: Report, out: Path, plot: Path | None, request: Any) -> None:
+    with _writing(out, "--out"):
+        report.save(out)
+    if plot is not None:
+        with _writing(plot, "--plot"):
+            _save_figures(report, plot, recommendation=report.recommendation, format=request.format,
+                          kind=request.kind)
 
 
 def _save_figures(report: Report, path: Path, **options: Any) -> None:
@@ -518,9 +537,9 @@ def _check_writable(path: Path, option: str) -> None:
 @app.command()
 def show(
     report: ReportArg,
-    format: Annotated[ProfileFormatName, typer.Option("--format", "-f", help="Target number format; the scaled ones (mxfp8_e4m3, mxfp8_e5m2, nvfp4, and fp8_* with their statistics) need a report profiled with that --format.")] = ProfileFormatName["fp16"],
+    format: Annotated[Optional[ProfileFormatName], typer.Option("--format", "-f", help="Target number format (default: the one the report was made for); the scaled ones (mxfp8_e4m3, mxfp8_e5m2, nvfp4, and fp8_* with their statistics) need a report profiled with that --format.")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge (see profile --help).")] = None,
-    kind: KindOpt = Kind.all,
+    kind: KindOpt = None,
     top: Annotated[int, typer.Option(min=1, help="How many worst modules to list.")] = 10,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
@@ -532,21 +551,22 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        advice = _block_advice(r, format.value, recipe)
-        if format.value in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
+        wanted = format.value if format is not None else _stored_format(r)
+        advice = _block_advice(r, wanted, recipe)
+        if wanted in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
             if json_out:
                 sys.stdout.write(json.dumps(advice, indent=2, allow_nan=False) + "\n")
             else:
                 render.print_block_advice(console, r, advice=advice)
             return
-        rec = _analyze(r, format.value, kind.value)
+        fmt, knd, rec = _judged(r, wanted, None if kind is None else kind.value)
         if json_out:
-            data = _show_data(r, rec, fmt=format.value, kind=kind.value, top=top, source=str(report))
+            data = _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report))
             if advice is not None:
                 data["block_advice"] = advice
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
-            render.print_summary(console, r, rec, kind=kind.value, top=top, distribution=True, explain=explain)
+            render.print_summary(console, r, rec, kind=knd, top=top, distribution=True, explain=explain)
             if advice is not None:
                 render.print_block_advice(console, r, header=False, advice=advice)
 
@@ -615,8 +635,8 @@ def _finite(obj: Any) -> Any:
 def plot(
     report: ReportArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Draw the report: the Figure 3 view, per-module heatmap, what-if curve and scale timeline."""
@@ -630,17 +650,17 @@ def plot(
 
         figures.check_figure_path(output)
         r = Report.load(report)
-        rec = _analyze(r, format.value, kind.value)
+        fmt, knd, rec = _judged(r, format, kind)
         with _writing(output, "--output"):
-            _save_figures(r, output, recommendation=rec, format=format.value, kind=kind.value)
+            _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
         console.print(f"figures written to {output}", markup=False)
 
 
 @app.command()
 def recommend(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
     explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
@@ -652,7 +672,7 @@ def recommend(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        rec = _analyze(r, format.value, kind.value)
+        fmt, knd, rec = _judged(r, format, kind)
         if json_out:
             from fp16probe.presentation.answer import grad_scaler_code, scaler_device
 
@@ -663,33 +683,35 @@ def recommend(
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
 
-                d["schedule"] = _finite(judge_schedules(r, format.value, kind=kind.value).to_dict())
+                d["schedule"] = _finite(judge_schedules(r, fmt, kind=knd).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device)
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
 
-                render.print_schedule(console, judge_schedules(r, format.value, kind=kind.value))
+                render.print_schedule(console, judge_schedules(r, fmt, kind=knd))
 
 
 @app.command()
 def schedule(
     report: ReportArg,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     max_flushed: Annotated[float, typer.Option("--max-flushed", help="Flushed share above which a step flushes too much (0.001 = 0.1%).")] = 1e-3,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Replay loss-scale rules over the run's own recorded steps; table and plain-words answer."""
+    from fp16probe.analysis.recommend import target_of
     from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        table = judge_schedules(r, format.value, max_flushed_fraction=max_flushed, kind=kind.value)
+        fmt, knd = target_of(r, getattr(format, "value", None), getattr(kind, "value", None))
+        table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
         if json_out:
             sys.stdout.write(json.dumps(_finite(table.to_dict()), indent=2) + "\n")
         else:
@@ -708,8 +730,8 @@ def compare(
     allow_new_overflow: Annotated[bool, typer.Option("--allow-new-overflow", help="Do not fail on new overflow.")] = False,
     allow_worse_verdict: Annotated[bool, typer.Option("--allow-worse-verdict", help="Do not fail when the verdict got worse.")] = False,
     require_same_workload: Annotated[bool, typer.Option("--require-same-workload", help="Refuse (exit 2) reports that profiled different models, precisions, inputs or losses, instead of warning.")] = False,
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.all,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     summary: Annotated[Optional[Path], typer.Option(help="Append the Markdown summary to this file (also to $GITHUB_STEP_SUMMARY when set).")] = None,
     junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here.")] = None,
     json_out: JsonOpt = False,
@@ -735,12 +757,14 @@ def compare(
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
             fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)
         try:
-            snaps = []
+            snaps: list[Any] = []
             for path in (baseline, current):
                 r = Report.load(path)
                 gate.check_consistency(r, str(path))
-                rec = _analyze(r, format.value, kind.value)
-                snaps.append(gate.snapshot(r, rec, fmt=format.value, kind=kind.value, worst_n=worst, source=str(path)))
+                if not snaps:  # both are judged for the baseline's format and kind, unless the flags say
+                    fmt, knd, _ = _judged(r, format, kind)
+                rec = _judged(r, fmt, knd)[2]
+                snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
             result = gate.compare(snaps[0], snaps[1], thresholds)
             if require_same_workload and result.warnings:
                 raise InputError(f"--require-same-workload: {result.warnings[0]}")
@@ -793,8 +817,8 @@ def export(
     modules: Annotated[bool, typer.Option("--modules", help="Also log each module's histogram.")] = False,
     name: Annotated[Optional[str], typer.Option("--name", help="Run name (wandb, MLflow).")] = None,
     project: Annotated[str, typer.Option("--project", help="wandb project / MLflow experiment.")] = "fp16probe",
-    format: FormatOpt = FormatName["fp16"],
-    kind: KindOpt = Kind.activation_grad,
+    format: FormatOpt = None,
+    kind: KindOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Log a report's histograms and scalars to TensorBoard, wandb or MLflow."""
@@ -806,7 +830,11 @@ def export(
         if to is Tracker.tensorboard and dest is None:
             raise InputError("export --to tensorboard needs DEST, the log folder, e.g. runs/fp16probe")
         r = Report.load(report)
-        where = export_report(r, to=to.value, dest=dest, format=format.value, kind=kind.value,
+        from fp16probe.analysis.recommend import target_of
+
+        fmt, _ = target_of(r, None if format is None else format.value, Kind.all.value)
+        where = export_report(r, to=to.value, dest=dest, format=fmt,
+                              kind=Kind.activation_grad.value if kind is None else kind.value,
                               modules=modules, run_name=name, project=project)
         console.print(f"exported {r.metadata.steps_seen} step(s) to {to.value}: {where}", markup=False)
 

@@ -138,6 +138,7 @@ class Evidence(TypedDict, total=False):
     simulated_mean_flushed_fraction: float | None
     simulated_final_scale: float
     simulated_meets_threshold: bool
+    simulated_candidates_tied: bool  # the replay could not tell the growth_interval candidates apart on underflow
     # the breakdown by kind and the judgement of weak evidence (issue 11)
     by_kind: dict[str, dict[str, Any]]  # per gradient kind: nonzero values, flushed fractions, max |g|
     scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1
@@ -236,6 +237,19 @@ class Recommendation:
         return cls(**kw)
 
     # -- presentation (rich loads only when these are called) -------------------------
+    def __repr__(self) -> str:
+        from fp16probe.presentation.answer import recommendation_summary
+
+        return recommendation_summary(self)
+
+    __str__ = __repr__
+
+    def explanation(self, width: int = 88) -> str:
+        """Return :attr:`text`, the reasoning, wrapped at spaces to ``width`` (URLs and numbers stay whole)."""
+        from fp16probe.presentation.answer import wrap_text
+
+        return "\n".join(wrap_text(self.text, width))
+
     def _repr_html_(self) -> str:
         from fp16probe.presentation.html import recommendation_html
 

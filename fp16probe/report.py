@@ -243,7 +243,8 @@ class MetadataExtra(TypedDict, total=False):
     loss_scaled: bool
     grad_scaler_found_at: str
     # capture
-    unrecorded_modules: list[str]  # hooked modules that recorded no gradient
+    unrecorded_modules: list[str]  # hooked modules with parameters of their own that recorded no gradient
+    gradient_free_modules: list[str]  # hooked modules that cannot carry one (no parameters of their own, or tied)
     autocast_fp32_ops: list[str]  # ops left out because autocast keeps their gradients in fp32
     weight_grad_sharding: str
     scale_source: str  # where the Probe read the loss scale from
@@ -349,6 +350,13 @@ class Report:
         from fp16probe.presentation.figures import figure
 
         return figure(self, which=which, **kwargs)
+
+    def __repr__(self) -> str:
+        from fp16probe.presentation.answer import report_summary
+
+        return report_summary(self)
+
+    __str__ = __repr__
 
     def _repr_html_(self) -> str:
         from fp16probe.presentation.html import report_html

@@ -146,3 +146,6 @@ def test_fp16_trainer_on_a_cpu_runs_with_the_callback_in_callbacks(tmp_path):
     recorded = report.metadata.extra["training_arguments"]
     assert recorded["fp16"] is True and recorded["bf16"] is False and recorded["gradient_accumulation_steps"] == 2
     assert report.histogram("activation_grad").nonzero_finite > 0
+    # the run was fp32 whatever the arguments said, and the report says so beside its advice
+    assert report.metadata.precision == "fp32"
+    assert any("TrainingArguments(fp16=True) had no effect" in n for n in report.metadata.extra["notes"])

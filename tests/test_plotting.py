@@ -63,6 +63,7 @@ def _share_in_bin(values: np.ndarray, edges: np.ndarray, e: int) -> float:
 
 
 def _percent_and_counts(text: str) -> tuple[float, int, int]:
+    text = " ".join(text.split())  # the annotation wraps to its axes' width
     m = re.search(r"([\d.e+-]+)% .*\(([\d,]+) of ([\d,]+)\)", text)
     assert m, text
     return float(m.group(1)), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", ""))

@@ -49,7 +49,7 @@ from fp16probe.histogram import Histogram
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Evidence, Recommendation, Thresholds, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 
-__all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale"]
+__all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale", "target_of"]
 
 VERDICTS = tuple(v.value for v in Verdict)
 # An fp16 forward tensor that loses this share of its nonzero values to zero leads the answer
@@ -59,11 +59,27 @@ FORWARD_UNDERFLOW_VERDICT = 0.1
 _KIND_WORDS = {ACTIVATION_GRAD: "activation gradients", WEIGHT_GRAD: "weight gradients"}
 
 
+def target_of(report: Report, format: str | Format | None = None, kind: str | None = None) -> tuple[str, str]:
+    """Return the (format, kind) a report is judged for: those given, else the stored recommendation's.
+
+    Without a stored recommendation: the format the profile computed in (fp16 or bf16
+    autocast), else fp16; every gradient (``all``). So ``show`` of a ``--format bf16``
+    report judges it for bf16 again, never silently for fp16.
+    """
+    stored = report.recommendation
+    if format is None:
+        run = run_format(report.metadata.precision)
+        format = stored.format if stored is not None else (run.name if run is not None else "fp16")
+    if kind is None:
+        kind = stored.kind if stored is not None else ALL_GRADS
+    return (format if isinstance(format, str) else format.name), kind
+
+
 def analyze(
     report: Report,
-    format: str | Format = "fp16",
+    format: str | Format | None = None,
     *,
-    kind: str = ALL_GRADS,
+    kind: str | None = None,
     margin_bits: int = 1,
     max_flushed_fraction: float = 1e-3,
     growth_factor: float = GRADSCALER_DEFAULTS["growth_factor"],
@@ -81,9 +97,12 @@ def analyze(
     Args:
         report: a Report from a Probe (fp32 is the reference; an fp16/bf16 autocast
             profile is judged with what it hid in mind, see ``insufficient_evidence``).
-        format: the target format: ``fp16`` (default), ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``.
-        kind: whose flushing counts: ``all`` (default: activation and weight gradients,
-            everything the loss scale multiplies), ``activation_grad`` or ``weight_grad``.
+        format: the target format: ``fp16``, ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``. Default
+            (None): the report's stored recommendation's, else the profile's own precision
+            (fp16/bf16 autocast), else fp16 (see :func:`target_of`).
+        kind: whose flushing counts: ``all`` (activation and weight gradients, everything the
+            loss scale multiplies), ``activation_grad`` or ``weight_grad``. Default (None):
+            the stored recommendation's, else ``all``.
             Overflow is always judged on the overflow ceiling (every gradient captured,
             and the trace's backward-wide ``StepTrace.ceiling`` where the report has it).
         margin_bits: safety margin below the overflow edge: S is the largest power of two
@@ -126,6 +145,7 @@ def analyze(
     Every verdict that advises a scale advises it through a scaler that backs off on
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
+    format, kind = target_of(report, format, kind)
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
         return shadow.with_reference(report, analyze(
@@ -307,8 +327,10 @@ def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
                 f"Only {_KIND_WORDS.get(m.kind, m.kind)} were judged for flushing (kind={m.kind!r}); "
                 f"the loss scale multiplies {', '.join(_KIND_WORDS[k] for k in others)} too."
             )
-    silent = list(report.metadata.extra.get("unrecorded_modules") or ()) or [
-        x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0]
+    extra = report.metadata.extra
+    gradient_free = set(extra.get("gradient_free_modules") or ())  # no finding: see Probe._silent_modules
+    silent = list(extra.get("unrecorded_modules") or ()) or [
+        x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0 and x.name not in gradient_free]
     if silent and report.metadata.steps_seen:
         out.append(
             f"{len(silent)} hooked module(s) recorded no gradient ({', '.join(silent[:5])}"
@@ -480,6 +502,7 @@ def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresho
         ev["simulated_mean_flushed_fraction"] = c.mean_flushed_fraction
         ev["simulated_final_scale"] = c.final_scale
         ev["simulated_meets_threshold"] = c.meets_threshold
+        ev["simulated_candidates_tied"] = _candidates_tied(table)
         growth_interval = c.growth_interval
     else:
         growth_interval = GRADSCALER_DEFAULTS["growth_interval"]
@@ -653,11 +676,38 @@ def _bf16_surprise(fmt: Format) -> str:
             "fp32's own limits, so look for a bug or a loss that is far too small.")
 
 
+def _candidates_tied(table: GrowthIntervalTable) -> bool:
+    """Whether the replay cannot tell the candidates apart on underflow, only on growth probes.
+
+    True when every candidate meets the threshold, their flushed shares differ by less than a
+    tenth of it, and either all skip as many steps, or the longest is chosen with skipped steps
+    falling as the interval grows: the only skips are growth probes that overflow, so the
+    replay is saying "hold S", not choosing a schedule.
+    """
+    rows = sorted(table.rows, key=lambda r: r.growth_interval)
+    if len(rows) < 2 or not all(r.meets_threshold for r in rows):
+        return False
+    flushed = [r.mean_flushed_fraction or 0.0 for r in rows]
+    if max(flushed) - min(flushed) > table.max_flushed_fraction / 10:
+        return False
+    skipped = [r.skipped_steps for r in rows]
+    return len(set(skipped)) == 1 or (table.chosen is rows[-1] and skipped == sorted(skipped, reverse=True))
+
+
 def _schedule_words(kwargs: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
     if table is None:
         return (f" growth_interval={kwargs['growth_interval']} is GradScaler's default, not chosen from "
                 "data: this report has no per-step trace to replay.")
     c = table.chosen
+    if _candidates_tied(table):
+        return (f" The replay cannot tell the growth_interval candidates {[r.growth_interval for r in table.rows]} "
+                f"apart on underflow: over {table.horizon} simulated steps they left "
+                f"{percent(min(r.mean_flushed_fraction or 0.0 for r in table.rows))} to "
+                f"{percent(max(r.mean_flushed_fraction or 0.0 for r in table.rows))} of values flushed, and the only skipped steps are growth "
+                f"probes that overflow ({c.skipped_steps} at growth_interval={c.growth_interval}, the longest "
+                "candidate, which probes least often). So the profile says: hold S; growth_interval is not a "
+                "measured optimum, and the profiled steps do not drift enough to choose a schedule (profile more "
+                f"steps of real training to see drift). {SIMULATION_CAVEAT}")
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
             f"{[r.growth_interval for r in table.rows]} over {table.horizon} simulated steps: it skipped "
             f"{c.skipped_steps} step(s) ({percent(c.skipped_fraction)}) and left {percent(c.mean_flushed_fraction)} "
@@ -724,13 +774,14 @@ def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any
     needed = ev.get("needed_span_bits")
     needed_words = "" if needed is None else f" The values that matter span {bits(needed)} bits;"
     return (
-        f"No single loss scale fits {fmt.name}.{needed_words} {fmt.name} holds about "
+        f"No single loss scale fits {fmt.name}. What to do: train in bf16 (fp32's exponent range); keep the "
+        f"layers that flush the most in fp32; or scale per layer or per tensor, as FP8 recipes do."
+        f"{needed_words} {fmt.name} holds about "
         f"{bits(ev['format_span_bits'])} bits between its flush threshold and its max (less {margin} bit(s) of "
         f"margin). The best constant, S = 2^{k}, still leaves {percent(ev['flushed_fraction_at_scale'])} of the "
         f"nonzero values flushed (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')}, and even a scale fitted to "
         f"each profiled step leaves {percent(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: "
-        f"{limiting}. The most values flush in: {flushing}. Options: train in bf16 (fp32's exponent range); "
-        f"scale per layer or per tensor, as FP8 recipes do; keep the responsible layers in fp32. If you keep one "
+        f"{limiting}. The most values flush in: {flushing}. If you keep one "
         f"scale, the least bad is {_kwargs_words(kwargs)}. {_BACKOFF}{_schedule_words(kwargs, table)} "
         f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
     )

@@ -16,7 +16,9 @@ from fp16probe.analysis.ceiling import Ceiling
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import Histogram
+from fp16probe.report import ACTIVATION_GRAD as ACTIVATION_GRAD_KIND
 from fp16probe.report import ALL_GRADS, KINDS, Report, kinds_named
+from fp16probe.report import WEIGHT_GRAD as WEIGHT_GRAD_KIND
 
 __all__ = [
     "ALL_GRADS",
@@ -25,6 +27,7 @@ __all__ = [
     "WhatIfTable",
     "flushed_fraction",
     "kinds_of",
+    "numerically_zero",
     "what_if",
     "worst_modules",
 ]
@@ -233,3 +236,31 @@ def worst_modules(
                 ranked.append((m, ModuleFlush(m.name, m.kind, m.module_type, flushed, nz)))
     ranked.sort(key=lambda x: (-x[1].fraction, -x[1].flushed, x[0].order, x[0].name))
     return tuple(r for _, r in ranked[: max(int(count), 0)])
+
+
+# A sum over the batch that lands this many powers of two below its own terms is a cancellation:
+# zero in exact arithmetic, and what is left is fp32 rounding. Measured: an attention key bias
+# (BERT, DeBERTa-v2) sits 2^-20 below its Linear's output gradient; no other bias of those
+# models, ConvNeXt or GPT-2 is more than 2^-8 below.
+CANCELLED_BITS = 12
+
+
+def numerically_zero(report: Report) -> dict[str, int]:
+    """Return the biases whose gradient is zero up to rounding: name -> log2(its max / its module's output-gradient max).
+
+    A bias's gradient is the sum over the batch of its module's output gradient; when it is
+    at least 2^CANCELLED_BITS below that gradient's largest value, the terms cancelled (an
+    attention key bias, which softmax's shift invariance makes exactly zero). Needs both the
+    weight and the activation gradients; {} otherwise.
+    """
+    outputs = {m.name: m.histogram.max_abs for m in report.modules_of(ACTIVATION_GRAD_KIND)}
+    out: dict[str, int] = {}
+    for m in report.modules_of(WEIGHT_GRAD_KIND):
+        if not m.name.endswith(".bias") or m.histogram.max_abs <= 0.0:
+            continue
+        around = outputs.get(m.name.removesuffix(".bias"), 0.0)
+        if around > 0.0:
+            bits = math.floor(math.log2(m.histogram.max_abs / around))
+            if bits <= -CANCELLED_BITS:
+                out[m.name] = bits
+    return out

@@ -68,7 +68,8 @@ class Probe:
             that pass fp16's max (inf at every loss scale). On by default.
         every: sample every Nth step (counted by :meth:`step`); others cost nothing.
         scaler: what scales the loss, when something does: a ``torch.amp.GradScaler``,
-            a DeepSpeed (``cur_scale``) or Megatron (``scale``) loss scaler, a fixed
+            a DeepSpeed engine, its fp16 optimizer (``loss_scale``: the current dynamic
+            scale) or its loss scaler (``cur_scale``), a Megatron (``scale``) loss scaler, a fixed
             number or tensor, or a function returning the scale (see
             :mod:`fp16probe.capture.scale`). Gradients seen in backward are then scaled;
             the Probe records them unscaled, reading the scale once per step without a
@@ -428,9 +429,11 @@ class Probe:
                 trace, ceiling=step_ceilings(got.maxima.get(CHANNEL, (0.0,) * n), step_max, trace.found_inf)
             )
         extra_meta = dict(extra or {})
-        silent = self._silent_modules(got.modules, len(trace))
+        silent, gradient_free = self._silent_modules(got.modules, len(trace))
         if silent:
             extra_meta["unrecorded_modules"] = silent
+        if gradient_free:
+            extra_meta["gradient_free_modules"] = gradient_free
         fp32_rows = sorted({r for c in self._op_captures.values() for r in c.autocast_fp32_rows})
         if fp32_rows:
             extra_meta["autocast_fp32_ops"] = fp32_rows
@@ -517,12 +520,32 @@ class Probe:
             ref, trace=dataclasses.replace(ref.trace, steps=steps),
             metadata=dataclasses.replace(ref.metadata, steps_total=len(steps), steps_seen=len(steps)))
 
-    def _silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> list[str]:
-        """Hooked modules whose output never carried a gradient (e.g. a forward bypassed by its parent)."""
+    def _silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> tuple[list[str], list[str]]:
+        """Hooked modules whose output never carried a gradient: (findings, structurally gradient-free).
+
+        Gradient-free by construction, so no finding: a module without trainable parameters
+        (identity, dropout, rotary embeddings, pooling: nothing of its own for the loss scale
+        to multiply, whether its forward ran, was fused away or made no differentiable
+        output), and one whose every parameter is tied to a hooked module that recorded
+        (T5's ``shared`` runs as ``encoder.embed_tokens``). A finding: a module with
+        parameters of its own whose forward was bypassed (a parent using its weights
+        directly) or whose output did not reach the loss.
+        """
         if self.granularity != "module" or not self._capture[ACTIVATION_GRAD] or n_steps == 0:
-            return []
+            return [], []
         recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
-        return [name for name in self.hooked_modules if name not in recorded]
+        named = dict(self.model.named_modules(remove_duplicate=False))
+        seen_params = {id(p) for name in self._hooked if (name or ROOT_NAME) in recorded
+                       for p in named[name].parameters()}
+        findings, gradient_free = [], []
+        for name in self._hooked:
+            display = name or ROOT_NAME
+            if display in recorded:
+                continue
+            own = [p for p in named[name].parameters() if p.requires_grad]
+            tied = bool(own) and all(id(p) in seen_params for p in own)
+            (gradient_free if not own or tied else findings).append(display)
+        return findings, gradient_free
 
 
 def _json_float(v: float) -> float | str:

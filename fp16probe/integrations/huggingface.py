@@ -151,6 +151,13 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         probe, self.probe = self.probe, None
         if probe is None:
             return
+        ran = str(probe.recorder.precision or "fp32")
+        if getattr(args, "fp16", False) and not ran.startswith("fp16"):
+            # accelerate makes no fp16 autocast on a CPU: the run was fp32, whatever the arguments said
+            note = (f"TrainingArguments(fp16=True) had no effect: the run computed in {ran} (accelerate does not "
+                    "autocast to fp16 on a CPU), so the recommendation comes from unscaled fp32 gradients, as an "
+                    "fp32 profile's does; train on a GPU to profile fp16 as it runs")
+            self.extra = {**self.extra, "notes": [*self.extra.get("notes", ()), note]}
         self.report = finish(probe, trainer="transformers", global_step=state.global_step,
                              is_main=state.is_world_process_zero, folder=self.output_dir or args.output_dir,
                              format=self.format, extra=self.extra)

@@ -29,7 +29,10 @@ __all__ = [
     "fit_name",
     "grad_scaler_code",
     "invented_sentence",
+    "numerically_zero_sentence",
     "recommendation_for",
+    "recommendation_summary",
+    "report_summary",
     "run_header",
     "scaler_device",
     "short_answer",
@@ -57,7 +60,9 @@ _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
 class Line:
     """One line of the short answer: what it says (``kind``) and its words.
 
-    Kinds: ``verdict``, ``flushed``, ``margin``, ``device``, ``code`` (already fitted to the
+    Kinds: ``verdict``, ``flushed``, ``margin``, ``schedule`` (the replay could not choose a
+    growth_interval), ``todo`` (no single scale: what to do
+    instead), ``device``, ``code`` (already fitted to the
     width; paste as it is), ``invented``, ``finding``, ``verification``, ``caveat``.
     """
 
@@ -132,7 +137,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     overflow margin, the code to paste and for which device, then what qualifies it."""
     k = rec.log2_scale
     lines = [Line("verdict", _verdict_sentence(rec))]
-    if rec.flushed_fraction_at_1 is not None:
+    # Without a verdict the shares are no evidence (an autocast profile's are lower bounds):
+    # a "flushed: 0%" beside "not enough evidence" would read as good news.
+    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
         after = ""
         if k is not None and k != 0 and rec.flushed_fraction_at_scale is not None:
             after = f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
@@ -141,6 +148,14 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     margin = _margin_sentence(rec)
     if margin:
         lines.append(Line("margin", margin))
+    if rec.evidence.get("simulated_candidates_tied") and rec.grad_scaler_kwargs:
+        lines.append(Line("schedule", f"growth_interval={rec.grad_scaler_kwargs['growth_interval']}: the replay "
+                                      "cannot tell the candidates apart on underflow, so it is the longest "
+                                      "(fewest growth probes): in effect hold S; not a measured optimum "
+                                      "(--explain shows the table)"))
+    todo = _what_to_do(rec)
+    if todo:
+        lines.append(Line("todo", todo))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
     if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
@@ -153,7 +168,8 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("device", "fix (or train in bf16):"))
         lines.append(Line("code", "import fp16probe\n" + fix))
     if code:
-        lines.append(Line("device", f"paste ({how}):"))
+        least_bad = "if you keep one scale, the least bad; " if todo else ""
+        lines.append(Line("device", f"paste ({least_bad}{how}):"))
         lines.append(Line("code", code))
     if report is not None:
         invented = invented_sentence(report)
@@ -200,6 +216,16 @@ def _verdict_sentence(rec: Recommendation) -> str:
     return head
 
 
+def _what_to_do(rec: Recommendation) -> str:
+    """When no single scale fits: the fixes, before any scaler line ('' for other verdicts)."""
+    if rec.verdict is not Verdict.NO_SINGLE_SCALE:
+        return ""
+    names = [str(n) for n, _ in rec.evidence.get("flushing_modules_at_scale", [])]
+    keep = (f"keep {shorten_name(names[0], 36)}{' and the others listed' if len(names) > 1 else ''} in fp32"
+            if names else "keep the layers that flush the most in fp32")
+    return f"what to do: train in bf16 (no loss scale needed), or {keep}, or scale per tensor"
+
+
 def _margin_sentence(rec: Recommendation) -> str:
     ev = rec.evidence
     k, k_max = rec.log2_scale, ev.get("largest_safe_log2_scale")
@@ -240,11 +266,81 @@ def findings(report: Report) -> list[str]:
     return out
 
 
+def numerically_zero_sentence(cancelled: Mapping[str, int]) -> str:
+    """Say why a bias whose gradient cancels to rounding ranks among the worst (name -> log2 ratio)."""
+    names = ", ".join(f"{n} (2^{b})" for n, b in list(cancelled.items())[:3])
+    more = f" and {len(cancelled) - 3} more" if len(cancelled) > 3 else ""
+    return (f"* numerically zero: {names}{more} of its module's largest output gradient. A bias's gradient "
+            "sums that gradient over the batch, and here the sum cancels: it is zero in exact arithmetic "
+            "(an attention key bias is, since softmax ignores a shift shared by all keys) and what flushes "
+            "is fp32 rounding noise, not signal.")
+
+
 def _verification_sentence(v: Verification) -> str:
     return (f"verification ({v.precision} autocast on {v.device}, {v.steps} steps): prediction "
             f"{'held' if v.held else 'did NOT hold'}; overflowing steps {v.predicted_overflow_steps} "
             f"predicted, {v.measured_overflow_steps} measured; zeroed {num.percent(v.predicted_zeroed_fraction)} "
             f"predicted, {num.percent(v.measured_zeroed_fraction)} measured")
+
+
+# -- the printed summary (str / repr) --------------------------------------------------------
+SUMMARY_WIDTH = 88
+
+
+def recommendation_summary(rec: Recommendation, width: int = SUMMARY_WIDTH) -> str:
+    """A few lines for ``str(rec)`` / ``repr(rec)``: verdict, S, shares, steps, worst modules.
+
+    As torchinfo's summary does, a short table of contents; ``rec.text`` holds the reasoning
+    and ``rec.explanation()`` wraps it.
+    """
+    ev = rec.evidence
+    lines = [f"Recommendation({_verdict_sentence(rec).removeprefix('verdict for ')})"]
+    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
+        k = rec.log2_scale
+        at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
+            f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
+        lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s} of "
+                     f"{num.count(ev.get('nonzero_values', 0))} nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
+    if "profiled_steps" in ev:
+        over = rec.overflow_steps_at_scale
+        lines.append(f"steps: {ev['profiled_steps']} profiled" + ("" if over is None else f", {over} overflow at S"))
+    if rec.worst_modules:
+        worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
+        lines.append(f"worst modules at S = 1: {worst}")
+    if rec.caveats:
+        lines.append(f"{len(rec.caveats)} caveat(s) in .caveats; the reasoning in .explanation()")
+    out = [ln for line in lines for ln in wrap_text(line, width, "  ")]
+    code = grad_scaler_code(rec, width=width)  # split after commas: still valid Python to paste
+    return "\n".join(out + (code.splitlines() if code else []))
+
+
+def report_summary(report: Report, width: int = SUMMARY_WIDTH) -> str:
+    """A few lines for ``str(report)`` / ``repr(report)``: what ran, the values, the stored verdict, the worst modules."""
+    md = report.metadata
+    lines = [f"Report({run_header(report)})"]
+    for kind in report.kinds:
+        h = report.histogram(kind)
+        lines.append(f"{kind}: {num.count(h.total)} values, {num.count(h.zero)} zero, {num.count(h.nonfinite)} "
+                     f"inf/NaN, max |x| {num.magnitude(h.max_abs)}")
+    rec = report.recommendation
+    if rec is None:
+        lines.append("no recommendation stored: fp16probe.analyze(report) makes one")
+    else:
+        lines.append(_verdict_sentence(rec))
+        if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
+            k = rec.log2_scale
+            at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
+                f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
+            lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s}")
+        if rec.worst_modules:
+            lines.append("worst modules at S = 1: " + ", ".join(
+                f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3]))
+    if report.verification is not None:
+        lines.append(_verification_sentence(report.verification))
+    if md.partial:
+        lines.append(f"partial: {md.steps_seen} of {md.steps_total} requested steps")
+    lines.append("more: report.recommendation, report.plot(), fp16probe show REPORT --explain")
+    return "\n".join(ln for line in lines for ln in wrap_text(line, width, "  "))
 
 
 # -- text that fits a width --------------------------------------------------------------

@@ -30,7 +30,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.formats import Format, get_format
@@ -149,8 +149,11 @@ def _draw_format(ax: Axes, fmt: Format, lo: float, hi: float, *, label_regions: 
         ax.axvspan(a, b, color=color, alpha=0.6 if label_regions else 0.0, lw=0, zorder=0,
                    gid=f"region:{name}")
         if label_regions:
+            # A span too narrow for its name gets it upright, never clipped ("overflo").
+            narrow = (b - a) < 1.1 * len(name) * (hi - lo) / 90
             ax.text((a + b) / 2, 0.98, name, transform=ax.get_xaxis_transform(), ha="center",
-                    va="top", fontsize=8, color="#444444", gid=f"region-label:{name}", clip_on=True)
+                    va="top", fontsize=8 if not narrow else 7, color="#444444", gid=f"region-label:{name}",
+                    rotation=90 if narrow else 0, clip_on=False)
     names = {"flush": f"{fmt.flush_threshold:.3g} (rounds to 0 at or below)",
              "min_normal": f"min normal {fmt.min_normal:.3g}",
              "max": f"max {fmt.max:g}"}
@@ -220,17 +223,23 @@ def plot_distribution(
                       f"{num.percent(flushed_fraction(hist, fmt, log2_scale))} "
                       f"({hist.flushed(fmt, log2_scale):,} of {n:,})"
                       + ("; OVERFLOWS" if hist.overflows(fmt, log2_scale) else "")))
-    for i, (_k, gid, text) in enumerate(lines):
-        ax.text(0.99, 0.86 - 0.07 * i, text, transform=ax.transAxes, ha="right", va="top",
-                fontsize=8.5, zorder=6, gid=gid,
+    # Wrapped to a third of the axes' width and anchored inside its right edge, so a box
+    # never reaches the y tick labels, whatever the figure's size.
+    chars = max(int(ax.get_position().width * ax.figure.get_figwidth() * 72 / 8.0 * 0.55), 24)
+    y = 0.86
+    for _k, gid, text in lines:
+        wrapped = "\n".join(wrap_text(text, chars))
+        ax.text(0.99, y, wrapped, transform=ax.transAxes, ha="right", va="top",
+                fontsize=8, zorder=6, gid=gid,
                 bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#999999", "alpha": 0.9})
+        y -= 0.075 * (wrapped.count("\n") + 1) + 0.02
     if hist.nonfinite:
-        ax.text(0.99, 0.86 - 0.07 * len(lines), f"not drawn: {hist.inf:,} inf, {hist.nan:,} NaN",
+        ax.text(0.99, y, f"not drawn: {hist.inf:,} inf, {hist.nan:,} NaN",
                 transform=ax.transAxes, ha="right", va="top", fontsize=8, gid="annotation:nonfinite")
 
     ax.set_xlim(zero_x - 1.5, hi)
     top = max([zero_share] + list(_bin_values(hist, lo, hi, 0, total)) or [0.0])
-    ax.set_ylim(0, max(top, 1e-9) * 1.35)
+    ax.set_ylim(0, max(top, 1e-9) * 1.6)  # headroom above the bars for the region names and annotations
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{100 * y:.0f}%" if top > 0.05
                                                else f"{100 * y:.2g}%"))
     _log2_ticks(ax, lo, hi, zero_x)
@@ -238,7 +247,7 @@ def plot_distribution(
     ax.set_ylabel("share of values")
     what = kind.replace("_", " ")
     ax.set_title(f"{what} magnitudes vs {fmt.name} ({total:,} values)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=7.5,
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7.5,
               frameon=False)
     return ax
 
@@ -309,7 +318,7 @@ def plot_module_heatmap(
 
 
 _LABEL_POINTS = 7
-_LABEL_CHARS = 48
+_LABEL_CHARS = 34  # names shortened in the middle at dots: the cells keep most of the width
 _ROW_INCHES = 0.2  # 14.4 pt a row: a 7 pt label with room to spare
 _HEATMAP_MAX_ROWS = 60
 
@@ -429,11 +438,29 @@ def plot_scale_timeline(
         ax.text(0.02, 0.04, f"verdict {verdict}: no scaler to replay", transform=ax.transAxes,
                 fontsize=8, gid="annotation:no_schedule")
     ax.set_yscale("log", base=2)
-    ax.set_xlabel(f"simulated step (the {n} profiled steps drawn at random, seed {seed})")
+    # A short growth_interval changes the scale every few steps: over the whole horizon the
+    # line is a solid block. Show about 20 of the shortest schedule's growth cycles.
+    intervals = [int(kw.get("growth_interval") or 0) for _l, kw, _c in schedules]
+    total = len(result.scales)
+    window = min(total, max(20 * min(i for i in intervals if i > 0), 200)) if any(intervals) else total
+    ax.set_xlim(-0.01 * window, window)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(_steps_label))
+    shown = "" if window >= total else f"first {window:,} of {total:,} "
+    ax.set_xlabel(f"simulated step ({shown}steps; the {n} profiled steps drawn at random, seed {seed})")
     ax.set_ylabel("loss scale")
     ax.set_title(f"loss scale per step in {fmt.name}: recommended vs GradScaler's default")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7.5, frameon=False)
     return ax
+
+
+def _steps_label(x: float, _pos: int) -> str:
+    """A step count that stays short on a tick: 2500, 12.5k, 1.2M."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:g}M"
+    if abs(x) >= 1e4:
+        return f"{x / 1e3:g}k"
+    return f"{x:g}"
 
 
 def _kwargs_label(kw: Mapping[str, Any]) -> str:

@@ -16,19 +16,20 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from fp16probe.analysis.gate import GateResult
-from fp16probe.analysis.whatif import worst_modules
+from fp16probe.analysis.whatif import numerically_zero, worst_modules
 from fp16probe.formats import get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
     KIND_WORDS,
     fit_name,
+    numerically_zero_sentence,
     recommendation_for,
     run_header,
     short_answer,
     wrap_text,
 )
-from fp16probe.recommendation import Recommendation
+from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
 from fp16probe.verification import Verification
 
@@ -47,7 +48,7 @@ __all__ = [
     "summary_view",
 ]
 
-_STYLES = {"verdict": "bold", "caveat": "yellow", "invented": "yellow", "finding": "red", "code": "cyan"}
+_STYLES = {"verdict": "bold", "todo": "bold", "caveat": "yellow", "invented": "yellow", "finding": "red", "code": "cyan"}
 
 
 def make_console(stderr: bool = True) -> Any:
@@ -81,13 +82,21 @@ def one_line(message: str) -> str:
 
 @contextlib.contextmanager
 def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """Show a progress bar on a terminal (a no-op elsewhere); yield ``update(steps_done)``."""
+    """Show a progress bar with elapsed and remaining time on a terminal (a no-op elsewhere); yield ``update(steps_done)``."""
     if not enabled or not console.is_terminal:
         yield lambda done: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
                   console=console, transient=True) as bar:
         task = bar.add_task("steps", total=total)
         yield lambda done: bar.update(task, completed=done)
@@ -136,7 +145,8 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
             yield _distribution_table(report.histogram(kind), fmt, k, kind)
         if explain:
             yield _bins_table(report.histogram(kind), fmt)
-        if top and report.modules_of(kind):
+        judged = rec is None or rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE
+        if top and report.modules_of(kind) and judged:
             yield from _worst_table(report, kind, fmt, k, top, width)
         if explain and report.verification is not None:
             yield from _verification(report.verification, width)
@@ -410,14 +420,21 @@ def _worst_table(report: Report, kind: str, fmt_name: str, log2_scale: int | Non
     fixed = [max([len(head)] + [len(r[i]) for r in rows]) for i, head in enumerate(header)]
     # Each column costs its width plus a space either side and a border; one border closes.
     room = max(width - sum(w + 3 for w in fixed) - 4, 12)
-    table = Table(title=f"modules that flush the most: share of their nonzero {KIND_WORDS.get(kind, kind)} "
-                        f"flushed in {fmt.name}", title_justify="left")
-    table.add_column("module", width=min(room, max([len("module")] + [len(m.name) for m in ranked])))
+    # The title as a paragraph: rich would not wrap a title wider than a narrow table.
+    yield from _para(f"modules that flush the most: share of their nonzero {KIND_WORDS.get(kind, kind)} "
+                     f"flushed in {fmt.name}", width, "italic")
+    table = Table()
+    cancelled = numerically_zero(report)
+    marks = {m.name: " *" if m.name in cancelled else "" for m in ranked}
+    table.add_column("module", width=min(room, max([len("module")] + [len(m.name + marks[m.name]) for m in ranked])))
     for head, w in zip(header, fixed):
         table.add_column(head, justify="left" if head == "type" else "right", no_wrap=True, min_width=w)
     for m, cells in zip(ranked, rows):
-        table.add_row(*_cells(["\n".join(fit_name(m.name, room))] + cells))
+        table.add_row(*_cells(["\n".join(fit_name(m.name + marks[m.name], room))] + cells))
     yield table
+    shown = {m.name: cancelled[m.name] for m in ranked if m.name in cancelled}
+    if shown:
+        yield from _para(numerically_zero_sentence(shown), width, "dim", "  ")
 
 
 def print_compare(console: Any, result: GateResult) -> None:

@@ -16,8 +16,10 @@ are chosen to be the ones the model's task trains with, and always recorded as i
   ``Conv1d/2d/3d``: channels; ``Embedding``: token ids), and the default loss.
 
 The default loss (:func:`default_loss_for`) decides at its first call: the model's own
-``.loss`` when the output has one (labels came with the batch), else cross-entropy against
-uniformly random labels when the output is class logits ``[batch, classes]`` (what
+``.loss`` when the output has one (labels came with the batch), else the batch's own targets
+when it carries some that fit the output (a tuple's second element, a dict's ``labels``:
+class ids get cross-entropy, values shaped like the output mean squared error), else
+cross-entropy against uniformly random labels when the output is class logits ``[batch, classes]`` (what
 classifiers train with, and the loss that puts realistic gradients at the output), else
 the mean of squares of the floating outputs.
 """
@@ -136,10 +138,21 @@ def _parameters(cls: type) -> list[str]:
         return []
 
 
+# forward() parameters that are a model's inputs when none is required (Hugging Face style:
+# every argument defaults to None): input_ids, pixel_values, input_features, decoder_input_ids.
+_INPUT_ENDINGS = ("_ids", "_values", "_features")
+_NOT_INPUTS = ("position", "token_type", "past_key", "cache", "head_mask")
+
+
+def _input_parameters(cls: type) -> list[str]:
+    return [n for n in _parameters(cls) if n.endswith(_INPUT_ENDINGS) and not any(w in n for w in _NOT_INPUTS)]
+
+
 def no_inputs_error(model: nn.Module | type, why: str) -> InputError:
     """The error for a model fp16probe cannot feed by itself: what forward() wants and how to supply it."""
     sig = forward_signature(model)
-    names = _required_inputs(model if isinstance(model, type) else type(model)) or ["x"]
+    cls = model if isinstance(model, type) else type(model)
+    names = _required_inputs(cls) or _input_parameters(cls) or ["x"]
     example = ", ".join(f"'{n}': ..." for n in names[:3])
     return InputError(
         f"{why}; {sig} wants {', '.join(names)}: pass batches=package.module:function whose function "
@@ -175,11 +188,33 @@ def hf_plan(
     name = cls.__name__
     family = hf_family(name)
     params = _parameters(cls)
+    if "input_ids" in params and "pixel_values" in params and family is None:
+        raise no_inputs_error(cls, f"{name} takes token ids and images together (input_ids and pixel_values); "
+                                   f"fp16probe draws one kind of synthetic input{_nested_words(config)}")
     if "input_ids" in params:
         return _hf_text_plan(cls, family, config, shape, vocab_size)
     if "pixel_values" in params:
         return _hf_image_plan(cls, family, config, shape)
     raise no_inputs_error(cls, f"fp16probe cannot make synthetic inputs for {name} (no input_ids or pixel_values)")
+
+
+# Where multimodal and encoder-decoder configs keep their text model's settings.
+_SUB_CONFIGS = ("text_config", "decoder", "language_config")
+
+
+def _nested(config: Callable[[str], Any], key: str) -> tuple[str, int] | None:
+    """Find ``key`` in a sub-config (CLIP's ``text_config.vocab_size``): (its dotted name, value), or None."""
+    for sub in _SUB_CONFIGS:
+        inner = config(sub)
+        value = inner.get(key) if isinstance(inner, Mapping) else getattr(inner, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return f"{sub}.{key}", value
+    return None
+
+
+def _nested_words(config: Callable[[str], Any]) -> str:
+    found = _nested(config, "vocab_size")
+    return "" if found is None else f" (its vocabulary is {found[0]} = {found[1]})"
 
 
 def _positive(config: Callable[[str], Any], key: str) -> int | None:
@@ -198,8 +233,12 @@ def _hf_text_plan(cls: type, family: str | None, config: Callable[[str], Any],
                   shape: tuple[int, ...] | None, vocab_size: int | None) -> Plan:
     name = cls.__name__
     vocab = vocab_size or _positive(config, "vocab_size")
+    nested = _nested(config, "vocab_size") if vocab is None else None
+    if nested is not None:
+        vocab = nested[1]
     if vocab is None:
-        raise no_inputs_error(cls, f"{name}'s config has no vocab_size to draw token ids from; pass vocab_size=N")
+        raise no_inputs_error(cls, f"{name}'s config has no vocab_size (nor {', '.join(s + '.vocab_size' for s in _SUB_CONFIGS)}) "
+                                   "to draw token ids from; pass vocab_size=N")
     positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config, k))),
                      None)
     if shape is not None:
@@ -483,13 +522,14 @@ class DecidingLoss:
 
     def __init__(self, seed: int = 0) -> None:
         self.decided: tuple[str, bool] | None = None
+        self.invented_targets: str | None = None  # set when the batches' targets were drawn by fp16probe
         self._way: str | None = None
         self._labels = _RandomLabels(seed)
 
     def __call__(self, output: Any, batch: Any) -> torch.Tensor:
         """Compute the loss of one step."""
         if self._way is None:
-            self._decide(output)
+            self._decide(output, batch)
         if self._way == "own":
             own = own_loss(output)
             if own is None:
@@ -498,9 +538,15 @@ class DecidingLoss:
         if self._way == "cross_entropy":
             logits = _prediction(output)
             return F.cross_entropy(logits.float(), self._labels(logits, (logits.shape[0],)))
+        if self._way == "batch_labels":
+            rows, _ = _classes(_prediction(output).float())
+            return F.cross_entropy(rows, _targets(batch).reshape(-1).long().to(rows.device), ignore_index=-100)
+        if self._way == "batch_targets":
+            pred = _prediction(output).float()
+            return F.mse_loss(pred, _targets(batch).float().reshape(pred.shape).to(pred.device))
         return mean_of_squares(output)
 
-    def _decide(self, output: Any) -> None:
+    def _decide(self, output: Any, batch: Any = None) -> None:
         if own_loss(output) is not None:
             self._way = "own"
             self.decided = ("the model's own output .loss, on the labels the batches carry", False)
@@ -510,6 +556,9 @@ class DecidingLoss:
         except InputError:
             pred = None
         plain = isinstance(output, torch.Tensor) or (pred is not None and not isinstance(output, (tuple, list)))
+        target = _targets(batch)
+        if pred is not None and target is not None and self._fits(pred, target):
+            return
         if pred is not None and plain and _is_class_logits(pred) and _counts_logits(output, pred):
             self._way = "cross_entropy"
             self.decided = (f"default for class logits [batch, {pred.shape[1]}]: cross-entropy against uniformly "
@@ -517,6 +566,23 @@ class DecidingLoss:
             return
         self._way = "mean_of_squares"
         self.decided = ("default: mean of squares of the model's floating-point outputs", True)
+
+    def _fits(self, pred: torch.Tensor, target: torch.Tensor) -> bool:
+        """Train on the batch's own targets when they fit the output: class ids, else values of its shape."""
+        invented = self.invented_targets is not None
+        whose = f"invented ({self.invented_targets})" if invented else "the batch's own"
+        if (pred.is_floating_point() and pred.dim() >= 2 and not target.is_floating_point()
+                and target.numel() == pred.numel() // pred.shape[-1]):
+            self._way = "batch_labels"
+            self.decided = (f"default for class logits [..., {pred.shape[-1]}]: cross-entropy against "
+                            f"{whose} labels", invented)
+            return True
+        if pred.is_floating_point() and target.is_floating_point() and target.numel() == pred.numel():
+            self._way = "batch_targets"
+            self.decided = (f"default for an output shaped like the batch's targets: mean squared error "
+                            f"against {whose} targets", invented)
+            return True
+        return False
 
 
 def _counts_logits(output: Any, pred: torch.Tensor) -> bool:

@@ -20,8 +20,9 @@ from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
 __all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "check_loss_spec", "default_loss", "make_loss"]
 
 DEFAULT_LOSS_TEXT = (
-    "default: the model's own .loss when the output has one, else cross-entropy against uniformly random "
-    "labels when the output is class logits [batch, classes], else the mean of squares of the outputs"
+    "default: the model's own .loss when the output has one, else the batch's own targets when they fit the "
+    "output (cross-entropy for class ids, mean squared error for values), else cross-entropy against uniformly "
+    "random labels when the output is class logits [batch, classes], else the mean of squares of the outputs"
 )
 NAMED_LOSSES = families.NAMED_LOSSES
 
@@ -83,7 +84,10 @@ def make_loss(loaded: LoadedModel, loss: str | None, batches: Any = None, *, see
         # The model computes its own loss on labels fp16probe drew: the loss is the task's,
         # the labels are invented, so the run records it as synthetic.
         return Loss(_own_loss, f"{family_loss}, on invented labels: {batches.labels}", synthetic=True)
-    return as_loss(None, seed=seed)
+    chosen = as_loss(None, seed=seed)
+    if getattr(batches, "synthetic", False):
+        chosen.fn.invented_targets = getattr(batches, "labels", None) or "drawn by fp16probe"
+    return chosen
 
 
 def named(name: str, seed: int = 0) -> Loss:

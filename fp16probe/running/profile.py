@@ -150,7 +150,7 @@ def profile(
     scaler: Any = None,
     optimizer: str | torch.optim.Optimizer | None = None,
     lr: float = 1e-3,
-    format: str = "fp16",
+    format: str | None = None,
     kind: str = ALL_GRADS,
     device: str | torch.device | None = None,
     on_step: Callable[[int], None] | None = None,
@@ -172,8 +172,9 @@ def profile(
         loss_fn: ``(output, batch) -> scalar tensor``, or a built-in loss's name
             (``"cross_entropy"``, ``"nll"``, ``"bce_with_logits"``, ``"mse"``, ``"l1"``,
             ``"smooth_l1"``: against the batch's targets, else targets drawn as the task
-            would). None uses the model's own ``.loss`` when the output has one, else
-            cross-entropy against random labels when the output is class logits
+            would). None uses the model's own ``.loss`` when the output has one, else the
+            batch's own targets when they fit the output (cross-entropy for class ids, mean
+            squared error for values), else cross-entropy against random labels when the output is class logits
             ``[batch, classes]``, else the mean of squares of its floating outputs; the
             report records which, and marks an invented loss or labels as synthetic.
         steps: forward+backward passes to profile.
@@ -183,7 +184,8 @@ def profile(
             or a GradScaler of your own; the Probe records unscaled gradients either way.
         optimizer: None (weights unchanged), ``"sgd"``/``"adam"``/``"adamw"`` at ``lr``, or a
             torch optimizer over the model's parameters.
-        format, kind: what the recommendation is for (``"fp16"``; ``"all"`` gradients, the default).
+        format, kind: what the recommendation is for (default: ``"bf16"`` for a bf16 run, else
+            ``"fp16"``; ``"all"`` gradients).
         device: where to run (default: where the model's parameters are).
         on_step: called with the number of finished steps after each step (a progress bar).
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
@@ -217,6 +219,8 @@ def profile(
     :class:`InputError` naming the step and the exception's own message, with the partial
     report of the steps before it as the error's ``report``.
     """
+    if format is None:
+        format = "bf16" if precision == "bf16" else "fp16"
     run_device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
     if target is None:
