@@ -17,6 +17,7 @@ import fp16probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.capture.autocast_rules import output_is_low
 from fp16probe.capture.forward import ForwardAudit
+from docs.examples.fp16_failures import HotMLP  # hidden values near 1e5, as a trained T5's grow
 from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
 
 
@@ -33,22 +34,6 @@ def _fp16_losses(model, batches, loss_fn, device_type="cpu"):
         with torch.autocast(device_type, dtype=torch.float16):
             out.append(float(loss_fn(model(x), x).float()))
     return out
-
-
-class HotMLP(nn.Module):
-    """Hidden pre-activations near 1e5 (as a trained T5's feed-forward output grows past 65504)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(16, 64)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(64, 4)
-        with torch.no_grad():
-            self.fc1.weight.mul_(4e4)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Attention(nn.Module):

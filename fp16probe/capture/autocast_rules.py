@@ -28,11 +28,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CAST_OPS",
     "CUDA_FP16_OPS",
     "CUDA_FP32_OPS",
     "CUDA_PROMOTE_OPS",
     "REGIMES",
     "TARGETS",
+    "cast_is_low",
+    "compare_with_device",
     "output_is_low",
 ]
 
@@ -62,6 +65,27 @@ CUDA_PROMOTE_OPS = frozenset({
 })
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
+CAST_OPS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})  # explicit dtype conversions
+
+
+def cast_is_low(op: str, args: Sequence[Any], kwargs: dict[str, Any],
+                is_low: Callable[[torch.Tensor], bool]) -> bool | None:
+    """What an explicit conversion makes: fp16/bf16 (True) or not (False); None when it changes no float dtype.
+
+    ``.to(other)`` takes ``other``'s dtype as it would be in the target run (``is_low``).
+    """
+    if op in ("half", "bfloat16"):
+        return True
+    if op in ("float", "double"):
+        return False
+    for a in list(args[1:]) + list(kwargs.values()):
+        if isinstance(a, torch.dtype):
+            return a in _LOW_DTYPES if a.is_floating_point else None
+        if isinstance(a, torch.Tensor):
+            return is_low(a) if a.is_floating_point() else None
+        if isinstance(a, str) and a.endswith(("HalfTensor", "BFloat16Tensor")):
+            return True
+    return None  # .to(device), .type() with no dtype
 _cache: dict[tuple[Any, ...], bool | None] = {}
 _lock = threading.Lock()
 _fake_mode: Any = None

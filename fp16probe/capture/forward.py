@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import REGIMES, TARGETS, output_is_low
+from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, output_is_low
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
 __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
@@ -56,7 +56,7 @@ _LAYOUT = frozenset({
     "reshape", "reshape_as", "select", "split", "split_with_sizes", "squeeze", "swapaxes", "transpose",
     "unbind", "unflatten", "unfold", "unsqueeze", "view", "view_as", "t", "tensor_split", "repeat",
 })
-_CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})
+_CASTS = CAST_OPS
 _NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, torch.Size)
 
 
@@ -181,18 +181,6 @@ class ForwardAudit:
     def _set_low(self, t: torch.Tensor, low: dict[str, bool]) -> None:
         self._low[id(t)] = (weakref.ref(t), low)
 
-    def _cast_low(self, op: str, args: Sequence[Any], kwargs: Any) -> bool | None:
-        if op in ("half", "bfloat16"):
-            return True
-        if op in ("float", "double"):
-            return False
-        for a in list(args[1:]) + list(kwargs.values()):
-            if isinstance(a, torch.dtype):
-                return a in (torch.float16, torch.bfloat16) if a.is_floating_point else None
-            if isinstance(a, torch.Tensor):
-                return None
-        return None
-
     # -- observing ----------------------------------------------------------------------------
     def _observe(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> Any:
         outs = [t for t in iter_tensors(out) if t.is_floating_point()]
@@ -204,10 +192,12 @@ class ForwardAudit:
         lows_in = [self._low_map(t) for t in floats_in]
         low: dict[str, bool] = {}
         if op in _CASTS:
-            c = self._cast_low(op, args, kwargs)
+            changed = False
             for target in self.targets:
+                c = cast_is_low(op, args, kwargs, lambda t, _target=target: self._low_map(t)[_target])
                 low[target] = (lows_in[0][target] if floats_in else False) if c is None else c
-            if args and out is args[0] and isinstance(out, torch.Tensor) and c is not None:
+                changed = changed or c is not None
+            if args and out is args[0] and isinstance(out, torch.Tensor) and changed:
                 if low != self._low_map(out):
                     out = out.view_as(out)  # the real run makes a new tensor here: give it its own identity
                     outs = [out]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import output_is_low
+from fp16probe.capture.autocast_rules import cast_is_low, output_is_low
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
@@ -172,18 +172,7 @@ class _OpCapture(TorchFunctionMode):
 
     def _cast_low(self, op: str, args: Sequence[Any], kwargs: Any) -> bool | None:
         """What an explicit conversion makes, fp16/bf16 (True) or not (False); None: no dtype change."""
-        if op in ("half", "bfloat16"):
-            return True
-        if op in ("float", "double"):
-            return False
-        for a in list(args[1:]) + list(kwargs.values()):
-            if isinstance(a, torch.dtype):
-                return a in (torch.float16, torch.bfloat16)
-            if isinstance(a, torch.Tensor):  # .to(other): other's dtype (as it would be under autocast)
-                return self._is_low(a)
-            if isinstance(a, str) and a.endswith(("HalfTensor", "BFloat16Tensor")):
-                return True
-        return None  # .to(device), .type() with no dtype
+        return cast_is_low(op, args, kwargs, self._is_low)
 
     def _output_low(self, op: str, func: Any, args: Sequence[Any], kwargs: Any, out: torch.Tensor,
                     inputs: list[torch.Tensor]) -> bool:
