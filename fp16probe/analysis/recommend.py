@@ -830,8 +830,9 @@ def _forward_caveats(ff: ForwardFindings | None) -> tuple[str, ...]:
                    "output grew past 65504 this way); watch these as training goes on, or keep them in fp32.")
     if ff.flushing and ff.flushing[0].flushed_fraction < FORWARD_UNDERFLOW_VERDICT:
         names = ", ".join(f"{t.name} {percent(t.flushed_fraction)}" for t in ff.flushing[:4])
+        more = f" and {len(ff.flushing) - 4} more" if len(ff.flushing) > 4 else ""
         out.append(f"Forward values flush to zero in fp16 under {_where(ff)} (share of each tensor's nonzero "
-                   f"values): {names}{', ...' if len(ff.flushing) > 4 else ''}. A loss scale does not act on "
+                   f"values): {names}{more}. A loss scale does not act on "
                    "forward values; these zeros are in the fp16 run whatever S is.")
     if ff.custom_functions:
         out.append(f"The graph holds custom autograd Functions ({', '.join(ff.custom_functions[:5])}): the "
