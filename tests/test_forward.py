@@ -397,3 +397,18 @@ def test_a_probe_in_a_real_fp16_loop_sees_the_forward_overflow_where_it_happens(
     assert rec.verdict == "forward_overflow" and rec.evidence["forward_source"] == "modules"
     assert rec.evidence["forward_overflow"][0]["name"] == "fc1" and "fc1" in rec.evidence["fix_modules"]
     assert not any("held inf/NaN at the scale in force" in c for c in rec.caveats)
+
+
+def test_the_audit_leaves_cleanly_when_a_signal_took_its_mode_off_the_stack():
+    """A signal between torch's pop and push of the running mode must not turn into a RuntimeError."""
+    model, x = HotMLP(), _batches(n=1)[0]
+    audit = ForwardAudit(model)
+    with pytest.raises(KeyboardInterrupt):
+        with audit.step(0):
+            model(x)
+            torch._C._pop_torch_function_stack()  # what an interrupt inside the dispatch leaves behind
+            raise KeyboardInterrupt
+    assert torch.overrides._get_current_function_mode_stack() == []
+    with audit.step(1):  # and the next step works
+        model(x)
+    assert torch.overrides._get_current_function_mode_stack() == []

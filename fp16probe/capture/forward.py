@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, output_is_low
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
+__all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions", "leave_mode"]
 
 # Rounding edges of an fp32 -> fp16 cast (round to nearest even): 2^-25 is a tie that goes to
 # 0; 2^-14 - 2^-25 is a tie that goes up to the smallest normal; 65520 is a tie that goes to inf.
@@ -135,9 +135,10 @@ class ForwardAudit:
         post = nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
         mode = _Mode(self)
         try:
-            with mode:
-                yield self
+            mode.__enter__()
+            yield self
         finally:
+            leave_mode(mode)
             pre.remove()
             post.remove()
             self._low.clear()
@@ -327,6 +328,27 @@ class ForwardAudit:
             "errors": self.errors,
             **({"first_error": self.first_error} if self.first_error else {}),
         }
+
+
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch function mode stack, if it is still there.
+
+    A signal (Ctrl-C, SIGHUP) raised at the wrong moment inside torch's own dispatch, between
+    its taking the running mode off the stack and putting it back, leaves the mode off the
+    stack: a plain ``with mode:`` would then raise "trying to pop from empty mode stack" on the
+    way out and hide the signal behind a RuntimeError.
+    """
+    try:
+        stack = torch.overrides._get_current_function_mode_stack()
+    except Exception:  # a torch without the helper: leave as a with statement would
+        stack = [mode]
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
+    elif mode in stack:  # modes entered inside ours and left on (an interrupted forward): ours goes too
+        while stack and stack[-1] is not mode:
+            stack[-1].__exit__(None, None, None)
+            stack = torch.overrides._get_current_function_mode_stack()
+        mode.__exit__(None, None, None)
 
 
 def custom_functions(loss: torch.Tensor, limit: int = 100_000) -> list[str]:

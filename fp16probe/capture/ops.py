@@ -410,7 +410,9 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
             return
         depth[0] -= 1
         if depth[0] == 0:
-            mode.__exit__(None, None, None)
+            from fp16probe.capture.forward import leave_mode
+
+            leave_mode(mode)  # safe when a signal took the mode off the stack inside torch's dispatch
             mode.stack.clear()
             mode.end_forward()
 
