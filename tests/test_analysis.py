@@ -247,7 +247,7 @@ def with_forward(report, *, overflow=False, flushed=0, loss_fp16=False):
     tensor = {"name": "m/linear", "module": "m", "op": "linear", "role": "output", "fp16_on": ["cuda", "cpu"],
               "max_abs": 8.2e4 if overflow else 1.0, "nonzero": 10, "flushed": flushed, "subnormal": 0,
               "overflowed": 3 if overflow else 0, "first_overflow_step": 0 if overflow else None,
-              "nonfinite": False, "per_step_max": [8.2e4 if overflow else 1.0]}
+              "per_step_max": [8.2e4 if overflow else 1.0]}
     forward = {"regime": "autocast", "targets": ["cuda", "cpu"], "steps": [0], "tensors": [tensor],
                "loss_fp16_on": ["cuda", "cpu"] if loss_fp16 else [], "custom_functions": []}
     md = dataclasses.replace(report.metadata, extra={**report.metadata.extra, "forward": forward})

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from fp16probe.formats import get_format
 from fp16probe.report import Report
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
 
 FP16_LOSS_LOG2_CAP = 15  # the seed gradient of an fp16 loss is S itself: 2^15 is the largest power of two below 65520
 LOW_HEADROOM_BITS = 3.0  # forward values within this many bits of fp16's max are a caveat
-_FP16_MAX = 65504.0
+_FP16 = get_format("fp16")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _headroom(max_abs: float | None) -> float | None:
         return None
     if math.isinf(max_abs):
         return -math.inf
-    return math.log2(_FP16_MAX / max_abs)
+    return math.log2(_FP16.max / max_abs)
 
 
 def forward_findings(report: Report, target: str | None = None, *, max_flushed_fraction: float = 1e-3,
@@ -130,17 +131,12 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
     rows: list[TensorFinding] = []
     if isinstance(audit, Mapping) and isinstance(audit.get("tensors"), Sequence):
         source, regime = "audit", str(audit.get("regime", "autocast"))
-        steps = list(audit.get("steps") or [])
         for t in audit["tensors"]:
             if not isinstance(t, Mapping) or tgt not in (t.get("fp16_on") or ()):
                 continue
             finite_max = _num(t.get("max_abs"))
             first = t.get("first_overflow_step")
-            if first is None and t.get("nonfinite"):
-                per = [_num(v) for v in t.get("per_step_max") or ()]
-                first = next((steps[i] if i < len(steps) else i for i, v in enumerate(per)
-                              if v is not None and math.isinf(v)), None)
-            if first is not None and (finite_max is None or finite_max < _FP16_MAX):
+            if first is not None and (finite_max is None or finite_max < _FP16.max):
                 max_abs: float | None = math.inf
             else:
                 max_abs = finite_max
@@ -161,7 +157,7 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
         steps = list(report.trace.steps)
         for name, v in fm["modules"].items():
             m = _num(v)
-            over = m is not None and (math.isinf(m) or m >= 65520.0)
+            over = m is not None and (math.isinf(m) or m >= _FP16.overflow_threshold)
             rows.append(TensorFinding(name=str(name), module=str(name), op="output", role="module_output",
                                       max_abs=m, headroom_bits=_headroom(m), nonzero=0, flushed=0, subnormal=0,
                                       first_overflow_step=_first_step(fm, str(name), steps) if over else None))
@@ -183,11 +179,4 @@ def _first_step(fm: Mapping[str, Any], name: str, steps: Sequence[int]) -> int:
     first = fm.get("first_overflow_step")
     if isinstance(first, Mapping) and isinstance(first.get(name), int):
         return int(first[name])
-    per = fm.get("per_step", {})
-    vals = per.get(name) if isinstance(per, Mapping) else None
-    if isinstance(vals, Sequence):
-        for i, v in enumerate(vals):
-            m = _num(v)
-            if m is not None and (math.isinf(m) or m >= 65520.0):
-                return int(steps[i]) if i < len(steps) else i
     return int(steps[0]) if steps else 0

@@ -36,6 +36,7 @@ __all__ = [
     "TARGETS",
     "cast_is_low",
     "compare_with_device",
+    "op_name",
     "output_is_low",
 ]
 
@@ -91,9 +92,12 @@ _lock = threading.Lock()
 _fake_mode: Any = None
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
+    """Name a torch callable for a report row: ``TensorBase.__getitem__`` -> ``"getitem"``."""
     name = getattr(func, "__name__", None) or type(func).__name__
-    return name[2:-2] if name.startswith("__") and name.endswith("__") else name
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    return name
 
 
 def output_is_low(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Callable[[torch.Tensor], bool],
@@ -140,7 +144,7 @@ def output_is_low(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low
             _cache[key] = got
     if got is not None:
         return got
-    return _by_lists(_op_name(func), floats, target, regime)
+    return _by_lists(op_name(func), floats, target, regime)
 
 
 def _by_lists(name: str, floats: list[bool], target: str, regime: str) -> bool:
@@ -159,7 +163,7 @@ def _ask_fake(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Ca
               target: str, regime: str) -> bool | None:
     """Run ``func`` on fake tensors of the target run's dtypes; whether its output is fp16 (None: it failed)."""
     global _fake_mode
-    if _op_name(func).endswith("_") or "out" in kwargs:
+    if op_name(func).endswith("_") or "out" in kwargs:
         return None  # in place: its dtype is its first input's (the caller's rule handles it)
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode

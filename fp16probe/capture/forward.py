@@ -38,31 +38,26 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, output_is_low
+from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
+from fp16probe.formats import get_format
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions", "leave_mode"]
+__all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
 
 # Rounding edges of an fp32 -> fp16 cast (round to nearest even): 2^-25 is a tie that goes to
 # 0; 2^-14 - 2^-25 is a tie that goes up to the smallest normal; 65520 is a tie that goes to inf.
-FLUSH_AT = 2.0**-25
-SUBNORMAL_BELOW = 2.0**-14 - 2.0**-25
-OVERFLOW_AT = 65520.0
+_FP16 = get_format("fp16")
+FLUSH_AT = _FP16.min_subnormal / 2  # 2^-25
+SUBNORMAL_BELOW = _FP16.min_normal - _FP16.min_subnormal / 2  # 2^-14 - 2^-25
+OVERFLOW_AT = _FP16.overflow_threshold  # 65520
 _FP32_MAX = torch.finfo(torch.float32).max
 
-_LAYOUT = frozenset({
-    "T", "mT", "alias", "as_strided", "broadcast_to", "chunk", "clone", "contiguous", "cpu", "cuda", "detach",
-    "diagonal", "expand", "expand_as", "flatten", "get", "getitem", "movedim", "narrow", "permute", "ravel",
-    "reshape", "reshape_as", "select", "split", "split_with_sizes", "squeeze", "swapaxes", "transpose",
-    "unbind", "unflatten", "unfold", "unsqueeze", "view", "view_as", "t", "tensor_split", "repeat",
-})
+# Ops that move or view values without computing new ones: op capture's list less its casts
+# (which change the dtype here), plus repeat (a copy of the same values).
+_LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
 _CASTS = CAST_OPS
 _NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, torch.Size)
-
-
-def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", None) or type(func).__name__
-    return name[2:-2] if name.startswith("__") and name.endswith("__") else name
 
 
 class _Entry:
@@ -187,7 +182,7 @@ class ForwardAudit:
         outs = [t for t in iter_tensors(out) if t.is_floating_point()]
         if not outs:
             return out
-        op = _op_name(func)
+        op = op_name(func)
         inputs = [t for t in iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
         floats_in = [t for t in inputs if t.is_floating_point()]
         lows_in = [self._low_map(t) for t in floats_in]
@@ -292,27 +287,24 @@ class ForwardAudit:
         it_max, it_stats = iter(maxes), iter(stats)
         tensors = []
         for e in entries:
-            per_step_max: list[float | None] = []
+            per_step_max: list[float | None] = []  # None: the tensor was not made that step
             nonzero = flushed = sub = over = 0
             first_overflow: int | None = None
             for s in self.steps:
                 if s not in e.steps:
                     per_step_max.append(None)
                     continue
-                m = float(next(it_max))
+                per_step_max.append(float(next(it_max)))  # finite: inf and fp32's max are left out in _measure
                 nz, fl, sb, ov = (int(v) for v in next(it_stats))
-                per_step_max.append(m if m == m else float("nan"))
                 nonzero, flushed, sub, over = nonzero + nz, flushed + fl, sub + sb, over + ov
                 if ov and first_overflow is None:
                     first_overflow = s
-            finite = [m for m in per_step_max if m is not None and m == m and m != float("inf")]
+            seen = [m for m in per_step_max if m is not None]
             tensors.append({
                 "name": e.name, "module": e.module, "op": e.op, "role": e.role,
                 "fp16_on": sorted(e.targets),
-                "max_abs": max(finite) if finite else None,
-                "nonfinite": any(m is not None and not (m == m and m != float("inf")) for m in per_step_max),
-                "per_step_max": ["nan" if (m is not None and m != m) else ("inf" if m == float("inf") else m)
-                                 for m in per_step_max],
+                "max_abs": max(seen) if seen else None,
+                "per_step_max": per_step_max,
                 "nonzero": nonzero, "flushed": flushed, "subnormal": sub, "overflowed": over,
                 "first_overflow_step": first_overflow,
             })
@@ -328,27 +320,6 @@ class ForwardAudit:
             "errors": self.errors,
             **({"first_error": self.first_error} if self.first_error else {}),
         }
-
-
-def leave_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off the torch function mode stack, if it is still there.
-
-    A signal (Ctrl-C, SIGHUP) raised at the wrong moment inside torch's own dispatch, between
-    its taking the running mode off the stack and putting it back, leaves the mode off the
-    stack: a plain ``with mode:`` would then raise "trying to pop from empty mode stack" on the
-    way out and hide the signal behind a RuntimeError.
-    """
-    try:
-        stack = torch.overrides._get_current_function_mode_stack()
-    except Exception:  # a torch without the helper: leave as a with statement would
-        stack = [mode]
-    if stack and stack[-1] is mode:
-        mode.__exit__(None, None, None)
-    elif mode in stack:  # modes entered inside ours and left on (an interrupted forward): ours goes too
-        while stack and stack[-1] is not mode:
-            stack[-1].__exit__(None, None, None)
-            stack = torch.overrides._get_current_function_mode_stack()
-        mode.__exit__(None, None, None)
 
 
 def custom_functions(loss: torch.Tensor, limit: int = 100_000) -> list[str]:

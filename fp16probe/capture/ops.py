@@ -43,12 +43,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import cast_is_low, output_is_low
+from fp16probe.capture.autocast_rules import cast_is_low, op_name, output_is_low
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
-__all__ = ["LAYOUT_OPS", "attach", "new_capture", "op_name"]
+__all__ = ["LAYOUT_OPS", "attach", "leave_mode", "new_capture", "op_name"]
 
 # Ops that move, view or copy values without computing new ones.
 LAYOUT_OPS = frozenset(
@@ -65,14 +65,6 @@ LAYOUT_OPS = frozenset(
 _CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})
 
 _LOW, _FP32, _PASS = "lower", "fp32", "pass"  # what autocast does with an op
-
-
-def op_name(func: Any) -> str:
-    """Name a torch callable for a report row: ``TensorBase.__getitem__`` -> ``"getitem"``."""
-    name = getattr(func, "__name__", None) or type(func).__name__
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-    return name
 
 
 class _Frame:
@@ -351,6 +343,27 @@ def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.dev
     return _FP32 if first.dtype == torch.float32 else _PASS
 
 
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch function mode stack, if it is still there.
+
+    A signal (Ctrl-C, SIGHUP) raised at the wrong moment inside torch's own dispatch, between
+    its taking the running mode off the stack and putting it back, leaves the mode off the
+    stack: a plain ``with mode:`` would then raise "trying to pop from empty mode stack" on the
+    way out and hide the signal behind a RuntimeError.
+    """
+    try:
+        stack = torch.overrides._get_current_function_mode_stack()
+    except Exception:  # a torch without the helper: leave as a with statement would
+        stack = [mode]
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
+    elif mode in stack:  # modes entered inside ours and left on (an interrupted forward): ours goes too
+        while stack and stack[-1] is not mode:
+            stack[-1].__exit__(None, None, None)
+            stack = torch.overrides._get_current_function_mode_stack()
+        mode.__exit__(None, None, None)
+
+
 def new_capture(recorder: Recorder, record: bool = True, target: str | None = None) -> _OpCapture:
     """Make the capture object :func:`attach` uses; keep it to reuse its cache across attaches.
 
@@ -410,8 +423,6 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
             return
         depth[0] -= 1
         if depth[0] == 0:
-            from fp16probe.capture.forward import leave_mode
-
             leave_mode(mode)  # safe when a signal took the mode off the stack inside torch's dispatch
             mode.stack.clear()
             mode.end_forward()

@@ -36,6 +36,7 @@ from fp16probe.capture import engine
 from fp16probe.capture.ceiling import CHANNEL, mark_covered
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
 from fp16probe.capture.scale import scale_source
+from fp16probe.formats import get_format
 from fp16probe.histogram import Histogram
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, ModuleStats, StepTrace
 
@@ -653,6 +654,7 @@ class Recorder:
             )
 
 
+_FP16_OVERFLOW = get_format("fp16").overflow_threshold  # 65520: the first magnitude that rounds to inf
 _AMINMAX_FROM = 1 << 16  # elements from which one aminmax pass beats |t| then amax
 
 
@@ -701,7 +703,7 @@ class _ForwardMaxima:
             return None
         with torch.no_grad():
             step_max = buf.amax()
-            over = (buf >= 65520.0) | torch.isnan(buf)
+            over = (buf >= _FP16_OVERFLOW) | torch.isnan(buf)
             self.first = torch.where(over & (self.first < 0), torch.full_like(self.first, step_index), self.first)
             self.run = torch.maximum(self.run, buf)
             buf.zero_()
@@ -713,7 +715,7 @@ class _ForwardMaxima:
         n = len(self.index)
         with torch.no_grad():  # the open step counts too, without closing it
             run = torch.maximum(self.run, self.step)[:n]
-            over = ((self.step >= 65520.0) | torch.isnan(self.step))[:n]
+            over = ((self.step >= _FP16_OVERFLOW) | torch.isnan(self.step))[:n]
             first = torch.where(over & (self.first[:n] < 0), torch.full_like(self.first[:n], step_index),
                                 self.first[:n])
             both = torch.stack([run.double(), first.double()]).cpu().tolist()
