@@ -15,7 +15,6 @@ import enum
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import traceback
@@ -66,7 +65,7 @@ WEIGHT_GRAD = "weight_grad"
 
 __all__ = [
     "EXIT_GATE", "EXIT_HANGUP", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
-    "app", "as_flags", "main",
+    "PARAMETER_FLAGS", "app", "main",
 ]
 
 EXIT_OK = 0
@@ -203,26 +202,18 @@ ExplainOpt = Annotated[bool, typer.Option("--explain", help="After the short ans
 ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe profile.", dir_okay=False)]
 
 
-# The library's errors name its parameters (``input_shape=...``); the command line
-# speaks of its flags. Each parameter of fp16probe.profile and its helpers -> its flag.
+# The library's errors name the parameter they are about (``e.parameter``, spelled ``input_shape=...``
+# in the message); the command line speaks of its flags. Each parameter of fp16probe.profile,
+# its helpers and ProfileRequest -> its flag.
 PARAMETER_FLAGS = {
     "batches": "--batches", "device": "--device", "format": "--format", "granularity": "--granularity",
     "input_dtype": "--input-dtype", "input_shape": "--input-shape", "kind": "--kind", "loss": "--loss",
     "loss_fn": "--loss", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
-    "optimizer": "--optimizer", "precision": "--precision", "scaler": "--loss-scale", "seed": "--seed",
-    "steps": "--steps", "trust_checkpoint": "--trust-checkpoint", "trust_remote_code": "--trust-remote-code",
-    "verify": "--verify", "target": "--target", "vocab_size": "--vocab-size", "weights": "--weights",
+    "optimizer": "--optimizer", "plot": "--plot", "precision": "--precision", "recipe": "--recipe",
+    "scaler": "--loss-scale", "seed": "--seed", "steps": "--steps", "trust_checkpoint": "--trust-checkpoint",
+    "trust_remote_code": "--trust-remote-code", "verify": "--verify", "target": "--target",
+    "vocab_size": "--vocab-size", "weights": "--weights",
 }
-_PARAMETER_RE = re.compile(r"(?<![\w.-])(" + "|".join(PARAMETER_FLAGS) + r")=(?: ?(?=[^\s,;:)])|(?=[\s,;:)]|$))")
-
-
-def as_flags(message: str) -> str:
-    """Rewrite a library message's ``parameter=value`` as the command line's ``--flag value``."""
-    def flag(m: re.Match[str]) -> str:
-        value_follows = m.end() < len(message) and message[m.end()] not in " ,;:)"
-        return PARAMETER_FLAGS[m.group(1)] + (" " if value_follows else "")
-
-    return _PARAMETER_RE.sub(flag, message)
 
 
 @contextlib.contextmanager
@@ -247,9 +238,9 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
         _fail(console, f"user code called sys.exit({e.code!r}) while fp16probe was loading or running it; "
               "a factory or loss must return, not exit", EXIT_LOAD, debug, print_error)
     except (ModelLoadError, ModelError) as e:
-        _fail(console, as_flags(str(e)), EXIT_LOAD, debug, _quiet(e, print_error))
+        _fail(console, e.spelled(PARAMETER_FLAGS), EXIT_LOAD, debug, _quiet(e, print_error))
     except Fp16ProbeError as e:  # ReportError, InputError, UnknownFormatError, ProbeError
-        _fail(console, as_flags(str(e)), EXIT_USAGE, debug, _quiet(e, print_error))
+        _fail(console, e.spelled(PARAMETER_FLAGS), EXIT_USAGE, debug, _quiet(e, print_error))
     except Exception as e:
         _fail(
             console,
@@ -463,7 +454,8 @@ def _with_partial_report(e: Fp16ProbeError, out: Path) -> Fp16ProbeError:
     """A failure part-way keeps the steps before it: write them and say where."""
     with _writing(out, "--out"):
         e.report.save(out)
-    return type(e)(f"{e}; the {e.report.metadata.steps_seen} step(s) before it are in the partial report {out}")
+    return type(e)(f"{e}; the {e.report.metadata.steps_seen} step(s) before it are in the partial report {out}",
+                   e.parameter)
 
 
 def _write_profile_outputs(report: Report, out: Path, plot: Path | None, request: Any) -> None:

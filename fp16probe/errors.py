@@ -6,6 +6,9 @@ from __future__ import annotations
 class Fp16ProbeError(RuntimeError):
     """Base class of every error fp16probe raises on purpose.
 
+    ``parameter`` names the parameter of :func:`fp16probe.profile` (or of a helper, or a
+    ProfileRequest field) the error is about, and the message names it as Python spells it,
+    ``input_shape='5,x': expected ...`` or ``pass loss=``; :meth:`spelled` respells it there.
     ``report`` is set when a run failed part-way (see :func:`fp16probe.profile`): the partial
     Report of the steps finished before the failure, so nothing collected is lost.
     ``reported_elsewhere`` is set on a rank other than 0 when rank 0 prints the error.
@@ -15,6 +18,18 @@ class Fp16ProbeError(RuntimeError):
     # Under torch.distributed: rank 0 prints this error for every rank, so this rank's
     # command line exits with its code without a line of its own.
     reported_elsewhere: bool = False
+
+    def __init__(self, message: str = "", parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+    def spelled(self, names: dict[str, str]) -> str:
+        """The message with its parameter spelled as ``names`` spells it (the command line: as its flag)."""
+        name = names.get(self.parameter or "")
+        before, head, after = str(self).partition(f"{self.parameter}=")
+        if not head or name is None:
+            return str(self)
+        return f"{before}{name} {after.lstrip()}".rstrip()  # steps=0 -> --steps 0, verify= x -> --verify x
 
 
 class UnknownFormatError(Fp16ProbeError, ValueError):

@@ -270,8 +270,8 @@ def test_github_step_summary_folder_is_usage_error(monkeypatch):
     (["no_such_pkg_q:Model", *TINY], EXIT_LOAD, "cannot import"),
     (["cli_models:broken_factory", *TINY], EXIT_LOAD, "factory failed on purpose"),
     (["cli_models:TinyMLP", "--input-shape", "5,7", "--steps", "1"], EXIT_USAGE,
-     "TinyMLP.forward(x) is what it takes: pass --input-shape with a shape it accepts (--input-dtype for its dtype), "
-     "or --batches package.module:function"),
+     "TinyMLP.forward(x) is what it takes: pass --input-shape with a shape it accepts (and a dtype it takes), "
+     "or batches from package.module:function"),
     (["cli_models:TinyMLP", "--input-shape", "5,x"], EXIT_USAGE, "--input-shape"),
     (["family_models:TwoInputs"], EXIT_USAGE, "TwoInputs.forward(x, mask) wants x, mask: pass --batches"),
     (["cli_models:make_frozen", *TINY], EXIT_USAGE, "no trainable parameters"),

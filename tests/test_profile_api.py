@@ -160,7 +160,7 @@ def test_a_model_on_the_meta_device_is_refused_before_the_run():
 @pytest.mark.parametrize("kwargs,match", [
     ({"precision": "fp16", "scaler": math.inf}, r"scaler=inf"),
     ({"precision": "fp16", "scaler": -2.0}, r"scaler=-2"),
-    ({"scaler": 1024.0}, r"scaler= applies to precision="),
+    ({"scaler": 1024.0}, r"scaler= applies to fp16 and bf16 runs"),
     ({"lr": math.nan, "optimizer": "sgd"}, r"lr=nan"),
     ({"lr": -1.0, "optimizer": "sgd"}, r"lr=-1"),
     ({"steps": 0}, r"steps=0"),

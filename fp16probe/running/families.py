@@ -157,7 +157,7 @@ def no_inputs_error(model: nn.Module | type, why: str) -> InputError:
     return InputError(
         f"{why}; {sig} wants {', '.join(names)}: pass batches=package.module:function whose function "
         f"returns an iterable of batches (a tensor, a tuple of positional inputs, or a dict such as "
-        f"{{{example}}}), or input_shape= for a single tensor input"
+        f"{{{example}}}), or an input shape for a single tensor input", parameter="batches"
     )
 
 
@@ -238,12 +238,13 @@ def _hf_text_plan(cls: type, family: str | None, config: Callable[[str], Any],
         vocab = nested[1]
     if vocab is None:
         raise no_inputs_error(cls, f"{name}'s config has no vocab_size (nor {', '.join(s + '.vocab_size' for s in _SUB_CONFIGS)}) "
-                                   "to draw token ids from; pass vocab_size=N")
+                                   "to draw token ids from, and no vocab size was given")
     positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config, k))),
                      None)
     if shape is not None:
         if len(shape) != 2:
-            raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes token ids; expected batch,sequence")
+            raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes token ids; expected batch,sequence",
+                             parameter="input_shape")
         batch, seq = shape
     else:
         batch, seq = BATCH, min(SEQUENCE, positions) if positions else SEQUENCE
@@ -364,7 +365,7 @@ def _hf_image_plan(cls: type, family: str | None, config: Callable[[str], Any], 
     if shape is not None:
         if len(shape) != 4:
             raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes images; "
-                             "expected batch,channels,height,width")
+                             "expected batch,channels,height,width", parameter="input_shape")
         batch, channels, height, width = shape
     else:
         batch = IMAGE_BATCH
@@ -457,7 +458,8 @@ def _prediction(output: Any) -> torch.Tensor:
     for t in iter_tensors(output):
         if t.is_floating_point():
             return t
-    raise InputError("the model's output holds no floating-point tensor to compute a loss from; pass loss=")
+    raise InputError("the model's output holds no floating-point tensor to compute a loss from; pass loss=",
+                     parameter="loss")
 
 
 def _targets(batch: Any) -> torch.Tensor | None:
@@ -477,7 +479,7 @@ def mean_of_squares(output: Any) -> torch.Tensor:
     if not terms:
         raise InputError(
             "the model's output holds no floating-point tensor that needs a gradient; pass loss= "
-            "(a function (output, batch) -> scalar loss, e.g. package.module:function)"
+            "(a function (output, batch) -> scalar loss, e.g. package.module:function)", parameter="loss"
         )
     return torch.stack(terms).sum()
 
@@ -533,7 +535,8 @@ class DecidingLoss:
         if self._way == "own":
             own = own_loss(output)
             if own is None:
-                raise InputError("the model returned a .loss at the first step but not at this one; pass loss=")
+                raise InputError("the model returned a .loss at the first step but not at this one; pass loss=",
+                                 parameter="loss")
             return own
         if self._way == "cross_entropy":
             logits = _prediction(output)
@@ -601,7 +604,8 @@ def default_loss_for(seed: int = 0) -> DecidingLoss:
 def _classes(pred: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Logits as [N, C] rows (a [batch, seq, C] sequence flattened)."""
     if pred.dim() < 2:
-        raise InputError(f"loss=cross_entropy: the output has shape {list(pred.shape)}, expected logits [batch, classes]")
+        raise InputError(f"loss=cross_entropy: the output has shape {list(pred.shape)}, expected logits [batch, classes]",
+                         parameter="loss")
     return pred.reshape(-1, pred.shape[-1]), pred.shape[-1]
 
 
@@ -661,7 +665,8 @@ NAMED_LOSSES: dict[str, tuple[str, str, str]] = {
 def named_loss(name: str, seed: int = 0) -> NamedLoss:
     """The built-in loss ``name`` (a key of NAMED_LOSSES)."""
     if name not in NAMED_LOSSES:
-        raise InputError(f"loss={name!r}: expected one of {', '.join(NAMED_LOSSES)} or package.module:function")
+        raise InputError(f"loss={name!r}: expected one of {', '.join(NAMED_LOSSES)} or package.module:function",
+                         parameter="loss")
     return NamedLoss(name, seed)
 
 

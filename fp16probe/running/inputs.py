@@ -1,7 +1,7 @@
 """The batches a profile feeds the model: the caller's own, the demo's, or synthetic ones.
 
-Library code: it returns data and raises :class:`InputError` whose message names the
-parameter (``input_shape=...``); the command line maps parameter names to its flags.
+Library code: it returns data and raises :class:`InputError` whose ``parameter`` names the
+parameter (``input_shape=...``); the command line maps it to its flag.
 A batch reaches the model by one rule: a tensor is the input, a mapping is keyword
 arguments, and a tuple or list is ``(inputs, targets...)`` as a DataLoader yields it
 (the first element is the input: a tensor, or a tuple of positional inputs).
@@ -73,9 +73,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(d <= 0 for d in shape):
-        raise InputError(
-            f"input_shape={text!r}: expected positive integers separated by commas, e.g. 8,3,32,32"
-        )
+        raise InputError(f"input_shape={text!r}: expected positive integers separated by commas, e.g. 8,3,32,32",
+                         parameter="input_shape")
     return shape
 
 
@@ -84,7 +83,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("device='cuda': no CUDA device is available here; use device='cpu' or 'auto'")
+        raise InputError("device='cuda': no CUDA device is available here; use cpu or auto", parameter="device")
     return torch.device(name)
 
 
@@ -97,7 +96,7 @@ def _check_allocatable(shape: tuple[int, ...], dtype: torch.dtype, device: torch
         where = "" if free is None else f" ({free / 2**30:.1f} GiB free on {device})"
         raise InputError(
             f"input_shape={','.join(map(str, shape))}: one batch of {numel:.3g} {str(dtype).removeprefix('torch.')} "
-            f"values needs {nbytes / 2**30:.3g} GiB{where}; choose a smaller shape"
+            f"values needs {nbytes / 2**30:.3g} GiB{where}; choose a smaller shape", parameter="input_shape"
         )
 
 
@@ -133,14 +132,15 @@ def make_batches(
     dtype is known, the seed is one a generator takes, and one batch fits in memory.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InputError(f"seed={seed!r}: expected a whole number in [0, 2**63), e.g. 0")
+        raise InputError(f"seed={seed!r}: expected a whole number in [0, 2**63), e.g. 0", parameter="seed")
     if batches is not None:
-        fn = resolve_import(batches, what="batches=")
+        fn = resolve_import(batches, parameter="batches")
         try:
             source = fn() if callable(fn) else fn
             iterator = iter(source)
         except Exception as e:
-            raise InputError(f"batches={batches!r}: calling it raised {type(e).__name__}: {e}") from e
+            raise InputError(f"batches={batches!r}: calling it raised {type(e).__name__}: {e}",
+                             parameter="batches") from e
         return Batches(_to_device(iterator, device), f"--batches {batches}", synthetic=False)
     if loaded.kind == DEMO and input_shape is None:
         from fp16probe.running.demo import demo_batches
@@ -168,11 +168,9 @@ def make_batches(
     shape = parse_shape(input_shape)
     dtype = DTYPES.get(input_dtype)
     if dtype is None:
-        raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}")
+        raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}", parameter="input_dtype")
     if not dtype.is_floating_point and vocab is None:
-        raise InputError(
-            f"input_dtype={input_dtype}: integer inputs need a range; pass vocab_size=N for ids in [0, N)"
-        )
+        raise InputError(f"vocab_size=N is needed: {input_dtype} inputs are ids, drawn in [0, N)", parameter="vocab_size")
     _check_allocatable(shape, dtype, device)
     if dtype.is_floating_point:
         desc = f"synthetic: standard normal {input_dtype} of shape {list(shape)}"
@@ -204,7 +202,8 @@ def check_inputs_before_load(
         shape = parse_shape(input_shape)
         dtype = DTYPES.get(input_dtype)
         if dtype is None:
-            raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}")
+            raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}",
+                             parameter="input_dtype")
         _check_allocatable(shape, dtype if dtype.is_floating_point else torch.int64, device)
     if not spec or not os.path.isdir(spec):
         return

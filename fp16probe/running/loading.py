@@ -145,14 +145,15 @@ def module_file(module_name: str) -> Path | None:
     return Path(spec.origin)
 
 
-def resolve_import(spec: str, what: str = "MODEL") -> Any:
-    """Import ``package.module:attr.sub`` and return the attribute.
+def resolve_import(spec: str, parameter: str | None = None) -> Any:
+    """Import ``package.module:attr.sub`` (MODEL, or the ``parameter`` it is) and return the attribute.
 
     Like ``python -m``, the current directory is importable, so a script's own module
     can be named from where it runs.
     """
+    what = f"{parameter}={spec!r}" if parameter else f"MODEL {spec!r}"
     if ":" not in spec:
-        raise InputError(f"{what} {spec!r}: expected an import string package.module:name")
+        raise InputError(f"{what}: expected an import string package.module:name", parameter=parameter)
     module_name, attr = spec.split(":", 1)
     cwd = os.getcwd()
     if cwd not in sys.path:
@@ -161,19 +162,19 @@ def resolve_import(spec: str, what: str = "MODEL") -> Any:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise ModelLoadError(
-            f"{what} {spec!r}: cannot import {module_name!r} ({e}); check the spelling and that it is "
-            "importable from the current directory or PYTHONPATH"
+            f"{what}: cannot import {module_name!r} ({e}); check the spelling and that it is "
+            "importable from the current directory or PYTHONPATH", parameter=parameter
         ) from e
     except Exception as e:  # a module that fails while importing: user code
         raise ModelLoadError(
-            f"{what} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {_first_line(e)}"
+            f"{what}: importing {module_name!r} raised {type(e).__name__}: {_first_line(e)}", parameter=parameter
         ) from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
             raise ModelLoadError(
-                f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}; check the name after the colon"
+                f"{what}: {module_name!r} has no attribute {attr!r}; check the name after the colon", parameter=parameter
             ) from e
     return obj
 

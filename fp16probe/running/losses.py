@@ -54,7 +54,7 @@ def check_loss_spec(loss: str | None) -> None:
     if loss is not None and loss not in NAMED_LOSSES and ":" not in loss:
         raise InputError(
             f"loss={loss!r}: expected a built-in loss ({', '.join(NAMED_LOSSES)}) or an import string "
-            "package.module:function for a function (output, batch) -> scalar loss"
+            "package.module:function for a function (output, batch) -> scalar loss", parameter="loss"
         )
 
 
@@ -71,9 +71,10 @@ def make_loss(loaded: LoadedModel, loss: str | None, batches: Any = None, *, see
             if getattr(batches, "synthetic", False):
                 chosen.fn.invented_targets = getattr(batches, "labels", None)
             return chosen
-        fn = resolve_import(loss, what="loss=")
+        fn = resolve_import(loss, parameter="loss")
         if not callable(fn):
-            raise InputError(f"loss={loss!r} is a {type(fn).__name__}, expected a function (output, batch) -> loss")
+            raise InputError(f"loss={loss!r} is a {type(fn).__name__}, expected a function (output, batch) -> loss",
+                             parameter="loss")
         return Loss(fn, f"--loss {loss}", synthetic=False)
     if loaded.kind == DEMO:
         from fp16probe.running.demo import demo_loss
@@ -100,7 +101,8 @@ def named(name: str, seed: int = 0) -> Loss:
 def _own_loss(output: Any, batch: Any) -> torch.Tensor:
     own = families.own_loss(output)
     if own is None:
-        raise InputError("the model returned no .loss although the batch carried labels; pass loss=")
+        raise InputError("loss= is needed: the model returned no .loss although the batch carried labels",
+                         parameter="loss")
     return own
 
 
@@ -115,10 +117,11 @@ def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_l
         return fn
     if isinstance(fn, str):
         if fn not in NAMED_LOSSES:
-            raise InputError(f"loss_fn={fn!r}: expected a function or one of {', '.join(NAMED_LOSSES)}")
+            raise InputError(f"loss_fn={fn!r}: expected a function or one of {', '.join(NAMED_LOSSES)}",
+                             parameter="loss_fn")
         return named(fn, seed)
     if fn is not None:
         if not callable(fn):
-            raise InputError(f"loss_fn={fn!r}: expected a function (output, batch) -> scalar loss")
+            raise InputError(f"loss_fn={fn!r}: expected a function (output, batch) -> scalar loss", parameter="loss_fn")
         return Loss(fn, getattr(fn, "__qualname__", type(fn).__name__), synthetic=False)
     return Loss(families.default_loss_for(seed), DEFAULT_LOSS_TEXT, synthetic=True)

@@ -103,37 +103,39 @@ def check_settings(
     from fp16probe.formats import get_format
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps={steps!r}: expected a positive whole number of steps, e.g. 10")
+        raise InputError(f"steps={steps!r}: expected a positive whole number of steps, e.g. 10", parameter="steps")
     if precision not in PRECISIONS:
-        raise InputError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+        raise InputError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}", parameter="precision")
     if scaler is not None and not _is_scaler_object(scaler):
         if isinstance(scaler, bool) or not isinstance(scaler, (int, float)):
-            raise InputError(f"scaler={scaler!r}: expected a loss scale (a number such as 1024) or a GradScaler")
+            raise InputError(f"scaler={scaler!r}: expected a loss scale (a number such as 1024) or a GradScaler",
+                             parameter="scaler")
         if precision == "fp32":
-            raise InputError("scaler= applies to precision='fp16' or 'bf16' (fp32 runs are the unscaled reference)")
+            raise InputError("scaler= applies to fp16 and bf16 runs (an fp32 run is the unscaled reference)",
+                             parameter="scaler")
         if not (math.isfinite(scaler) and scaler > 0):
-            raise InputError(f"scaler={scaler}: expected a finite positive loss scale such as 1024")
+            raise InputError(f"scaler={scaler}: expected a finite positive loss scale such as 1024", parameter="scaler")
         if scaler >= torch.finfo(torch.float32).max:
-            raise InputError(f"scaler={scaler:g}: beyond float32's range; expected a loss scale such as 1024")
-    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
-        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
-    if optimizer is not None and not isinstance(optimizer, (str, torch.optim.Optimizer)):
-        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer")
+            raise InputError(f"scaler={scaler:g}: beyond float32's range; expected a loss scale such as 1024",
+                             parameter="scaler")
+    if optimizer not in (None, *OPTIMIZERS) and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer",
+                         parameter="optimizer")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-        raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3")
+        raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3", parameter="lr")
     if format not in BLOCK_FORMATS:
         get_format(format)  # raises UnknownFormatError naming the known formats
     if target not in TARGETS:
         raise InputError(f"target={target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 autocast "
-                         "rules the prediction applies)")
+                         "rules the prediction applies)", parameter="target")
     if kind not in (ALL_GRADS,) + KINDS:
-        raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}")
+        raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}", parameter="kind")
     if verify and precision != "fp32":
-        raise InputError(f"verify= checks a prediction made from the fp32 reference; profile with precision='fp32', "
-                         f"not precision={precision!r}")
+        raise InputError(f"verify= checks a prediction made from the fp32 reference: profile in fp32, not {precision}",
+                         parameter="verify")
     if verify and format not in ("fp16", "bf16"):
         raise InputError(f"verify= runs the recommendation under torch.autocast, which computes in fp16 or bf16 "
-                         f"only, not format={format!r}")
+                         f"only, not {format}", parameter="verify")
 
 
 def _is_scaler_object(scaler: Any) -> bool:
@@ -229,8 +231,9 @@ def profile(
                    format=format, kind=kind, verify=verify, target=target)
     probe_options = _block_options(format, recipe, probe_options)
     if verify and run_device is not None and run_device.type != target:
-        raise InputError(f"target={target!r} with verify=True on {run_device.type}: the verification runs {run_device.type} "
-                         f"autocast, whose op rules differ; pass target={run_device.type!r} (or verify on {target})")
+        raise InputError(f"target={target!r}: the verification on {run_device.type} runs {run_device.type} autocast, "
+                         f"whose op rules differ; predict for {run_device.type} (or verify on {target})",
+                         parameter="target")
     regime = "pure_fp16" if isinstance(model, nn.Module) and any(
         p.dtype == torch.float16 for p in model.parameters()) else "autocast"
     model, dev, notes = prepare_model(model, device)
@@ -330,12 +333,12 @@ def check_recipe(format: str, recipe: str | None) -> Any:
     if format not in BLOCK_FORMATS:
         if recipe is not None:
             raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
-                             f"not format={format!r}")
+                             f"not {format}", parameter="recipe")
         return None
     try:
         return parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]
     except AnalysisError as e:
-        raise InputError(str(e)) from None
+        raise InputError(str(e), parameter="recipe") from None
 
 
 def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -423,7 +426,7 @@ def _make_probe(model: nn.Module, scaler: Any, options: Mapping[str, Any]) -> An
     if patterns and not probe.hooked_modules:
         names = [n for n, _ in model.named_modules() if n][:6]
         raise InputError(f"modules={list(patterns) if not isinstance(patterns, str) else patterns!r}: "
-                         f"no module name matches; names look like {', '.join(names)}")
+                         f"no module name matches; names look like {', '.join(names)}", parameter="modules")
     return probe
 
 
@@ -590,9 +593,9 @@ def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok:
         wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""
         error: Fp16ProbeError = InputError(
             f"the model rejected the input ({describe_batch(batch)}) at step 1: {name}: {_first_line(e)}; "
-            f"{wants}pass input_shape= with a shape it accepts (input_dtype= for its dtype), or "
-            "batches=package.module:function returning an iterable of batches (a tensor, a tuple of positional "
-            "inputs, or a dict of keyword arguments)"
+            f"{wants}pass input_shape= with a shape it accepts (and a dtype it takes), or batches from "
+            "package.module:function returning an iterable of batches (a tensor, a tuple of positional "
+            "inputs, or a dict of keyword arguments)", parameter="input_shape"
         )
     else:
         error = ModelError(f"step {step + 1}: the {what} {message}")
