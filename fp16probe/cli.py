@@ -355,8 +355,8 @@ def profile(
         sys.stderr.write(f"loading {model or 'the built-in demo model'}...\n")
         sys.stderr.flush()
     from fp16probe.presentation import terminal as render
-    from fp16probe.running.profile import Hangup, Terminated
-    from fp16probe.running.request import ProfileRequest, profile_request
+    from fp16probe.running.profile import Hangup, Terminated, profile_request
+    from fp16probe.running.request import ProfileRequest
     from fp16probe.running.signals import stop_signals
 
     console = render.make_console()
@@ -372,11 +372,7 @@ def profile(
             optimizer=None if optimizer is OptimizerName.none else optimizer.value, lr=lr,
             format=None if format is None else format.value, kind=Kind.all.value if kind is None else kind.value,
             granularity=granularity.value, modules=tuple(modules or ()), seed=seed, verify=verify,
-            target=None if target is None else target.value, recipe=recipe)
-        request.check()
-        if plot is not None and request.format in BLOCK_FORMAT_NAMES:
-            raise InputError(f"--plot draws fp16/bf16/fp8 histograms; --format {request.format} prints its per-layer "
-                             "table instead: drop --plot")
+            target=None if target is None else target.value, recipe=recipe, plot=plot)
         try:
             report = profile_request(
                 request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
@@ -567,7 +563,7 @@ def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[d
     """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
     from fp16probe.analysis.blockformats import advise
     from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
-    from fp16probe.running.profile import check_recipe
+    from fp16probe.running.request import check_recipe
 
     check_recipe(fmt, recipe)
     if fmt not in BLOCK_FORMATS:

@@ -178,8 +178,6 @@ def test_bad_settings_are_refused_before_the_run(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     ({"input_shape": "100000,100000"}, r"input_shape=100000,100000: one batch of 1e\+10 float32 values needs 37.3 GiB"),
     ({"input_shape": f"{10**30},8"}, r"input_shape=1000000000000000000000000000000,8: one batch of 8e\+30"),
-    ({"input_shape": "4,8", "seed": 2**70}, r"seed=1180591620717411303424: expected a whole number in \[0, 2\*\*63\)"),
-    ({"input_shape": "4,8", "seed": -1}, r"seed=-1"),
 ])
 def test_synthetic_inputs_that_cannot_be_made_are_refused(kwargs, match):
     loaded = LoadedModel(nn.Linear(8, 4), "import", "test")

@@ -1,11 +1,14 @@
-"""Errors name their parameter as data; the command line respells it as its flag."""
+"""The request: every setting resolved and checked once, its errors naming the parameter as data."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
-from fp16probe import InputError
+from fp16probe import InputError, profile
 from fp16probe.cli import EXIT_USAGE, PARAMETER_FLAGS
+from fp16probe.running.request import ProfileRequest
 from tests.fixtures.cli import one_error_line, prepare_cli_env, run
 
 
@@ -30,3 +33,55 @@ def test_a_parameter_in_user_text_is_left_alone_on_the_command_line(tmp_path):
     assert result.exit_code == EXIT_USAGE, result.output
     assert one_error_line(result) == ("error: --batches 'odd_batches:make': calling it raised ValueError: "
                                       "no data for lr=0.1")
+
+
+def test_a_bad_kind_is_one_input_error_from_the_request():
+    with pytest.raises(InputError) as e:
+        ProfileRequest(kind="grads")
+    assert e.value.parameter == "kind"
+    assert e.value.spelled(PARAMETER_FLAGS).startswith("--kind 'grads': expected one of all, activation_grad")
+    model = nn.Linear(8, 4)
+    with pytest.raises(InputError, match=r"^kind='grads'") as again:
+        profile(model, [torch.randn(2, 8)], steps=1, kind="grads")
+    assert again.value.parameter == "kind" and model.weight.grad is None  # refused before anything ran
+    assert again.traceback[-1].name == "_check_run"  # the request's check, not one further down
+
+
+@pytest.mark.parametrize("entry", ["cli", "library"])
+def test_the_settings_are_checked_once_per_run(entry, monkeypatch):
+    checks = []
+    original = ProfileRequest._check_run
+    monkeypatch.setattr(ProfileRequest, "_check_run", lambda self: checks.append(self) or original(self))
+    if entry == "cli":
+        result = run("profile", "cli_models:TinyMLP", "--input-shape", "5,8", "--steps", "1", "--kind", "weight_grad")
+        assert result.exit_code == 0, result.output
+    else:
+        profile(nn.Linear(8, 4), [torch.randn(2, 8)], steps=1, kind="weight_grad")
+    assert [c.kind for c in checks] == ["weight_grad"]
+
+
+@pytest.mark.parametrize("kwargs,parameter,match", [
+    ({"seed": 2**70}, "seed", r"seed=1180591620717411303424: expected a whole number in \[0, 2\*\*63\)"),
+    ({"seed": -1}, "seed", r"seed=-1"),
+    ({"input_dtype": "int8"}, "input_dtype", r"input_dtype='int8': expected one of float32"),
+    ({"input_shape": "0,8"}, "input_shape", r"input_shape='0,8': expected positive integers"),
+    ({"format": "fp17"}, "format", r"format='fp17': expected one of fp16, bf16, fp8_e4m3, fp8_e5m2, mxfp8_e4m3"),
+    ({"target": "tpu"}, "target", r"target='tpu': expected one of cuda, cpu"),
+    ({"format": "nvfp4", "plot": "fig.png"}, "plot", r"plot=fig.png: the figures draw fp16/bf16/fp8 histograms"),
+])
+def test_the_request_refuses_what_cannot_work(kwargs, parameter, match):
+    with pytest.raises(InputError, match=match) as e:
+        ProfileRequest(**kwargs)
+    assert e.value.parameter == parameter
+
+
+def test_the_format_is_resolved_once():
+    assert ProfileRequest().format == "fp16"
+    assert ProfileRequest(precision="bf16").format == "bf16"
+    assert ProfileRequest(format="half").format == "fp16"  # an alias, named once for every layer below
+
+
+def test_plot_with_a_scaled_format_is_refused_before_the_model_loads():
+    result = run("profile", "no_such_pkg_q:Model", "--format", "nvfp4", "--plot", "fig.png")
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert one_error_line(result).startswith("error: --plot fig.png: the figures draw fp16/bf16/fp8 histograms")

@@ -128,11 +128,9 @@ def make_batches(
 ) -> Batches:
     """Choose the batches: ``batches`` (an import string) if given, the demo's data, or synthetic inputs.
 
-    Everything that can be known before the run is checked here: the shape parses, the
-    dtype is known, the seed is one a generator takes, and one batch fits in memory.
+    The shape, the dtype and the seed are a :class:`~fp16probe.running.request.ProfileRequest`'s,
+    checked when it was made; here one batch is checked to fit in memory.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InputError(f"seed={seed!r}: expected a whole number in [0, 2**63), e.g. 0", parameter="seed")
     if batches is not None:
         fn = resolve_import(batches, parameter="batches")
         try:
@@ -166,9 +164,7 @@ def make_batches(
     if input_shape is None:
         return _from_plan(families.module_plan(loaded.model), device, seed)
     shape = parse_shape(input_shape)
-    dtype = DTYPES.get(input_dtype)
-    if dtype is None:
-        raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}", parameter="input_dtype")
+    dtype = DTYPES[input_dtype]
     if not dtype.is_floating_point and vocab is None:
         raise InputError(f"vocab_size=N is needed: {input_dtype} inputs are ids, drawn in [0, N)", parameter="vocab_size")
     _check_allocatable(shape, dtype, device)
@@ -192,19 +188,15 @@ def check_inputs_before_load(
 ) -> None:
     """Refuse, before a (possibly large) model is loaded, inputs that cannot work.
 
-    Checks what needs no model: the shape parses and fits in memory, the dtype is known,
+    Checks what needs the device but no model: one batch of ``input_shape`` fits in memory,
     and for a Hugging Face folder without batches, that its config says enough to draw
     synthetic inputs for its class (or the error names what its forward() wants).
     """
     if batches is not None:
         return
     if input_shape is not None:
-        shape = parse_shape(input_shape)
-        dtype = DTYPES.get(input_dtype)
-        if dtype is None:
-            raise InputError(f"input_dtype={input_dtype!r}: expected one of {', '.join(DTYPES)}",
-                             parameter="input_dtype")
-        _check_allocatable(shape, dtype if dtype.is_floating_point else torch.int64, device)
+        dtype = DTYPES[input_dtype]
+        _check_allocatable(parse_shape(input_shape), dtype if dtype.is_floating_point else torch.int64, device)
     if not spec or not os.path.isdir(spec):
         return
     config_file = Path(spec) / "config.json"

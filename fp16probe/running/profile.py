@@ -1,8 +1,9 @@
 """``fp16probe.profile``: run N forward+backward steps of a model under a Probe and analyse them.
 
-The one path every entry point takes (the command line, the callbacks' notebooks and the
-benchmark). Library code: it returns a Report and raises errors whose messages name its
-parameters (``steps=...``); the command line maps parameter names to its flags.
+The one path every entry point takes (the command line through :func:`profile_request`, the
+callbacks' notebooks and the benchmark), each with its settings in one checked
+:class:`~fp16probe.running.request.ProfileRequest`. Library code: it returns a Report and raises
+errors whose ``parameter`` names the parameter (``steps=...``); the command line maps it to its flag.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,28 +24,29 @@ from torch import nn
 from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
 from fp16probe.formats import FORMATS
-from fp16probe.report import ALL_GRADS, KINDS, Report
-from fp16probe.running.inputs import Batches, call_model, describe_batch, move_to
-from fp16probe.running.losses import Loss, as_loss
+from fp16probe.report import ALL_GRADS, Report
+from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
+                                      move_to, pick_device)
+from fp16probe.running.loading import load_model, quiet_transformers
+from fp16probe.running.losses import Loss, as_loss, make_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
+from fp16probe.running.request import ProfileRequest
 from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
 __all__ = [
     "Hangup",
     "OPTIMIZERS",
-    "PRECISIONS",
     "RunResult",
     "RunSettings",
     "Terminated",
-    "check_settings",
     "conclude",
     "make_optimizer",
     "profile",
+    "profile_model",
+    "profile_request",
     "run_profile",
 ]
 
-PRECISIONS = ("fp32", "fp16", "bf16")
-TARGETS = ("cuda", "cpu")  # the devices whose fp16 autocast rules a prediction can apply
 STOPPED_INTERRUPTED = "interrupted"  # Ctrl-C (KeyboardInterrupt)
 STOPPED_TERMINATED = "terminated"  # SIGTERM, as timeout, docker and Kubernetes send
 STOPPED_HANGUP = "hangup"  # SIGHUP: the terminal or ssh session closed
@@ -85,57 +88,6 @@ class RunResult:
     def interrupted(self) -> bool:
         """Whether Ctrl-C, SIGTERM or SIGHUP stopped the run early."""
         return self.stopped in (STOPPED_INTERRUPTED, STOPPED_TERMINATED, STOPPED_HANGUP)
-
-
-def check_settings(
-    *,
-    steps: int = 10,
-    precision: str = "fp32",
-    scaler: Any = None,
-    optimizer: Any = None,
-    lr: float = 1e-3,
-    format: str = "fp16",
-    kind: str = ALL_GRADS,
-    verify: bool = False,
-    target: str = "cuda",
-) -> None:
-    """Refuse, before anything runs, settings that cannot work; raise InputError naming the parameter."""
-    from fp16probe.formats import get_format
-
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps={steps!r}: expected a positive whole number of steps, e.g. 10", parameter="steps")
-    if precision not in PRECISIONS:
-        raise InputError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}", parameter="precision")
-    if scaler is not None and not _is_scaler_object(scaler):
-        if isinstance(scaler, bool) or not isinstance(scaler, (int, float)):
-            raise InputError(f"scaler={scaler!r}: expected a loss scale (a number such as 1024) or a GradScaler",
-                             parameter="scaler")
-        if precision == "fp32":
-            raise InputError("scaler= applies to fp16 and bf16 runs (an fp32 run is the unscaled reference)",
-                             parameter="scaler")
-        if not (math.isfinite(scaler) and scaler > 0):
-            raise InputError(f"scaler={scaler}: expected a finite positive loss scale such as 1024", parameter="scaler")
-        if scaler >= torch.finfo(torch.float32).max:
-            raise InputError(f"scaler={scaler:g}: beyond float32's range; expected a loss scale such as 1024",
-                             parameter="scaler")
-    if optimizer not in (None, *OPTIMIZERS) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer",
-                         parameter="optimizer")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-        raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3", parameter="lr")
-    if format not in BLOCK_FORMATS:
-        get_format(format)  # raises UnknownFormatError naming the known formats
-    if target not in TARGETS:
-        raise InputError(f"target={target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 autocast "
-                         "rules the prediction applies)", parameter="target")
-    if kind not in (ALL_GRADS,) + KINDS:
-        raise InputError(f"kind={kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}", parameter="kind")
-    if verify and precision != "fp32":
-        raise InputError(f"verify= checks a prediction made from the fp32 reference: profile in fp32, not {precision}",
-                         parameter="verify")
-    if verify and format not in ("fp16", "bf16"):
-        raise InputError(f"verify= runs the recommendation under torch.autocast, which computes in fp16 or bf16 "
-                         f"only, not {format}", parameter="verify")
 
 
 def _is_scaler_object(scaler: Any) -> bool:
@@ -221,15 +173,21 @@ def profile(
     :class:`InputError` naming the step and the exception's own message, with the partial
     report of the steps before it as the error's ``report``.
     """
-    if format is None:
-        format = "bf16" if precision == "bf16" else "fp16"
+    request = ProfileRequest(steps=steps, precision=precision, loss_scale=scaler, optimizer=optimizer, lr=lr,
+                             format=format, kind=kind, verify=verify, target=target, recipe=recipe)
+    return profile_model(request, model, batches, loss_fn, device=device, on_step=on_step, extra=extra,
+                         **probe_options)
+
+
+def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | Batches, loss_fn: Any = None, *,
+                  device: str | torch.device | None = None, on_step: Callable[[int], None] | None = None,
+                  extra: Mapping[str, Any] | None = None, **probe_options: Any) -> Report | None:
+    """:func:`profile` with the settings of ``r``, which making it checked."""
+    format, precision, scaler, optimizer, verify = str(r.format), r.precision, r.loss_scale, r.optimizer, r.verify
     run_device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
-    if target is None:
-        target = "cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda"
-    check_settings(steps=steps, precision=precision, scaler=scaler, optimizer=optimizer, lr=lr,
-                   format=format, kind=kind, verify=verify, target=target)
-    probe_options = _block_options(format, recipe, probe_options)
+    target = r.target or ("cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda")
+    probe_options = _block_options(format, r.recipe, probe_options)
     if verify and run_device is not None and run_device.type != target:
         raise InputError(f"target={target!r}: the verification on {run_device.type} runs {run_device.type} autocast, "
                          f"whose op rules differ; predict for {run_device.type} (or verify on {target})",
@@ -244,8 +202,8 @@ def profile(
     loss = as_loss(loss_fn)
     grad_scaler = _make_scaler(scaler, precision, dev)
     probe = _make_probe(model, grad_scaler, {"target": target, "regime": regime, **probe_options})
-    settings = RunSettings(steps=steps, device=str(dev), precision=precision,
-                           loss_scale=_scale_of(scaler), lr=lr,
+    settings = RunSettings(steps=r.steps, device=str(dev), precision=precision,
+                           loss_scale=_scale_of(scaler), lr=r.lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
     with stop_signals() as shield:
         guard = _rank_guard(model)
@@ -287,16 +245,72 @@ def profile(
     if isinstance(gather, dict):  # rank 0 alone: what the report holds, and why
         extra.update(gather)
         gather = "local"
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=kind, notes=notes, extra=extra,
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
                      gather=gather)
     if report is not None and "block_formats" in report.metadata.extra:
-        report = _with_block_advice(report, format, recipe)
+        report = _with_block_advice(report, format, r.recipe)
     if result.error is not None:
         result.error.report = report
         raise result.error
     if verify and report is not None and not report.metadata.partial:
         report = _verified(report, initial, result.batches, loss, dev)
     return report
+
+
+Progress = Callable[[int, bool], contextlib.AbstractContextManager[Callable[[int], None]]]
+
+
+@contextlib.contextmanager
+def _no_progress(total: int, main: bool) -> Iterator[Callable[[int], None]]:
+    yield lambda done: None
+
+
+def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], None] | None = None,
+                    progress: Progress = _no_progress, on_distributed: Callable[[], None] | None = None) -> Any:
+    """Load, feed and profile what ``request`` names; return the Report (None on ranks other than 0).
+
+    What the command line runs, in the order torchinfo's ``summary()`` reads: resolve the device,
+    seed, load, make the inputs and the loss, run. ``on_notes`` hears, on rank 0 before the run,
+    what loading and the inputs changed (also kept in the report); ``progress(total, main)`` makes
+    the context whose ``update(done)`` is called after each step; ``on_distributed`` is called once
+    torch.distributed is set up (``FP16PROBE_DIST_TIMEOUT`` bounds its collectives, see
+    docs/faults.md). Errors are :func:`profile`'s.
+    """
+    from fp16probe.capture import distributed
+    from fp16probe.running.ranks import timeout_s
+
+    r = request
+    is_dist = distributed.init_from_env(timeout=timeout_s())
+    if is_dist and on_distributed is not None:
+        on_distributed()
+    rank = distributed.rank()
+    dev = pick_device(r.device)
+    if is_dist and dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.manual_seed(r.seed + rank)  # a factory's initialisation and dropout repeat from run to run
+    check_inputs_before_load(r.model, dev, input_shape=r.input_shape, input_dtype=r.input_dtype,
+                             vocab_size=r.vocab_size, batches=r.batches)
+    loaded = load_model(r.model, weights=r.weights, trust_checkpoint=r.trust_checkpoint,
+                        trust_remote_code=r.trust_remote_code)
+    batch_src = make_batches(loaded, dev, input_shape=r.input_shape, input_dtype=r.input_dtype,
+                             vocab_size=r.vocab_size, batches=r.batches,
+                             seed=r.seed + rank)  # each rank draws its own synthetic batches
+    loss_src = make_loss(loaded, r.loss, batch_src, seed=r.seed + rank)
+    notes = [*loaded.notes, *batch_src.notes]
+    if on_notes is not None and rank == 0:
+        on_notes(notes)
+    extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source, "notes": notes,
+                             **loaded.extra, **r.extra}
+    if batch_src.family is not None:
+        extra["family"] = batch_src.family
+    if is_dist:
+        extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
+                                     else "each rank ran the batches it was given")
+    # a Hugging Face model's warnings (a loss_type it falls back from) would bury the summary
+    quiet = quiet_transformers() if loaded.kind == "huggingface" else contextlib.nullcontext()
+    with quiet, progress(r.steps, rank == 0) as update:
+        return profile_model(r, loaded.model, batch_src, loss_src, device=dev, on_step=update, extra=extra,
+                             modules=list(r.modules) or None, granularity=r.granularity)
 
 
 def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device) -> Report:
@@ -325,30 +339,15 @@ def _marked(report: Report, why: str) -> Report:
     return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
 
 
-def check_recipe(format: str, recipe: str | None) -> Any:
-    """Refuse a ``recipe`` that ``format`` has not; return the delayed-scaling recipe it names, or None."""
-    from fp16probe.analysis.blockformats import parse_recipe
-    from fp16probe.errors import AnalysisError
-
-    if format not in BLOCK_FORMATS:
-        if recipe is not None:
-            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
-                             f"not {format}", parameter="recipe")
-        return None
-    try:
-        return parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]
-    except AnalysisError as e:
-        raise InputError(str(e), parameter="recipe") from None
-
-
 def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
     """Probe options for a scaled format: its statistics, and a delayed recipe asked for, counted live."""
+    from fp16probe.analysis.blockformats import parse_recipe
     from fp16probe.blockscale import DelayedRecipe
 
     out = dict(options)
-    delayed = check_recipe(format, recipe)
     if format not in BLOCK_FORMATS:
         return out
+    delayed = parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]  # the request checked it
     out.setdefault("block_formats", [format])
     recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
     out.setdefault("delayed_recipes", recipes)

@@ -1,34 +1,43 @@
-"""One path from settings to a report: a frozen :class:`ProfileRequest` and :func:`profile_request`.
+"""A frozen :class:`ProfileRequest`: every setting of a profile, resolved and checked once, before anything loads.
 
-The command line fills a request from its flags and calls :func:`profile_request`; what was
-the CLI's own set-up (device choice, seeding, the checks before anything loads, loading the
-model, its batches and its loss) lives here, in the order torchinfo's ``summary()`` reads:
-check the request, resolve the device, load, make the inputs and the loss, run. Library code:
-errors name the request's fields (``steps=...``), which the command line maps to its flags.
+The command line fills one from its flags and :func:`fp16probe.profile` from its arguments;
+the layers below take the values it holds and check none again. Library code: errors name
+the request's fields (``steps=...``) in their ``parameter``, which the command line maps to its flags.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp16probe.report import ALL_GRADS
+import torch
 
-__all__ = ["ProfileRequest", "profile_request"]
+from fp16probe.analysis.blockformats import parse_recipe
+from fp16probe.blockscale import BLOCK_FORMATS
+from fp16probe.capture.autocast_rules import TARGETS
+from fp16probe.errors import AnalysisError, InputError, UnknownFormatError
+from fp16probe.formats import FORMATS, get_format
+from fp16probe.report import ALL_GRADS, KINDS
+from fp16probe.running.inputs import DTYPES, parse_shape
+from fp16probe.running.losses import check_loss_spec
+from fp16probe.running.optimizers import OPTIMIZERS
+
+__all__ = ["PRECISIONS", "ProfileRequest", "check_recipe"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
 class ProfileRequest:
-    """Everything ``fp16probe profile`` needs, as plain values; :meth:`check` refuses what cannot work.
+    """Everything ``fp16probe profile`` needs, as plain values; making one refuses what cannot work.
 
     ``model`` is an import string, a folder, an archive or None (the demo); ``batches`` and
-    ``loss`` import strings or a built-in loss name. ``format`` None resolves to bf16 for a
-    bf16 run and fp16 otherwise, once, here; ``kind`` is ``all``, ``activation_grad`` or
-    ``weight_grad``.
+    ``loss`` import strings or a built-in loss name; ``loss_scale`` and ``optimizer`` may also be
+    a GradScaler and a torch optimizer (from :func:`fp16probe.profile`). ``format`` None
+    resolves to bf16 for a bf16 run and fp16 otherwise, once, here; ``kind`` is ``all``,
+    ``activation_grad`` or ``weight_grad``; ``plot`` is where the caller will draw the figures.
     """
 
     model: str | None = None
@@ -43,8 +52,8 @@ class ProfileRequest:
     steps: int = 10
     device: str = "auto"
     precision: str = "fp32"
-    loss_scale: float | None = None
-    optimizer: str | None = None
+    loss_scale: Any = None
+    optimizer: Any = None
     lr: float = 1e-3
     format: str | None = None
     kind: str = ALL_GRADS
@@ -54,86 +63,78 @@ class ProfileRequest:
     verify: bool = False
     target: str | None = None
     recipe: str | None = None  # a scaled format's recipe (docs/block-formats.md)
+    plot: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.format is None:  # resolved once: every layer below takes the name it is given
-            object.__setattr__(self, "format", "bf16" if self.precision == "bf16" else "fp16")
-
-    def check(self) -> None:
-        """Refuse, before the model loads, settings that cannot work (InputError naming the field)."""
-        from fp16probe.running.losses import check_loss_spec
-        from fp16probe.running.profile import check_recipe, check_settings
-
-        check_recipe(str(self.format), self.recipe)
-        check_settings(steps=self.steps, precision=self.precision, scaler=self.loss_scale,
-                       optimizer=self.optimizer, lr=self.lr, format=str(self.format), kind=self.kind,
-                       verify=self.verify, target=self.target or "cuda")
+        fmt = self.format or ("bf16" if self.precision == "bf16" else "fp16")
+        try:
+            fmt = fmt if fmt in BLOCK_FORMATS else get_format(fmt).name  # an alias (half, float16) named once
+        except UnknownFormatError:
+            raise InputError(f"format={fmt!r}: expected one of {', '.join({**FORMATS, **BLOCK_FORMATS})}",
+                             parameter="format") from None
+        object.__setattr__(self, "format", fmt)
+        self._check_run()
+        check_recipe(fmt, self.recipe)
         check_loss_spec(self.loss)
+        if self.input_shape is not None:
+            parse_shape(self.input_shape)
+        if self.input_dtype not in DTYPES:
+            raise InputError(f"input_dtype={self.input_dtype!r}: expected one of {', '.join(DTYPES)}",
+                             parameter="input_dtype")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise InputError(f"seed={self.seed!r}: expected a whole number in [0, 2**63), e.g. 0", parameter="seed")
+        if self.plot is not None and fmt in BLOCK_FORMATS:
+            raise InputError(f"plot={self.plot}: the figures draw fp16/bf16/fp8 histograms, and {fmt} answers with "
+                             "its per-layer table instead; drop it", parameter="plot")
+
+    def _check_run(self) -> None:
+        """Refuse settings the run cannot take (InputError naming :func:`fp16probe.profile`'s parameter)."""
+        steps, precision, scaler, optimizer, lr = self.steps, self.precision, self.loss_scale, self.optimizer, self.lr
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InputError(f"steps={steps!r}: expected a positive whole number of steps, e.g. 10", parameter="steps")
+        if precision not in PRECISIONS:
+            raise InputError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}",
+                             parameter="precision")
+        if scaler is not None and not (hasattr(scaler, "scale") and hasattr(scaler, "get_scale")):
+            if isinstance(scaler, bool) or not isinstance(scaler, (int, float)):
+                raise InputError(f"scaler={scaler!r}: expected a loss scale (a number such as 1024) or a GradScaler",
+                                 parameter="scaler")
+            if precision == "fp32":
+                raise InputError("scaler= applies to fp16 and bf16 runs (an fp32 run is the unscaled reference)",
+                                 parameter="scaler")
+            if not (math.isfinite(scaler) and scaler > 0):
+                raise InputError(f"scaler={scaler}: expected a finite positive loss scale such as 1024",
+                                 parameter="scaler")
+            if scaler >= torch.finfo(torch.float32).max:
+                raise InputError(f"scaler={scaler:g}: beyond float32's range; expected a loss scale such as 1024",
+                                 parameter="scaler")
+        if optimizer not in (None, *OPTIMIZERS) and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer",
+                             parameter="optimizer")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+            raise InputError(f"lr={lr!r}: expected a finite positive learning rate such as 1e-3", parameter="lr")
+        if self.target is not None and self.target not in TARGETS:
+            raise InputError(f"target={self.target!r}: expected one of {', '.join(TARGETS)} (the device whose fp16 "
+                             "autocast rules the prediction applies)", parameter="target")
+        if self.kind not in (ALL_GRADS,) + KINDS:
+            raise InputError(f"kind={self.kind!r}: expected one of {', '.join((ALL_GRADS,) + KINDS)}", parameter="kind")
+        if self.verify and precision != "fp32":
+            raise InputError(f"verify= checks a prediction made from the fp32 reference: profile in fp32, not "
+                             f"{precision}", parameter="verify")
+        if self.verify and self.format not in ("fp16", "bf16"):
+            raise InputError(f"verify= runs the recommendation under torch.autocast, which computes in fp16 or bf16 "
+                             f"only, not {self.format}", parameter="verify")
 
 
-Progress = Callable[[int, bool], contextlib.AbstractContextManager[Callable[[int], None]]]
-
-
-@contextlib.contextmanager
-def _no_progress(total: int, main: bool) -> Iterator[Callable[[int], None]]:
-    yield lambda done: None
-
-
-def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], None] | None = None,
-                    progress: Progress = _no_progress, on_distributed: Callable[[], None] | None = None) -> Any:
-    """Load, feed and profile what ``request`` names; return the Report (None on ranks other than 0).
-
-    ``on_notes`` hears, on rank 0 before the run, what loading and the inputs changed (also
-    kept in the report); ``progress(total, main)`` makes the context whose ``update(done)`` is
-    called after each step; ``on_distributed`` is called once torch.distributed is set up
-    (``FP16PROBE_DIST_TIMEOUT`` bounds its collectives, see docs/faults.md). Errors are
-    :func:`fp16probe.profile`'s.
-    """
-    import torch
-
-    from fp16probe.capture import distributed
-    from fp16probe.running.inputs import check_inputs_before_load, make_batches, pick_device
-    from fp16probe.running.loading import load_model, quiet_transformers
-    from fp16probe.running.losses import make_loss
-    from fp16probe.running.profile import profile
-
-    from fp16probe.running.ranks import timeout_s
-
-    r = request
-    r.check()
-    is_dist = distributed.init_from_env(timeout=timeout_s())
-    if is_dist and on_distributed is not None:
-        on_distributed()
-    rank = distributed.rank()
-    dev = pick_device(r.device)
-    if is_dist and dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if 0 <= r.seed < 2**63:  # make_batches refuses any other seed in one line
-        torch.manual_seed(r.seed + rank)  # a factory's initialisation and dropout repeat from run to run
-    check_inputs_before_load(r.model, dev, input_shape=r.input_shape, input_dtype=r.input_dtype,
-                             vocab_size=r.vocab_size, batches=r.batches)
-    loaded = load_model(r.model, weights=r.weights, trust_checkpoint=r.trust_checkpoint,
-                        trust_remote_code=r.trust_remote_code)
-    batch_src = make_batches(loaded, dev, input_shape=r.input_shape, input_dtype=r.input_dtype,
-                             vocab_size=r.vocab_size, batches=r.batches,
-                             seed=r.seed + rank)  # each rank draws its own synthetic batches
-    loss_src = make_loss(loaded, r.loss, batch_src, seed=r.seed + rank)
-    notes = [*loaded.notes, *batch_src.notes]
-    if on_notes is not None and rank == 0:
-        on_notes(notes)
-    extra: dict[str, Any] = {"model_kind": loaded.kind, "model_source": loaded.source, "notes": notes,
-                             **loaded.extra, **r.extra}
-    if batch_src.family is not None:
-        extra["family"] = batch_src.family
-    if is_dist:
-        extra["batches_per_rank"] = ("synthetic inputs seeded with --seed + rank" if batch_src.synthetic
-                                     else "each rank ran the batches it was given")
-    # a Hugging Face model's warnings (a loss_type it falls back from) would bury the summary
-    quiet = quiet_transformers() if loaded.kind == "huggingface" else contextlib.nullcontext()
-    with quiet, progress(r.steps, rank == 0) as update:
-        return profile(loaded.model, batch_src, loss_src, steps=r.steps, precision=r.precision,
-                       scaler=r.loss_scale, optimizer=r.optimizer, lr=r.lr, format=r.format, kind=r.kind,
-                       device=dev, on_step=update, verify=r.verify, extra=extra,
-                       modules=list(r.modules) or None, granularity=r.granularity, target=r.target,
-                       recipe=r.recipe)
+def check_recipe(format: str, recipe: str | None) -> None:
+    """Refuse a ``recipe`` that ``format`` has not."""
+    if format not in BLOCK_FORMATS:
+        if recipe is not None:
+            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
+                             f"not {format}", parameter="recipe")
+        return
+    try:
+        parse_recipe(BLOCK_FORMATS[format]["family"], recipe)
+    except AnalysisError as e:
+        raise InputError(str(e), parameter="recipe") from None
