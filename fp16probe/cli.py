@@ -217,8 +217,8 @@ PARAMETER_FLAGS = {
 
 
 @contextlib.contextmanager
-def _errors(console: Any, debug: bool) -> Iterator[None]:
-    """Turn errors into one line on stderr and a stable exit code."""
+def _errors(console: Any, debug: bool, stopped: str = "") -> Iterator[None]:
+    """Turn errors into one line on stderr and a stable exit code; ``stopped`` says what a signal cut short."""
     from fp16probe.presentation.terminal import print_error
 
     from fp16probe.running.signals import Hangup, Terminated
@@ -232,7 +232,7 @@ def _errors(console: Any, debug: bool) -> Iterator[None]:
         what, code = (("hung up (SIGHUP)", EXIT_HANGUP) if isinstance(e, Hangup)
                       else ("terminated (SIGTERM)", EXIT_TERMINATED) if isinstance(e, Terminated)
                       else ("interrupted", EXIT_INTERRUPTED))
-        print_error(console, what)
+        print_error(console, what + stopped)
         raise typer.Exit(code) from None
     except SystemExit as e:  # user code (a factory, a loss) called sys.exit: never a silent success
         _fail(console, f"user code called sys.exit({e.code!r}) while fp16probe was loading or running it; "
@@ -355,16 +355,15 @@ def profile(
         sys.stderr.write(f"loading {model or 'the built-in demo model'}...\n")
         sys.stderr.flush()
     from fp16probe.presentation import terminal as render
-    from fp16probe.running.profile import Hangup, Terminated, profile_request
+    from fp16probe.running.profile import profile_request
     from fp16probe.running.request import ProfileRequest
     from fp16probe.running.signals import stop_signals
 
     console = render.make_console()
-    with _errors(console, debug), contextlib.ExitStack() as stack:
-        shield = stack.enter_context(stop_signals())  # a second Ctrl-C never aborts the partial report
+    # stop_signals: a second Ctrl-C never aborts the partial report; one before the first step leaves none
+    with _errors(console, debug, " before the first step finished; no report written"), stop_signals() as shield:
         # Refused before the model loads or runs; the files behind module:function inputs are inputs too.
-        _check_profile_outputs(model, weights, out, plot,
-                               code=_code_files({"MODEL": model, "--batches": batches, "--loss": loss}))
+        _check_profile_outputs(model, weights, out, plot, batches=batches, loss=loss)
         request = ProfileRequest(
             model=model, weights=weights, trust_checkpoint=trust_checkpoint, trust_remote_code=trust_remote_code,
             input_shape=input_shape, input_dtype=input_dtype.value, vocab_size=vocab_size, batches=batches,
@@ -379,31 +378,13 @@ def profile(
                 progress=lambda total, main: render.progress(console, total, enabled=not json_out and main),
                 # torchrun's SIGTERM, once another rank exits, must not cut this one's exit short
                 on_distributed=shield.keep)
-        except Hangup:
-            render.print_error(console, "hung up (SIGHUP) before the first step finished; no report written")
-            raise typer.Exit(EXIT_HANGUP) from None
-        except Terminated:
-            render.print_error(console, "terminated (SIGTERM) before the first step finished; no report written")
-            raise typer.Exit(EXIT_TERMINATED) from None
-        except KeyboardInterrupt:
-            render.print_error(console, "interrupted before the first step finished; no report written")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
         except Fp16ProbeError as e:
             if e.report is None:
                 raise
             raise _with_partial_report(e, out) from e
         if report is None:  # a rank other than 0: rank 0 writes and prints
             raise typer.Exit(shield.exit_code or EXIT_OK)
-        _write_profile_outputs(report, out, plot, request)
-        if json_out:
-            sys.stdout.write(report.to_json() + "\n")
-        elif report.recommendation is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: the per-layer answer only
-            render.print_block_advice(console, report, out=str(out))
-        else:
-            render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain,
-                                 out=str(out))
-            if "block_advice" in report.metadata.extra:
-                render.print_block_advice(console, report, header=False)
+        _report_out(console, report, request, out, json_out=json_out, explain=explain)
     # A signal that came after the loop (while the report was made and written) still says so.
     raise typer.Exit(_exit_code(report) or shield.exit_code or EXIT_OK)
 
@@ -421,16 +402,16 @@ def _code_files(specs: dict[str, Optional[str]]) -> list[Path]:
     return files
 
 
-def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, plot: Path | None,
-                           code: list[Path] | None = None) -> None:
-    """Refuse an output that is a folder, an input (``code``: the files behind module:function inputs),
+def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, plot: Path | None, *,
+                           batches: str | None, loss: str | None) -> None:
+    """Refuse an output that is a folder, an input (the files behind module:function inputs too),
     unwritable, or (figures) of an unknown type."""
     from fp16probe.presentation import figures
 
     inputs = [Path(model)] if model and Path(model).exists() else []
     if weights is not None:
         inputs.append(weights)
-    inputs += list(code or ())
+    inputs += _code_files({"MODEL": model, "--batches": batches, "--loss": loss})
     _check_output(out, "--out")
     _refuse_overwrite(out, inputs, "--out")
     _check_writable(out, "--out")
@@ -454,13 +435,24 @@ def _with_partial_report(e: Fp16ProbeError, out: Path) -> Fp16ProbeError:
                    e.parameter)
 
 
-def _write_profile_outputs(report: Report, out: Path, plot: Path | None, request: Any) -> None:
+def _report_out(console: Any, report: Report, request: Any, out: Path, *, json_out: bool, explain: bool) -> None:
+    """Write the report (and its figures), then print it: JSON alone on stdout, else the summary or per-layer answer."""
+    from fp16probe.presentation import terminal as render
+
     with _writing(out, "--out"):
         report.save(out)
-    if plot is not None:
-        with _writing(plot, "--plot"):
-            _save_figures(report, plot, recommendation=report.recommendation, format=request.format,
+    if request.plot is not None:
+        with _writing(request.plot, "--plot"):
+            _save_figures(report, request.plot, recommendation=report.recommendation, format=request.format,
                           kind=request.kind)
+    if json_out:
+        sys.stdout.write(report.to_json() + "\n")
+    elif report.recommendation is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: per layer only
+        render.print_block_advice(console, report, out=str(out))
+    else:
+        render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain, out=str(out))
+        if "block_advice" in report.metadata.extra:
+            render.print_block_advice(console, report, header=False)
 
 
 def _save_figures(report: Report, path: Path, **options: Any) -> None:
@@ -499,27 +491,22 @@ def _check_writable(path: Path, option: str) -> None:
 
     try:
         target = output_target(path)
-    except OSError as e:
-        raise InputError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}); "
-                         "choose a writable path") from e
-    if target.in_place:  # a device, a FIFO or our own descriptor: written in place, nothing made beside it
-        if target.fd is None and not os.access(target.path, os.W_OK):
-            raise InputError(f"{option} {path}: cannot write there (Permission denied); choose a writable path")
-        return
-    path = target.path
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    try:
+        if target.in_place:  # a device, a FIFO or our own descriptor: written in place, nothing made beside it
+            if target.fd is None and not os.access(target.path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+            return
+        path = target.path
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
         fd, probe = tempfile.mkstemp(prefix=".fp16probe-", dir=parent)
         os.close(fd)
         os.unlink(probe)
         if path.exists() and not os.access(path, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
-        raise InputError(
-            f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}); choose a writable path"
-        ) from e
+        raise InputError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}); "
+                         "choose a writable path") from e
 
 
 @app.command()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp16probe.cli import EXIT_LOAD, EXIT_TERMINATED, EXIT_USAGE
+from fp16probe.cli import EXIT_HANGUP, EXIT_INTERRUPTED, EXIT_LOAD, EXIT_TERMINATED, EXIT_USAGE
 from fp16probe.report import Report
 from tests.fixtures.cli import FIXTURES, one_error_line, prepare_cli_env, run
 
@@ -67,6 +67,21 @@ def test_user_code_failing_is_the_models_fault_and_keeps_the_steps_before(model,
         report = Report.load("r.json")
         assert report.metadata.partial and report.metadata.steps_seen == steps_kept
         assert report.metadata.extra["stopped"] == "error"
+
+
+@pytest.mark.parametrize("stop,code,what", [
+    ("KeyboardInterrupt", EXIT_INTERRUPTED, "interrupted"),
+    ("Terminated", EXIT_TERMINATED, "terminated (SIGTERM)"),
+    ("Hangup", EXIT_HANGUP, "hung up (SIGHUP)"),
+])
+def test_a_stop_before_the_first_step_says_no_report_was_written(stop, code, what, tmp_path):
+    module = f"stops_with_{stop.lower()}"  # one module per case: an import is cached for the session
+    (tmp_path / f"{module}.py").write_text(f"from fp16probe.running.signals import Hangup, Terminated\n\n"
+                                           f"def make():\n    raise {stop}()\n")
+    result = run("profile", "cli_models:TinyMLP", "--batches", f"{module}:make", "--steps", "2", "--out", "r.json")
+    assert result.exit_code == code, result.output
+    assert one_error_line(result) == f"error: {what} before the first step finished; no report written"
+    assert not Path("r.json").exists()
 
 
 @pytest.mark.slow
