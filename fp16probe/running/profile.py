@@ -90,10 +90,6 @@ class RunResult:
         return self.stopped in (STOPPED_INTERRUPTED, STOPPED_TERMINATED, STOPPED_HANGUP)
 
 
-def _is_scaler_object(scaler: Any) -> bool:
-    return hasattr(scaler, "scale") and hasattr(scaler, "get_scale")
-
-
 def profile(
     model: nn.Module,
     batches: Iterable[Any] | Batches,
@@ -402,7 +398,7 @@ def _as_batches(batches: Iterable[Any], device: torch.device) -> Batches:
 
 
 def _make_scaler(scaler: Any, precision: str, device: torch.device) -> Any:
-    if scaler is None or _is_scaler_object(scaler):
+    if not isinstance(scaler, (int, float)):  # None or a scaler of the caller's (the request allows nothing else)
         return scaler
     return torch.amp.GradScaler(device.type, init_scale=float(scaler))
 
@@ -410,9 +406,7 @@ def _make_scaler(scaler: Any, precision: str, device: torch.device) -> Any:
 def _scale_of(scaler: Any) -> float | None:
     if scaler is None:
         return None
-    if _is_scaler_object(scaler):
-        return float(scaler.get_scale())
-    return float(scaler)
+    return float(scaler) if isinstance(scaler, (int, float)) else float(scaler.get_scale())
 
 
 def _make_probe(model: nn.Module, scaler: Any, options: Mapping[str, Any]) -> Any:
