@@ -100,7 +100,7 @@ def named(name: str, seed: int = 0) -> Loss:
 def _own_loss(output: Any, batch: Any) -> torch.Tensor:
     own = families.own_loss(output)
     if own is None:
-        raise InputError("loss= is needed: the model returned no .loss although the batch carried labels",
+        raise InputError("the model returned no .loss although the batch carried labels; pass loss=",
                          parameter="loss")
     return own
 

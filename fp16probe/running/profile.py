@@ -178,7 +178,7 @@ def profile(
 def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | Batches, loss_fn: Any = None, *,
                   device: str | torch.device | None = None, on_step: Callable[[int], None] | None = None,
                   extra: Mapping[str, Any] | None = None, **probe_options: Any) -> Report | None:
-    """:func:`profile` with the settings of ``r``, which making it checked."""
+    """Profile ``model`` as :func:`profile` does, with the settings of ``r`` (checked when it was made)."""
     format, precision, scaler, optimizer, verify = str(r.format), r.precision, r.loss_scale, r.optimizer, r.verify
     run_device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
@@ -262,7 +262,8 @@ def _no_progress(total: int, main: bool) -> Iterator[Callable[[int], None]]:
 
 
 def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], None] | None = None,
-                    progress: Progress = _no_progress, on_distributed: Callable[[], None] | None = None) -> Any:
+                    progress: Progress = _no_progress,
+                    on_distributed: Callable[[], None] | None = None) -> Report | None:
     """Load, feed and profile what ``request`` names; return the Report (None on ranks other than 0).
 
     What the command line runs, in the order torchinfo's ``summary()`` reads: resolve the device,

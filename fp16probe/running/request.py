@@ -1,8 +1,8 @@
 """A frozen :class:`ProfileRequest`: every setting of a profile, resolved and checked once, before anything loads.
 
 The command line fills one from its flags and :func:`fp16probe.profile` from its arguments;
-the layers below take the values it holds and check none again. Library code: errors name
-the request's fields (``steps=...``) in their ``parameter``, which the command line maps to its flags.
+the run takes the values it holds as they are. Library code: errors name the request's field
+(``steps=...``) in their ``parameter``, which the command line maps to its flag.
 """
 
 from __future__ import annotations
