@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fp16probe.capture import distributed as _distributed
+from fp16probe.capture import engine
 from fp16probe.report import StepHistory, StepTrace
 
 __all__ = ["History"]
@@ -83,8 +84,10 @@ class History:
             if not grads:
                 return
             device = grads[0].device
-            norms = torch._foreach_norm(grads, math.inf)  # one fused pass (per device and dtype)
-            raw = torch.stack([n.float().to(device, non_blocking=True) for n in norms]).max()
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            raw = torch.stack([engine.largest_abs(gs).to(device, non_blocking=True) for gs in by_device.values()]).max()
             scale = rec.scale_source.tensor() if rec.scale_source is not None else None
             row = self._row(rec.step_index - self._start_step, device)
             if scale is None:
