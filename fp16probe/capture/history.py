@@ -18,7 +18,7 @@ device memory. It comes to the host in :meth:`History.collect`, with the report.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,14 +45,28 @@ class History:
         self._start_step = 0
 
     # -- hooks ----------------------------------------------------------------------------
-    def attach(self, params: Sequence[torch.Tensor]) -> None:
-        """Hook every parameter's gradient accumulation; the first of a backward queues the read."""
+    def attach(self, params: Sequence[torch.Tensor],
+               also: Mapping[int, Callable[[torch.Tensor], None]] | None = None) -> None:
+        """Hook every parameter's gradient accumulation; the first of a backward queues the read.
+
+        ``also``: by ``id`` of a parameter, a hook of the caller's to run first in the same hook
+        (the Probe's weight-gradient counts): one Python call per parameter and backward, not two.
+        """
         if self._handles:
             return
         self._params = list(params)
         self._start_step = self.recorder.step_index if self._buf is None else self._start_step
         for p in self._params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            first = (also or {}).get(id(p))
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                self._grad_ready if first is None else self._after(first)))
+
+    def _after(self, first: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            first(p)
+            self._grad_ready(p)
+
+        return hook
 
     def detach(self) -> None:
         """Remove the hooks; what was recorded stays."""

@@ -297,19 +297,21 @@ class Recorder:
         """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
         thin = engine.thin_counter() if self.scaler is None else None
         if thin is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
-                and grad.is_contiguous() and 0 < grad.numel() < thin[1]:
-            try:
-                with self.lock:
-                    st = self._state
-                    table = st.open.get(ACTIVATION_GRAD)
-                    if table is not None:
-                        counts, keys = engine.host_views(*table)
-                        thin[0](grad.data_ptr(), grad.numel(), counts, keys, i, False)  # type: ignore[operator]
-                        st.dirty = True
-                        return
-            except Exception as e:
-                self.note_error(e)
-                return
+                and grad.is_contiguous():
+            n = grad.numel()
+            if 0 < n < thin[1]:
+                try:
+                    with self.lock:
+                        st = self._state
+                        table = st.open.get(ACTIVATION_GRAD)
+                        if table is not None:
+                            counts, keys = engine.host_views(*table)
+                            thin[0](grad.data_ptr(), n, counts, keys, i, False)  # type: ignore[operator]
+                            st.dirty = True
+                            return
+                except Exception as e:
+                    self.note_error(e)
+                    return
         self.record(ACTIVATION_GRAD, i, grad)
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -425,9 +427,10 @@ class Recorder:
         an in-place maximum into the module's slot.
         """
         try:
-            if t.numel() == 0 or t.dtype == torch.float64:
+            dtype = t.dtype
+            if dtype is torch.float64:
                 return
-            if t.dtype == torch.float32 and _autocast_on(t.device.type):
+            if dtype is torch.float32 and _autocast_on("cpu" if t.is_cpu else t.device.type):
                 return  # autocast keeps it fp32: it cannot overflow fp16
             self._forward.fold(name, t)
             self._state.dirty = True
@@ -677,11 +680,14 @@ class _ForwardMaxima:
         i = self.index.get(name)
         if i is None:
             i = self.index[name] = len(self.index)
+        slots = self.slots  # a CPU buffer: fp32 CPU outputs fold in one compiled read
+        if slots is not None and i < slots.shape[0] and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous():
+            self.fold_at(t.data_ptr(), t.numel(), slots, i)  # type: ignore[operator]
+            return
+        if t.numel() == 0:
+            return
         if self.step is None or i >= len(self.views) or self.step.device != t.device:
             self._grow(t.device, i + 1)
-        if self.slots is not None and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous():
-            self.fold_at(t.data_ptr(), t.numel(), self.slots, i)  # type: ignore[operator]  # one compiled read
-            return
         view = self.views[i]
         d = t.detach()  # no graph is recorded from a detached tensor: no no_grad() needed (a third of the cost)
         if d.numel() >= _AMINMAX_FROM:  # one pass, no |t| copy: 2x faster on large outputs
