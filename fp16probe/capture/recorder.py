@@ -178,6 +178,7 @@ class Recorder:
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
+        self._thin: tuple[Any, int] | None = None  # engine.thin_counter() for this step, (None, 0): none
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
@@ -295,8 +296,10 @@ class Recorder:
 
     def _record_grad(self, i: int, grad: torch.Tensor) -> None:
         """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
-        thin = engine.thin_counter() if self.scaler is None else None
-        if thin is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
+        thin = self._thin
+        if thin is None:  # asked once a step (the size limit follows torch's thread count)
+            thin = self._thin = (engine.thin_counter() if self.scaler is None else None) or (None, 0)
+        if thin[1] and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
                 and grad.is_contiguous():
             n = grad.numel()
             if 0 < n < thin[1]:
@@ -306,7 +309,7 @@ class Recorder:
                         table = st.open.get(ACTIVATION_GRAD)
                         if table is not None:
                             counts, keys = engine.host_views(*table)
-                            thin[0](grad.data_ptr(), n, counts, keys, i, False)  # type: ignore[operator]
+                            thin[0](grad.data_ptr(), n, counts, keys, i, False)  # type: ignore[misc]
                             st.dirty = True
                             return
                 except Exception as e:
@@ -522,6 +525,7 @@ class Recorder:
         Everything is computed out of place first; the last statement commits. An
         exception or KeyboardInterrupt before it leaves the step open and intact.
         """
+        self._thin = None
         with self.lock:
             st = self._state
             index = st.step_index + 1
