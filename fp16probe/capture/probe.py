@@ -239,8 +239,8 @@ class Probe:
             self._blocks.start()
         if self.recorder.sampling:
             self._attach()
-        if self.history is not None:  # its hook on each parameter runs the weight-gradient hook too
-            self.history.attach([p for _, _, p in self._params], also=dict((id(p), h) for p, h in self._param_hooks))
+        if self.history is not None:
+            self.history.attach([p for _, _, p in self._params])
         if self._shadow is not None and not self.recorder.defer_to_ddp:  # no reruns under DDP's collectives
             self._shadow.attach()
         return self
@@ -313,7 +313,7 @@ class Probe:
                 # Weight gradients counted at the end of backward cover their AccumulateGrad
                 # nodes; under DDP they are counted after the all-reduce, so not there.
                 ceiling.counted_params = frozenset(id(p) for p, _ in self._param_hooks if not rec.defer_to_ddp)
-            for p, hook in self._param_hooks if self.history is None else ():  # else the history's hooks run them
+            for p, hook in self._param_hooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
         except BaseException:
             self._detach()
