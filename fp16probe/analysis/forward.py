@@ -62,11 +62,6 @@ class TensorFinding:
         """Share of its nonzero values that flush to zero in fp16."""
         return self.flushed / self.nonzero if self.nonzero else 0.0
 
-    @property
-    def subnormal_fraction(self) -> float:
-        """Share of its nonzero values that go subnormal in fp16."""
-        return self.subnormal / self.nonzero if self.nonzero else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (for the evidence)."""
         return {"name": self.name, "module": self.module, "op": self.op, "role": self.role,

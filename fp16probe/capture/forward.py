@@ -114,7 +114,6 @@ class ForwardAudit:
         self.step_index = -1
         self.steps: list[int] = []
         self.loss_low: dict[str, bool] = {}
-        self.loss_dtype_step: int | None = None
         self.custom: list[str] = []
         self.errors = 0
         self.first_error: str | None = None

@@ -57,9 +57,6 @@ __all__ = [
     "log_histogram",
     "sink_for",
     "tensorboard_writer",
-    "to_mlflow",
-    "to_tensorboard",
-    "to_wandb",
     "tracker_series",
 ]
 
@@ -428,24 +425,6 @@ def active_mlflow_run() -> tuple[Any, str] | None:
 
 
 # -- finished reports -----------------------------------------------------------------------------
-
-def to_tensorboard(report: Report, log_dir: Any, **options: Any) -> Path | None:
-    """Write ``report`` as TensorBoard event files under ``log_dir`` (or into a SummaryWriter).
-
-    Returns the log folder. Options as for :func:`export`.
-    """
-    return export(report, to="tensorboard", dest=log_dir, **options)
-
-
-def to_wandb(report: Report, run_or_dir: Any = None, **options: Any) -> Path | None:
-    """Log ``report`` to a wandb Run (or a new run under a folder; ``WANDB_MODE=offline`` keeps it local)."""
-    return export(report, to="wandb", dest=run_or_dir, **options)
-
-
-def to_mlflow(report: Report, tracking_uri: Any = None, **options: Any) -> Path | None:
-    """Log ``report`` to a new MLflow run (or ``(client, run_id)``): metrics, figures and an HTML report."""
-    return export(report, to="mlflow", dest=tracking_uri, **options)
-
 
 def export(
     report: Report,
