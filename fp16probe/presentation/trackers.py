@@ -63,7 +63,6 @@ __all__ = [
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 AXES = ("log2", "magnitude")
 PREFIX = "fp16probe"
-GRAD_KINDS = tuple(k for k in KINDS if k != ACTIVATION)
 
 
 def _require(module: str, extra: str, what: str) -> Any:

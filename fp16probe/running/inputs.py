@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.capture.probe import iter_tensors
-from fp16probe.errors import InputError, ModelLoadError
+from fp16probe.errors import InputError, ModelLoadError, first_line
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, HF, LoadedModel, quiet_transformers, read_hf_config, resolve_import
 
@@ -226,7 +226,7 @@ def check_inputs_before_load(
             with quiet_transformers():
                 config = config_class.from_dict(dict(raw))
         except Exception as e:
-            raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {_first_line(e)}") from e
+            raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {first_line(e)}") from e
         plan = families.hf_plan(cls, _setting_of(config), shape=parse_shape(input_shape) if input_shape else None,
                                 vocab_size=vocab_size)
         for shape_, dtype_ in plan.shapes:
@@ -317,8 +317,3 @@ def describe_batch(batch: Any) -> str:
     """Name a batch's tensors by shape and dtype, for error messages."""
     shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in iter_tensors(batch)]
     return "inputs " + ", ".join(shapes[:4]) if shapes else type(batch).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
