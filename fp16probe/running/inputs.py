@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "check_inputs_before_load",
     "describe_batch",
     "make_batches",
+    "map_tensors",
     "move_to",
     "parse_shape",
     "pick_device",
@@ -280,17 +281,22 @@ def _to_device(it: Iterable[Any], device: torch.device) -> Iterator[Any]:
         yield move_to(batch, device)
 
 
-def move_to(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside a batch (tensors, mappings, tuples, lists) to ``device``."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor inside ``obj`` (tensors, mappings, tuples, lists); keep anything else."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return fn(obj)
     if isinstance(obj, Mapping):
-        return {k: move_to(v, device) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [move_to(v, device) for v in obj]
+        return [map_tensors(v, fn) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(move_to(v, device) for v in obj)
+        return tuple(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside a batch to ``device``."""
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:

@@ -22,7 +22,7 @@ from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
-from fp16probe.running.inputs import call_model, move_to
+from fp16probe.running.inputs import call_model, map_tensors, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
 from fp16probe.verification import VALUE_TOLERANCE, Verification, tolerance_for
@@ -197,7 +197,7 @@ def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, de
         torch.manual_seed(seed + step)
         try:
             if pure_scale is not None:
-                half = _to_half(batch)
+                half = map_tensors(batch, lambda t: t.half() if t.dtype == torch.float32 else t)
                 value = loss.fn(call_model(model, half), half)
             elif dtype is None:
                 value = loss.fn(call_model(model, batch), batch)
@@ -231,18 +231,6 @@ def _finish_target_step(model: nn.Module, scaler: Any, optimizer: torch.optim.Op
     if not bad and optimizer is not None:
         optimizer.step()
     return bad
-
-
-def _to_half(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.half() if obj.dtype == torch.float32 else obj
-    if isinstance(obj, tuple):
-        return tuple(_to_half(v) for v in obj)
-    if isinstance(obj, list):
-        return [_to_half(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _to_half(v) for k, v in obj.items()}
-    return obj
 
 
 def _error(pairs: list[tuple[torch.Tensor, torch.Tensor]], inv: float) -> tuple[float, float]:
