@@ -356,10 +356,10 @@ class CeilingHooks:
                 continue
             chain = meta.get(_MIRROR)
             if chain is not None and chain[0] is walk:
-                self._register(node, meta, _unless_consumed_elsewhere(hook, chain[1], token))
+                self._register(node, _unless_consumed_elsewhere(hook, chain[1], token))
                 self.nodes_mirrored += 1
             else:
-                self._register(node, meta, hook)
+                self._register(node, hook)
                 self.nodes_hooked += 1
                 hooked.append(node)
         return hooked
@@ -395,7 +395,7 @@ class CeilingHooks:
             if (nodes[i].variable.grad is None) is not was_none:
                 return False
         hook = self._hook(token)
-        handles = [self._register(nodes[i], None, hook) for i in plan.hooked]
+        handles = [self._register(nodes[i], hook) for i in plan.hooked]
         self.nodes_hooked += len(handles)
         if self._marks is not None:
             self.forwards_reused += 1  # as the full walk counts a forward on reused marks
@@ -454,7 +454,7 @@ class CeilingHooks:
             if meta.get(_KEY) is token:
                 meta[_EXTRA] = token
                 if meta.pop(_SKIPPED, None) is token:
-                    self._register(node, meta, self._hook(token))
+                    self._register(node, self._hook(token))
                     self.nodes_hooked += 1
                 continue
             meta[_KEY] = token
@@ -475,7 +475,7 @@ class CeilingHooks:
                 self._marks = None  # a longer or shorter graph: track the next forward
         return order, walk
 
-    def _register(self, node: Any, meta: dict | None, hook: Callable[[tuple[Any, ...]], None]) -> Any:
+    def _register(self, node: Any, hook: Callable[[tuple[Any, ...]], None]) -> Any:
         handle = node.register_prehook(hook)
         if _ACCUMULATE in node.name():
             # A parameter's AccumulateGrad node outlives a graph while another holds it (the

@@ -98,7 +98,7 @@ def _own_loss(output: Any, batch: Any) -> torch.Tensor:
     return own
 
 
-def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_loss: bool = False, seed: int = 0) -> Loss:
+def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, seed: int = 0) -> Loss:
     """Wrap a Python loss function, a built-in loss's name, or None (the default) as a :class:`Loss`.
 
     The default (``fn=None``) chooses at its first call, by the output: the model's own

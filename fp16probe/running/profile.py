@@ -239,7 +239,7 @@ def profile(
                      "(every op and the loss in fp16, no autocast)")
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
-    grad_scaler = _make_scaler(scaler, precision, dev)
+    grad_scaler = _make_scaler(scaler, dev)
     probe = _make_probe(model, grad_scaler, {"target": target, "regime": regime, **probe_options})
     settings = RunSettings(steps=steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=lr,
@@ -399,7 +399,7 @@ def _as_batches(batches: Iterable[Any], device: torch.device) -> Batches:
     return Batches(moved, f"batches passed to fp16probe.profile ({type(batches).__name__})", synthetic=False)
 
 
-def _make_scaler(scaler: Any, precision: str, device: torch.device) -> Any:
+def _make_scaler(scaler: Any, device: torch.device) -> Any:
     if scaler is None or _is_scaler_object(scaler):
         return scaler
     return torch.amp.GradScaler(device.type, init_scale=float(scaler))

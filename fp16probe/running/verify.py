@@ -122,10 +122,10 @@ def verify(
     watch = _FirstNonfinite(target)
     with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
         for step, batch in enumerate(batch_list):
-            ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None, ref_opt)
+            ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None)
             scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
             watch.step = step
-            tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler, None,
+            tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler,
                               pure_scale=pure_scale, watch=watch)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             overflow_steps += int(overflowed)
@@ -189,7 +189,7 @@ def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
 
 
 def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, device: torch.device,
-              dtype: torch.dtype | None, scaler: Any, optimizer: Any, *, pure_scale: float | None = None,
+              dtype: torch.dtype | None, scaler: Any, *, pure_scale: float | None = None,
               watch: "_FirstNonfinite | None" = None) -> dict[str, torch.Tensor]:
     """One forward and backward; return the weight gradients (scaled ones stay scaled: zeros are zeros)."""
     devices = [device.index or 0] if device.type == "cuda" else []
