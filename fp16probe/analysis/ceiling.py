@@ -81,13 +81,6 @@ class StepCeiling:
         m = self.effective_max
         return m > 0.0 and fmt.overflows(math.ldexp(m, log2_scale))
 
-    def overflows_at(self, fmt: Format, scale: float) -> bool:
-        """Return whether the step overflows ``fmt`` at any positive ``scale``."""
-        if self.intrinsic:
-            return True
-        m = self.effective_max
-        return m > 0.0 and scale > 0.0 and fmt.overflows(m * scale)
-
 
 @dataclass(frozen=True)
 class Ceiling:

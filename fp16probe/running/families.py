@@ -15,7 +15,7 @@ are chosen to be the ones the model's task trains with, and always recorded as i
 - Any other ``nn.Module``: inputs shaped from its first layer (``Linear``: features;
   ``Conv1d/2d/3d``: channels; ``Embedding``: token ids), and the default loss.
 
-The default loss (:func:`default_loss_for`) decides at its first call: the model's own
+The default loss (:class:`DecidingLoss`) decides at its first call: the model's own
 ``.loss`` when the output has one (labels came with the batch), else the batch's own targets
 when it carries some that fit the output (a tuple's second element, a dict's ``labels``:
 class ids get cross-entropy, values shaped like the output mean squared error), else
@@ -102,12 +102,19 @@ class Plan:
 # -- the model's forward ---------------------------------------------------------------
 
 
+def _forward_parameters(cls: type) -> list[inspect.Parameter] | None:
+    """forward()'s parameters after ``self``; None when its signature cannot be read."""
+    try:
+        return list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def forward_signature(model: nn.Module | type) -> str:
     """Return ``Class.forward(a, b=None, ...)``: what the model says it takes."""
     cls = model if isinstance(model, type) else type(model)
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError, AttributeError):
+    params = _forward_parameters(cls)
+    if params is None:
         return f"{cls.__name__}.forward(...)"
     shown = []
     for p in params[:6]:
@@ -124,18 +131,12 @@ def forward_signature(model: nn.Module | type) -> str:
 
 
 def _required_inputs(cls: type) -> list[str]:
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError, AttributeError):
-        return []
-    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [p.name for p in _forward_parameters(cls) or ()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _parameters(cls: type) -> list[str]:
-    try:
-        return list(inspect.signature(cls.forward).parameters)[1:]
-    except (TypeError, ValueError, AttributeError):
-        return []
+    return [p.name for p in _forward_parameters(cls) or ()]
 
 
 # forward() parameters that are a model's inputs when none is required (Hugging Face style:
@@ -630,11 +631,6 @@ def _counts_logits(output: Any, pred: torch.Tensor) -> bool:
     return logits is pred
 
 
-def default_loss_for(seed: int = 0) -> DecidingLoss:
-    """The default loss (see the module docstring); its ``decided`` says which way it went."""
-    return DecidingLoss(seed)
-
-
 def _classes(pred: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Logits as [N, C] rows (a [batch, seq, C] sequence flattened)."""
     if pred.dim() < 2:
@@ -664,34 +660,30 @@ class NamedLoss:
                                 f"({self.invented_targets})", True)
             else:
                 self.decided = (f"--loss {self.name}: {base} against the batch's targets", False)
-        name = self.name
-        if name in ("cross_entropy", "nll"):
+        fn = NAMED_LOSSES[self.name][0]
+        if self.name in ("cross_entropy", "nll"):
             rows, _ = _classes(pred)
             if target is None:
                 target = self._labels(rows, (rows.shape[0],))
-            fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
             return fn(rows, target.reshape(-1).long().to(rows.device), ignore_index=-100)
-        if name == "bce_with_logits":
+        if self.name == "bce_with_logits":
             if target is None:
                 gen = self._labels.generator(pred.device)
                 target = (torch.rand(pred.shape, generator=gen, device=pred.device) < 0.5).float()
-            return F.binary_cross_entropy_with_logits(pred, target.float().reshape(pred.shape))
-        if target is None:
+        elif target is None:
             target = torch.zeros_like(pred)
-        fn = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}[name]
         return fn(pred, target.float().reshape(pred.shape))
 
 
-# name: (what it computes, what it compares with when the batch has no targets)
-NAMED_LOSSES: dict[str, tuple[str, str, str]] = {
-    "cross_entropy": ("F.cross_entropy", "cross-entropy of the logits",
-                      "uniformly random class labels"),
-    "nll": ("F.nll_loss", "negative log-likelihood of log-probabilities", "uniformly random class labels"),
-    "bce_with_logits": ("F.binary_cross_entropy_with_logits", "binary cross-entropy of the logits",
+# name: (the function, what it computes, what it compares with when the batch has no targets)
+NAMED_LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str, str]] = {
+    "cross_entropy": (F.cross_entropy, "cross-entropy of the logits", "uniformly random class labels"),
+    "nll": (F.nll_loss, "negative log-likelihood of log-probabilities", "uniformly random class labels"),
+    "bce_with_logits": (F.binary_cross_entropy_with_logits, "binary cross-entropy of the logits",
                         "random 0/1 targets"),
-    "mse": ("F.mse_loss", "mean squared error", "zeros (the mean of squares)"),
-    "l1": ("F.l1_loss", "mean absolute error", "zeros (the mean absolute value)"),
-    "smooth_l1": ("F.smooth_l1_loss", "smooth L1 (Huber) loss", "zeros"),
+    "mse": (F.mse_loss, "mean squared error", "zeros (the mean of squares)"),
+    "l1": (F.l1_loss, "mean absolute error", "zeros (the mean absolute value)"),
+    "smooth_l1": (F.smooth_l1_loss, "smooth L1 (Huber) loss", "zeros"),
 }
 
 

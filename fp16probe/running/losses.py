@@ -115,4 +115,4 @@ def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, seed:
         if not callable(fn):
             raise InputError(f"loss_fn={fn!r}: expected a function (output, batch) -> scalar loss")
         return Loss(fn, getattr(fn, "__qualname__", type(fn).__name__), synthetic=False)
-    return Loss(families.default_loss_for(seed), DEFAULT_LOSS_TEXT, synthetic=True)
+    return Loss(families.DecidingLoss(seed), DEFAULT_LOSS_TEXT, synthetic=True)
