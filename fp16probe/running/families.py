@@ -210,7 +210,7 @@ def _nested(config: Callable[[str], Any], key: str) -> tuple[str, int] | None:
     for sub in _SUB_CONFIGS:
         inner = config(sub)
         value = inner.get(key) if isinstance(inner, Mapping) else getattr(inner, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if _positive(value):
             return f"{sub}.{key}", value
     return None
 
@@ -220,8 +220,8 @@ def _nested_words(config: Callable[[str], Any]) -> str:
     return "" if found is None else f" (its vocabulary is {found[0]} = {found[1]})"
 
 
-def _positive(config: Callable[[str], Any], key: str) -> int | None:
-    value = config(key)
+def _positive(value: Any) -> int | None:
+    """``value`` when it is a positive int (a bool is not), else None: how a config setting is trusted."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -229,7 +229,7 @@ def _num_labels(config: Callable[[str], Any]) -> int:
     id2label = config("id2label")
     if isinstance(id2label, Mapping) and id2label:
         return len(id2label)
-    return _positive(config, "num_labels") or 2  # transformers' own default
+    return _positive(config("num_labels")) or 2  # transformers' own default
 
 
 @dataclass(frozen=True)
@@ -268,14 +268,14 @@ def _token_draw(cls: type, family: str, config: Callable[[str], Any],
                 shape: tuple[int, ...] | None, vocab_size: int | None) -> _Draw:
     """Token ids: the vocabulary and sequence length from the config (or ``vocab_size``, ``shape``)."""
     name = cls.__name__
-    vocab = vocab_size or _positive(config, "vocab_size")
+    vocab = vocab_size or _positive(config("vocab_size"))
     nested = _nested(config, "vocab_size") if vocab is None else None
     if nested is not None:
         vocab = nested[1]
     if vocab is None:
         raise no_inputs_error(cls, f"{name}'s config has no vocab_size (nor {', '.join(s + '.vocab_size' for s in _SUB_CONFIGS)}) "
                                    "to draw token ids from; pass vocab_size=N")
-    positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config, k))),
+    positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config(k)))),
                      None)
     if shape is not None:
         if len(shape) != 2:
@@ -296,14 +296,14 @@ def _image_draw(cls: type, family: str, config: Callable[[str], Any], shape: tup
         batch, channels, height, width = shape
     else:
         batch = IMAGE_BATCH
-        channels = _positive(config, "num_channels")
+        channels = _positive(config("num_channels"))
         if channels is None:
             channels = 3
             notes.append("the config does not say num_channels: 3 assumed")
         size = config("image_size")
         if isinstance(size, (list, tuple)) and len(size) == 2:
             height, width = int(size[0]), int(size[1])
-        elif isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        elif _positive(size):
             height = width = size
         else:
             height = width = IMAGE_SIZE

@@ -43,7 +43,6 @@ DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
 }
-DEFAULT_TOKEN_SHAPE = (4, 32)  # batch x sequence for token-id models without input_shape
 # One synthetic batch may take at most this share of the memory free where it is made:
 # beyond it the run would swap or die with a C++ trace instead of a one-line error.
 MEMORY_SHARE = 0.5
@@ -160,7 +159,7 @@ def make_batches(
         return _from_plan(plan, device, seed)
     vocab = vocab_size or loaded.vocab_size
     if vocab is not None and (input_shape is None or input_dtype in ("int64", "long", "int32")):
-        shape = parse_shape(input_shape) if input_shape else DEFAULT_TOKEN_SHAPE
+        shape = parse_shape(input_shape) if input_shape else (families.BATCH, families.SEQUENCE)
         _check_allocatable(shape, torch.int64, device)
         desc = f"synthetic: uniform random token ids in [0, {vocab}) of shape {list(shape)}"
         return Batches(_to_device(_token_batches(shape, vocab, gen, loaded.has_loss), device), desc, synthetic=True)

@@ -147,17 +147,9 @@ def verify(
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
             target.zero_grad(set_to_none=True)
-    by_kind: dict[str, dict[str, Any]] = {
-        k: {"nonzero_values": nz, "zeroed_values": z, "zeroed_fraction": z / nz if nz else 0.0,
-            "relative_error": errors[k][0] / errors[k][1] if errors[k][1] else None}
-        for k, (nz, z) in counts.items()}
+    by_kind = {k: _measured(counts[k], errors[k]) for k in counts}
+    by_kind[ALL_KINDS] = _measured([sum(c) for c in zip(*counts.values())], [sum(e) for e in zip(*errors.values())])
     notes.extend(watch.causes(overflow_steps, len(batch_list), rec))
-    nz_all = sum(nz for nz, _ in counts.values())
-    z_all = sum(z for _, z in counts.values())
-    err_all = sum(e[0] for e in errors.values()), sum(e[1] for e in errors.values())
-    by_kind[ALL_KINDS] = {"nonzero_values": nz_all, "zeroed_values": z_all,
-                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0,
-                          "relative_error": err_all[0] / err_all[1] if err_all[1] else None}
     kind = rec.kind if rec.kind in counts else ALL_KINDS
     measured = by_kind[kind]
     if measured["nonzero_values"] == 0:
@@ -180,6 +172,13 @@ def verify(
         tolerance=float(tolerance), held=held, nonzero_values=measured["nonzero_values"],
         zeroed_values=measured["zeroed_values"], by_kind=by_kind, scales=tuple(scales), notes=tuple(notes),
     )
+
+
+def _measured(count: list[int], error: list[float]) -> dict[str, Any]:
+    """One kind's figures from [nonzero in fp32, of those zero in target] and [sum |fp16 - fp32|, sum |fp32|]."""
+    nz, zeroed = count
+    return {"nonzero_values": nz, "zeroed_values": zeroed, "zeroed_fraction": zeroed / nz if nz else 0.0,
+            "relative_error": error[0] / error[1] if error[1] else None}
 
 
 def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
