@@ -466,13 +466,6 @@ class Recorder:
                 stacklevel=2,
             )
 
-    def scale_tensor(self) -> torch.Tensor | None:
-        """The scaler's scale in force this step, as a device tensor (None without a scaler)."""
-        st = self._state
-        if st.scale is None and self.scale_source is not None:
-            self._inv_scale(st, None)
-        return st.scale
-
     def inv_scale(self, device: torch.device) -> torch.Tensor | None:
         """1 / the scale in force this step, on ``device`` (None when gradients are not scaled); no sync."""
         with self.lock:
