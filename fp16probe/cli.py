@@ -727,7 +727,7 @@ def compare(
             if p:
                 _check_output(Path(p), option)
                 _refuse_overwrite(Path(p), [baseline, current], option)
-        thresholds = gate.Thresholds(
+        thresholds = gate.GateThresholds(
             max_flushed_increase=max_flushed_increase, max_flushed_increase_at_scale=max_flushed_increase_at_scale,
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
             fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)

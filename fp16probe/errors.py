@@ -69,3 +69,9 @@ class ReportFieldError(ReportError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its class name when the message is empty), for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

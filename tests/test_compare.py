@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from fp16probe import Probe, analyze
 from fp16probe.recommendation import Recommendation
 from fp16probe.analysis.gate import (
-    Thresholds,
+    GateThresholds,
     canonical_module_names,
     check_consistency,
     compare,
@@ -48,7 +48,7 @@ def snap(report: Report, source: str = "", **kw):
     return snapshot(report, analyze(report, "fp16", **FAST), source=source, **kw)
 
 
-def gate(base: Report, cur: Report, thresholds: Thresholds = Thresholds()):
+def gate(base: Report, cur: Report, thresholds: GateThresholds = GateThresholds()):
     return compare(snap(base, "base.json"), snap(cur, "cur.json"), thresholds)
 
 
@@ -116,7 +116,7 @@ def test_worse_verdict_alone_fails_and_can_be_allowed():
     for worse in ("dynamic", "no_single_scale", "insufficient_evidence"):
         c = snapshot(BASE, rec_of(worse, 10))
         assert [x.name for x in compare(b, c).failures] == ["verdict"], worse
-        assert compare(b, c, Thresholds(fail_on_worse_verdict=False)).passed
+        assert compare(b, c, GateThresholds(fail_on_worse_verdict=False)).passed
     for better in ("none_needed", "constant"):
         c = snapshot(BASE, rec_of(better, 10))
         assert "verdict" not in {x.name for x in compare(b, c).failures}
@@ -154,7 +154,7 @@ def test_strictly_better_run_passes_though_the_worst_list_changes():
 def test_a_module_that_got_worse_fails_by_its_own_rise():
     base = make_report({"a": {-10: 1000}, "b": {-10: 1000}, "c": {-5: 1000}})
     cur = make_report({"a": {-10: 1000}, "b": {-10: 1000}, "c": {-45: 30, -5: 970}})
-    result = compare(snapshot(base, REC), snapshot(cur, REC), Thresholds(max_flushed_increase_at_scale=1.0))
+    result = compare(snapshot(base, REC), snapshot(cur, REC), GateThresholds(max_flushed_increase_at_scale=1.0))
     assert [x.name for x in result.failures] == ["module_regressions"]
     assert "c 0% -> 3%" in result.failures[0].message
 
@@ -248,8 +248,8 @@ def test_flushed_rise_at_s1_fails_beyond_threshold():
     cur = make_report({"a": {-30: 30, -10: 970}, "b": {-10: 1000}, "c": {-5: 1000}})
     base_s, cur_s = snapshot(BASE, REC), snapshot(cur, REC)
     # 10/3000 -> 30/3000: +0.667 points at S = 1; nothing flushes at the deployed 2^10
-    assert compare(base_s, cur_s, Thresholds(max_flushed_increase=0.01)).passed
-    failed = compare(base_s, cur_s, Thresholds(max_flushed_increase=0.005)).failures
+    assert compare(base_s, cur_s, GateThresholds(max_flushed_increase=0.01)).passed
+    failed = compare(base_s, cur_s, GateThresholds(max_flushed_increase=0.005)).failures
     assert [c.name for c in failed] == ["flushed_fraction"]
 
 
@@ -258,7 +258,7 @@ def test_new_overflow_at_the_baseline_scale():
     cur = make_report({"a": {-30: 10, -10: 990}, "b": {-10: 1000}, "c": {6: 1000}})
     result = compare(snapshot(BASE, REC), snapshot(cur, REC))
     assert [c.name for c in result.failures] == ["new_overflow"]
-    assert compare(snapshot(BASE, REC), snapshot(cur, REC), Thresholds(fail_on_new_overflow=False)).passed
+    assert compare(snapshot(BASE, REC), snapshot(cur, REC), GateThresholds(fail_on_new_overflow=False)).passed
 
 
 def test_weight_gradient_overflow_counts_whatever_kind_is_analysed():

@@ -110,9 +110,11 @@ def test_adversarial_bit_patterns_count_as_the_previous_kernel(name, monkeypatch
 
 @pytest.mark.parametrize("name", ENGINES)
 def test_each_mixed_cell_alone_and_in_a_crowd(name, monkeypatch):
-    """The two cells the second pass splits, at every position of an 8-lane group and in the tail."""
+    """The two cells the second pass splits, at every position of an 8-lane group and in the tail,
+    in short tensors (one lane) and long ones (eight)."""
     mixed = [2.0**-126, 2.0**-130, 2.0**-149, 2.0**127 * 1.5, math.inf, -math.inf, math.nan, 2.0**127]
-    for n in (1, 7, 8, 9, 17, 64):
+    long = getattr(_cpu_kernel, "_SMALL", 1024)
+    for n in (1, 7, 8, 9, 17, 64, long - 1, long, long + 9):
         for v in mixed:
             for pos in {0, n // 2, n - 1}:
                 x = torch.full((n,), 0.5)
@@ -160,3 +162,46 @@ def test_one_torch_thread_never_splits(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["numba", "torch"])
+def test_largest_abs_is_the_inf_norm_on_every_pattern(name, monkeypatch):
+    """The history's max |g|: torch's own inf-norm on adversarial patterns, NaN over inf over finite."""
+    if name == "numba" and not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(engine_module, "CPU_ENGINE", name)
+    x = adversarial()
+    finite = x[torch.isfinite(x)]
+    cases = {
+        "finite": [finite[:7], finite[7:]],
+        "with inf": [finite, torch.tensor([-math.inf])],
+        "with NaN": [torch.tensor([math.inf]), finite, x[torch.isnan(x)][:1]],
+        "zeros": [torch.zeros(3), -torch.zeros(5)],
+        "one real gradient": real_gradients()[:1],
+    }
+    for what, xs in cases.items():
+        got = engine_module.largest_abs(xs)
+        want = torch.stack(torch._foreach_norm(xs, math.inf)).max()
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert (math.isnan(want.item()) and math.isnan(got.item())) or got.item() == want.item(), what
+
+
+def test_fold_largest_keeps_the_larger_and_nan():
+    """The forward maxima's compiled fold: slot = max(slot, max |x|) on fp32 bits, NaN kept."""
+    if not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    fold = engine_module.thin_largest()
+    buf = torch.zeros(3)
+    slots = buf.numpy().view(np.int32)
+    x = adversarial()
+    finite = x[torch.isfinite(x)].contiguous()
+    fold(finite.data_ptr(), finite.numel(), slots, 0)
+    small = torch.tensor([0.5, -0.25])
+    fold(small.data_ptr(), 2, slots, 0)  # smaller: slot unchanged
+    assert buf[0].item() == finite.abs().max().item()
+    fold(small.data_ptr(), 2, slots, 1)
+    nan = torch.tensor([1.0, math.nan, -math.inf])
+    fold(nan.data_ptr(), 3, slots, 1)
+    fold(small.data_ptr(), 2, slots, 1)  # NaN stays
+    assert buf[1].item() == 0.5 or math.isnan(buf[1].item())
+    assert math.isnan(buf[1].item()) and buf[2].item() == 0.0

@@ -29,10 +29,19 @@ ALLOWED = {
     "entry": {"data", "capture", "analysis", "presentation", "running", "integrations"},
     "package": {"data", "capture", "analysis", "presentation", "running"},
 }
-# Declared display shims: data classes that hand themselves to a presentation module on
-# demand (``Report.plot``, ``_repr_html_``, ``__rich__``). Allowed only as imports inside a
-# function, and left out of the cycle check.
-SHIM_IMPORTERS = {"fp16probe.report", "fp16probe.recommendation"}
+# Declared display shims: methods of data classes that hand their object to a presentation
+# module on demand. Only these may import presentation (inside the method), and those
+# imports are left out of the cycle check.
+SHIMS = {
+    ("fp16probe.recommendation", "Recommendation.__repr__"),
+    ("fp16probe.recommendation", "Recommendation.__rich__"),
+    ("fp16probe.recommendation", "Recommendation._repr_html_"),
+    ("fp16probe.recommendation", "Recommendation.explanation"),
+    ("fp16probe.report", "Report.__repr__"),
+    ("fp16probe.report", "Report.__rich__"),
+    ("fp16probe.report", "Report._repr_html_"),
+    ("fp16probe.report", "Report.plot"),
+}
 # Third-party packages that live in one module each (ruff's banned-api says the same).
 ONLY_IN = {
     "rich": {"fp16probe.presentation.terminal"},
@@ -67,49 +76,53 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _imports(path: Path, known: Iterable[str]) -> list[tuple[str, bool]]:
-    """(imported module, at module level) for each import of ``path``, resolved to known modules."""
+def _imports(path: Path, known: Iterable[str]) -> list[tuple[str, str | None]]:
+    """(imported module, where) for each import of ``path``, resolved to known modules.
+
+    ``where`` is None at module level (``if TYPE_CHECKING:`` included), else the qualified
+    name of the function or class the import sits in, e.g. ``Report.plot``.
+    """
     known = set(known)
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    top_level = {id(n) for n in tree.body}
-    # Imports under `if TYPE_CHECKING:` at module level count as module level.
-    for n in tree.body:
-        if isinstance(n, ast.If):
-            top_level.update(id(c) for c in ast.walk(n))
-    found = []
-    for node in ast.walk(tree):
-        candidates: list[str] = []
-        if isinstance(node, ast.Import):
-            candidates = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            candidates = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-        for name in candidates:
-            found.append((name, id(node) in top_level))
+    found: list[tuple[str, str | None]] = []
+
+    def visit(node: ast.AST, where: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, child.name if where is None else f"{where}.{child.name}")
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, where) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.extend((f"{child.module}.{a.name}", where) for a in child.names)
+                found.append((child.module, where))
+            visit(child, where)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), None)
     resolved = []
-    for name, at_top in found:
+    for name, where in found:
         if name.split(".")[0] != "fp16probe":
-            resolved.append((name, at_top))
+            resolved.append((name, where))
             continue
         # `from fp16probe.x import y` names module fp16probe.x.y if it exists, else fp16probe.x
         while name not in known and "." in name:
             name = name.rsplit(".", 1)[0]
         if name in known:
-            resolved.append((name, at_top))
-    return resolved
+            resolved.append((name, where))
+    return list(dict.fromkeys(resolved))  # `from m import a, b` names m once
 
 
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
-        for imported, _ in _imports(path, mods):
-            if imported in mods and imported != m and not _is_shim(m, imported):
+        for imported, where in _imports(path, mods):
+            if imported in mods and imported != m and not _is_shim(m, imported, where):
                 graph[m].add(imported)
     return graph
 
 
-def _is_shim(importer: str, imported: str) -> bool:
-    return importer in SHIM_IMPORTERS and layer_of(imported) == "presentation"
+def _is_shim(importer: str, imported: str, where: str | None) -> bool:
+    return (importer, where) in SHIMS and layer_of(imported) == "presentation"
 
 
 def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
@@ -147,11 +160,11 @@ def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     return cycles
 
 
-def layer_violations(module: str, imports: Iterable[tuple[str, bool]]) -> list[str]:
+def layer_violations(module: str, imports: Iterable[tuple[str, str | None]]) -> list[str]:
     """Imports of ``module`` that point to a layer it may not use, or a package outside its one home."""
     problems = []
     mine = layer_of(module)
-    for imported, at_top in imports:
+    for imported, where in imports:
         root = imported.split(".")[0]
         if root in ONLY_IN and module not in ONLY_IN[root]:
             problems.append(f"{module} imports {root}, allowed only in {sorted(ONLY_IN[root])}")
@@ -160,9 +173,10 @@ def layer_violations(module: str, imports: Iterable[tuple[str, bool]]) -> list[s
         theirs = layer_of(imported)
         if theirs == mine or theirs in ALLOWED[mine]:
             continue
-        if _is_shim(module, imported) and not at_top:
+        if _is_shim(module, imported, where):
             continue
-        problems.append(f"{module} ({mine}) imports {imported} ({theirs})")
+        inside = "" if where is None else f" in {where}"
+        problems.append(f"{module} ({mine}) imports {imported} ({theirs}){inside}")
     return problems
 
 
@@ -194,14 +208,42 @@ def test_a_planted_import_fails_on_a_copy_of_the_package(tmp_path, monkeypatch):
 
 def test_the_checks_can_fail():
     """The checkers flag a planted backwards import, a planted dependency and a planted cycle."""
-    assert layer_violations("fp16probe.report", [("fp16probe.capture.probe", True)])
-    assert layer_violations("fp16probe.capture.probe", [("fp16probe.analysis.recommend", False)])
-    assert layer_violations("fp16probe.report", [("fp16probe.presentation.figures", True)])  # shim at top
-    assert not layer_violations("fp16probe.report", [("fp16probe.presentation.figures", False)])
-    assert layer_violations("fp16probe.analysis.recommend", [("rich.table", False)])
+    assert layer_violations("fp16probe.report", [("fp16probe.capture.probe", None)])
+    assert layer_violations("fp16probe.capture.probe", [("fp16probe.analysis.recommend", "Probe.report")])
+    assert layer_violations("fp16probe.report", [("fp16probe.presentation.figures", None)])  # shim at top
+    assert not layer_violations("fp16probe.report", [("fp16probe.presentation.figures", "Report.plot")])
+    assert layer_violations("fp16probe.recommendation", [("fp16probe.presentation.figures", "Report.plot")])
+    assert layer_violations("fp16probe.analysis.recommend", [("rich.table", "analyze")])
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycles(graph) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_an_undeclared_display_method_fails(tmp_path):
+    """Read from source: a data method that imports presentation passes only when declared a shim."""
+    source = tmp_path / "report.py"
+    source.write_text(
+        "class Report:\n"
+        "    def plot(self):\n"
+        "        from fp16probe.presentation.figures import figure\n"
+        "    def summary(self):\n"
+        "        from fp16probe.presentation.answer import report_summary\n"
+        "        def inner():\n"
+        "            from fp16probe.presentation.html import report_html\n",
+        encoding="utf-8",
+    )
+    assert layer_violations("fp16probe.report", _imports(source, _modules())) == [
+        "fp16probe.report (data) imports fp16probe.presentation.answer (presentation) in Report.summary",
+        "fp16probe.report (data) imports fp16probe.presentation.html (presentation) in Report.summary.inner",
+    ]
+
+
+def test_every_declared_shim_imports_presentation():
+    """No stale entry in SHIMS: each names a method that does import a presentation module."""
+    mods = _modules()
+    used = {(m, where) for m in {m for m, _ in SHIMS}
+            for imported, where in _imports(mods[m], mods) if layer_of(imported) == "presentation"}
+    assert SHIMS <= used
 
 
 def test_layers_come_from_folders():

@@ -207,3 +207,22 @@ def test_ranks_histories_merge_to_the_first_scale_and_the_largest_gradient():
     assert merged.grad_max[:2] == (0.75, math.inf) and math.isnan(merged.grad_max[2])
     assert merged.found_inf == (False, True, True)
     assert merge_rank_reports([a, Report(a.metadata, history=None)]).history is None  # none rather than half
+
+
+def test_a_model_of_many_parameters_has_every_steps_largest_gradient():
+    """The history hooks a few spread-out parameters (not one per parameter): on a 60-parameter model
+    each step's row is still written, with the largest |g| over all of them, equal to torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(30) for m in (nn.Linear(8, 8), nn.Tanh())])
+    probe = Probe(model, every=4).start()
+    real = []
+    for step in range(9):
+        x = torch.randn(4, 8) * (1 + step)
+        model(x).square().mean().backward()
+        real.append(torch.stack([p.grad.abs().max() for p in model.parameters()]).max().item())
+        model.zero_grad()
+        probe.step()
+    probe.stop()
+    h = probe.report().history
+    assert len(list(model.parameters())) == 60 and len(probe.history._handles) < 60
+    assert list(h.grad_max) == real

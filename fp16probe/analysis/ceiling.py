@@ -81,13 +81,6 @@ class StepCeiling:
         m = self.effective_max
         return m > 0.0 and fmt.overflows(math.ldexp(m, log2_scale))
 
-    def overflows_at(self, fmt: Format, scale: float) -> bool:
-        """Return whether the step overflows ``fmt`` at any positive ``scale``."""
-        if self.intrinsic:
-            return True
-        m = self.effective_max
-        return m > 0.0 and scale > 0.0 and fmt.overflows(m * scale)
-
 
 @dataclass(frozen=True)
 class Ceiling:
@@ -95,7 +88,6 @@ class Ceiling:
 
     steps: tuple[StepCeiling, ...]
     measured: bool  # True when the trace's backward-wide ceiling was part of it
-    has_trace: bool  # False: one pseudo-step from the merged histograms
     run_format: str | None = None
     scale_in_force: tuple[float | None, ...] = ()
 
@@ -106,7 +98,7 @@ class Ceiling:
             run_fmt = run_format(report.metadata.precision)
             hist = Histogram.sum(report.histogram(k) for k in GRAD_KINDS)
             step = _step(hist.max_abs, bool(hist.nonfinite), None, run_fmt)
-            return cls((step,), measured=False, has_trace=False,
+            return cls((step,), measured=False,
                        run_format=None if run_fmt is None else run_fmt.name)
         # Module histograms hold every captured value: a kind the trace has no per-step
         # histograms of still bounds every step's ceiling through them.
@@ -134,7 +126,7 @@ class Ceiling:
                 nonfinite = True
             scale = trace.scale[i] if i < len(trace.scale) else None
             steps.append(_step(finite, nonfinite, scale, run_fmt))
-        return cls(tuple(steps), measured=recorded is not None, has_trace=True,
+        return cls(tuple(steps), measured=recorded is not None,
                    run_format=None if run_fmt is None else run_fmt.name,
                    scale_in_force=tuple(trace.scale))
 

@@ -29,7 +29,7 @@ __all__ = [
     "ForwardFindings",
     "TensorFinding",
     "forward_findings",
-    "target_of",
+    "target_device",
 ]
 
 FP16_LOSS_LOG2_CAP = 15  # the seed gradient of an fp16 loss is S itself: 2^15 is the largest power of two below 65520
@@ -62,11 +62,6 @@ class TensorFinding:
         """Share of its nonzero values that flush to zero in fp16."""
         return self.flushed / self.nonzero if self.nonzero else 0.0
 
-    @property
-    def subnormal_fraction(self) -> float:
-        """Share of its nonzero values that go subnormal in fp16."""
-        return self.subnormal / self.nonzero if self.nonzero else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (for the evidence)."""
         return {"name": self.name, "module": self.module, "op": self.op, "role": self.role,
@@ -95,7 +90,7 @@ class ForwardFindings:
         return self.overflowing[0] if self.overflowing else None
 
 
-def target_of(report: Report, target: str | None = None) -> str:
+def target_device(report: Report, target: str | None = None) -> str:
     """The target device: as asked, else as the profile recorded, else CUDA (where fp16 training runs)."""
     if target:
         return target
@@ -125,7 +120,7 @@ def _headroom(max_abs: float | None) -> float | None:
 def forward_findings(report: Report, target: str | None = None, *, max_flushed_fraction: float = 1e-3,
                      low_headroom_bits: float = LOW_HEADROOM_BITS) -> ForwardFindings | None:
     """Read the forward measurements for ``target``; None when the report holds none."""
-    tgt = target_of(report, target)
+    tgt = target_device(report, target)
     extra = report.metadata.extra
     audit = extra.get("forward")
     rows: list[TensorFinding] = []

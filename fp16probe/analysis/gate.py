@@ -7,7 +7,7 @@ module's own flushed share rise; did its measured verification fail. The share a
 and the move of the recommended scale are checked too.
 
 :func:`snapshot` reduces a report to the numbers the gate looks at; :func:`compare` checks
-two snapshots against :class:`Thresholds` and notes where the two reports profiled
+two snapshots against :class:`GateThresholds` and notes where the two reports profiled
 different things. Rendering (Markdown, JUnit, GitHub annotations) lives in
 :mod:`fp16probe.presentation.ci`. Nothing here prints or reads the environment.
 """
@@ -31,8 +31,8 @@ from fp16probe.verification import Verification
 __all__ = [
     "Check",
     "GateResult",
+    "GateThresholds",
     "Snapshot",
-    "Thresholds",
     "canonical_module_names",
     "check_consistency",
     "compare",
@@ -50,7 +50,7 @@ _DDP_PREFIX = "module"
 
 
 @dataclass(frozen=True)
-class Thresholds:
+class GateThresholds:
     """What counts as a regression.
 
     ``max_flushed_increase``: allowed rise of the flushed share at S = 1 (absolute fraction,
@@ -186,7 +186,7 @@ class GateResult:
     checks: tuple[Check, ...]
     baseline: Snapshot
     current: Snapshot
-    thresholds: Thresholds
+    thresholds: GateThresholds
     warnings: tuple[str, ...] = ()
 
     @property
@@ -322,7 +322,7 @@ def _verification(report: Report) -> tuple[bool, str] | None:
 
 # -- the checks -------------------------------------------------------------------------------
 
-def compare(baseline: Snapshot, current: Snapshot, thresholds: Thresholds = Thresholds()) -> GateResult:
+def compare(baseline: Snapshot, current: Snapshot, thresholds: GateThresholds = GateThresholds()) -> GateResult:
     """Check ``current`` against ``baseline``; every check reports both values and the limit."""
     checks = []
     for check in (_at_baseline_scale, _at_recommended_scale, _at_one, _verdict, _new_overflow, _scale_shift,
@@ -341,25 +341,25 @@ def _rise_check(name: str, before: float, after: float, limit: float, what: str)
                  f"{what} went from {num.percent(before)} to {num.percent(after)} ({_points(rise)}; allowed +{limit * 100:.3g})")
 
 
-def _at_baseline_scale(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _at_baseline_scale(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     k = b.deployed_log2_scale
     return _rise_check("flushed_at_baseline_scale", b.flushed_at(k), c.flushed_at(k),
                        t.max_flushed_increase_at_scale, f"flushed at the baseline's recommended {_scale(k)}")
 
 
-def _at_recommended_scale(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _at_recommended_scale(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     kb, kc = b.deployed_log2_scale, c.deployed_log2_scale
     return _rise_check("flushed_at_recommended_scale", b.flushed_at(kb), c.flushed_at(kc),
                        t.max_flushed_increase_at_scale,
                        f"flushed at each run's own recommendation ({_scale(kb)} -> {_scale(kc)})")
 
 
-def _at_one(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _at_one(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     return _rise_check("flushed_fraction", b.flushed_fraction, c.flushed_fraction, t.max_flushed_increase,
                        "flushed at S = 1")
 
 
-def _verdict(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _verdict(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     worse = c.severity > b.severity
     if worse:
         how = "worse"
@@ -373,7 +373,7 @@ def _verdict(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
                  "no worse" if t.fail_on_worse_verdict else "ignored", message)
 
 
-def _new_overflow(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _new_overflow(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     # At the scale the baseline recommended: the scale users deploy. The scale multiplies
     # weight gradients too, so they count whatever kind is analysed.
     k = b.deployed_log2_scale
@@ -388,7 +388,7 @@ def _new_overflow(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
     )
 
 
-def _scale_shift(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _scale_shift(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     kb, kc = b.log2_scale, c.log2_scale
     if kb is None and kc is None:
         return Check("scale_shift", True, kb, kc, t.max_scale_shift_bits, "no scale recommended in either run")
@@ -401,7 +401,7 @@ def _scale_shift(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
                  f"recommended scale moved from 2^{kb} to 2^{kc} ({shift:+d} bits; allowed ±{t.max_scale_shift_bits})")
 
 
-def _module_regressions(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
+def _module_regressions(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     """Judge each module by how much its own share rose at the deployed scale, not by its rank."""
     k = b.deployed_log2_scale
     rises = []
@@ -428,7 +428,7 @@ def _module_regressions(b: Snapshot, c: Snapshot, t: Thresholds) -> Check:
     return Check("module_regressions", not over, len(rises), listed, t.max_module_increase, message)
 
 
-def _verified(b: Snapshot, c: Snapshot, t: Thresholds) -> Check | None:
+def _verified(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check | None:
     if c.verification is None:
         return None
     held, summary = c.verification

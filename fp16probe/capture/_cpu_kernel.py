@@ -44,6 +44,7 @@ SPLIT_AT = 1 << 21  # tensors this large may be split across threads (count_into
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
 _LANES = 8  # interleaved sub-histograms in the counting loop
 _CELLS = 264  # 257 cells per lane, padded to a multiple of 8
+_SMALL = 1 << 10  # below this many values the lanes cost more to zero and fold than they save
 _CHUNK = 1 << 34  # values per counting call: a lane's uint32 cell cannot wrap below 2^32 * 8 values
 _pool: ThreadPoolExecutor | None = None
 
@@ -84,6 +85,16 @@ if njit is not None:
         largest = -1
         for i in range(n):
             largest = max(largest, bits[i] & 0x7FFFFFFF)
+        return largest
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _count_small(bits, cells):  # pragma: no cover - compiled
+        """:func:`_count` for a short tensor: straight into ``cells``, without the lanes to zero and fold."""
+        largest = -1
+        for i in range(bits.shape[0]):
+            a = bits[i] & 0x7FFFFFFF
+            cells[(a + 0x7FFFFF) >> 23] += 1
+            largest = max(largest, a)
         return largest
 
     @njit(nogil=True, cache=True, boundscheck=False)
@@ -142,10 +153,13 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_into(bits, counts, keys, row, replace):  # pragma: no cover - compiled
-        local = np.zeros(_LANES * _CELLS, dtype=np.uint32)
         cells = np.zeros(257, dtype=np.int64)
-        largest = -1
         n = bits.shape[0]
+        if n < _SMALL:
+            _finish(bits, cells, _count_small(bits, cells), counts, keys, row, replace)
+            return
+        local = np.zeros(_LANES * _CELLS, dtype=np.uint32)
+        largest = -1
         for start in range(0, n, _CHUNK):
             if start:
                 local[:] = 0
@@ -174,6 +188,32 @@ if njit is not None:
         """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread (the thin per-tensor path:
         integers and the table's cached views only, so the call costs little more than the kernel)."""
         _count_into(carray(_int32_pointer(address), (n,)), counts, keys, row, replace)
+
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _largest_bits(bits):  # pragma: no cover - compiled
+        largest = 0
+        for i in range(bits.shape[0]):
+            largest = max(largest, bits[i] & 0x7FFFFFFF)
+        return largest
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def largest_many(addresses, lengths):  # pragma: no cover - compiled
+        """The largest ``|bits|`` over contiguous fp32 buffers (0 for none). Magnitudes order like their
+        bit patterns, NaN above inf above every finite value, so viewed as fp32 it is the largest |x|,
+        or inf, or NaN: what ``torch._foreach_norm(xs, inf)`` gives, at a read's cost on one thread."""
+        largest = 0
+        for t in range(addresses.shape[0]):
+            largest = max(largest, _largest_bits(carray(_int32_pointer(addresses[t]), (lengths[t],))))
+        return largest
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def fold_largest_at(address, n, slots, i):  # pragma: no cover - compiled
+        """``slots[i] = max(slots[i], largest |bits| of n fp32 at address)``: ``slots`` is the int32 view
+        of a float32 buffer of maxima (>= 0, NaN kept: it orders above everything)."""
+        largest = _largest_bits(carray(_int32_pointer(address), (n,)))
+        if largest > slots[i]:
+            slots[i] = largest
 
 
 def count_many(

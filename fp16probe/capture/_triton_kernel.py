@@ -38,10 +38,8 @@ try:
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-NUM_BINS = 281  # fp16probe.histogram.NUM_BINS
 BLOCK = 4096  # elements per tile: 16 per thread at 8 warps (two 128-bit loads of fp16)
 MAX_PROGRAMS = 1024  # programs per tensor; a larger tensor loops (the histogram stays in registers)
-_FP16_SHIFT_RANGE = (-112, 102)  # k with 2^-24 * 2^-k normal and 65504 * 2^-k finite in fp32
 
 
 def available() -> bool:

@@ -14,8 +14,8 @@ every build) decide. Answers are cached per op and input-dtype signature.
 Where the fake call fails (an op without a fake kernel, a data-dependent op), the
 documented CUDA lists below decide, and otherwise type promotion (fp16 out only when every
 floating input is fp16). The lists are torch's "CUDA Ops that can autocast to float16 /
-float32 / promote" for torch 2.4-2.13; ``bench/gpu_check.py`` checks them against a real
-GPU when one is at hand.
+float32" for torch 2.4-2.13 (its "promote" list is the type-promotion rule, so it needs no
+list here); ``bench/gpu_check.py`` checks them against a real GPU when one is at hand.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ __all__ = [
     "CAST_OPS",
     "CUDA_FP16_OPS",
     "CUDA_FP32_OPS",
-    "CUDA_PROMOTE_OPS",
     "REGIMES",
     "TARGETS",
     "cast_is_low",
@@ -59,10 +58,6 @@ CUDA_FP32_OPS = frozenset({
     "poisson_nll_loss", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss",
     "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss", "rms_norm",
     "batch_norm", "instance_norm", "native_layer_norm",
-})
-CUDA_PROMOTE_OPS = frozenset({
-    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sample", "index_put",
-    "scatter_add", "tensordot", "cat", "stack", "index_copy",
 })
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)

@@ -28,7 +28,6 @@ from fp16probe.capture import blockstats
 
 __all__ = ["BlockCapture", "layouts_for"]
 
-_GRAD_KINDS = ("output_grad", "weight_grad")
 # NVFP4 variants counted: (name, block scale rule, 16x16 tiles, columns).
 NV_VARIANTS = (("1x16", "torchao", False, False), ("1x16_cast", "cast", False, False),
                ("16x16", "torchao", True, False), ("1x16_t", "torchao", False, True),

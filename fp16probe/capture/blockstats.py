@@ -36,7 +36,6 @@ from fp16probe.blockscale import (
 __all__ = [
     "COUNT_FIELDS",
     "SPREAD_BINS",
-    "NV_FIELDS",
     "blocks",
     "current_scaling_counts",
     "nvfp4_counts",
@@ -46,7 +45,6 @@ __all__ = [
 ]
 
 COUNT_FIELDS = ("nonzero", "flushed", "subnormal", "saturated")
-NV_FIELDS = COUNT_FIELDS + ("blocks_lost", "values_in_lost_blocks")
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ gradients of functional code between and after modules (``out * gain``,
 ``logits / temperature``), module internals that bypass a submodule's forward
 (``nn.MultiheadAttention`` uses ``out_proj.weight`` directly) and the weight gradients.
 Every one of them is the input of some autograd node. So after each probed forward the
-graph behind the model's outputs (and, through :meth:`Ceiling.watch`, behind the loss) is
+graph behind the model's outputs (and, through :meth:`CeilingHooks.watch`, behind the loss) is
 walked once, and every node whose maximum nothing else counts gets a pre-hook that keeps
 only ``max |g|`` of the gradients flowing into it: one reduction per node, on the gradient's
 device, folded into one running maximum per step (the Recorder's ``note_max``). Nothing here
@@ -19,12 +19,12 @@ counts (a hooked module's output, a parameter's ``AccumulateGrad`` node before i
 backward of the step), one whose only consumer is a layout node (``view``, ``t``) that is
 seen, and a layout node over a covered node (hooked, reading only if a later walk finds
 another consumer below it). The dtype tracking costs tens of microseconds per op, so its marks are
-kept and reused while the graph repeats (see :meth:`Ceiling.begin_forward`); on a reused
+kept and reused while the graph repeats (see :meth:`CeilingHooks.begin_forward`); on a reused
 forward the gradient at an explicit cast (``h.float()`` in an RMSNorm) is seen only summed
 into its producer's, as it is in an fp32 graph. The walk itself (metadata read and written on
 every node) is replayed the same way: a step whose graph has the same nodes and edges in walk
 order, the same marks and the same parameter gradients left in place as the last fully walked
-one hooks the same nodes by position, without reading any metadata (:meth:`Ceiling._replay`). Scalar gradients are left out: they are the loss side's own arithmetic (the seed
+one hooks the same nodes by position, without reading any metadata (:meth:`CeilingHooks._replay`). Scalar gradients are left out: they are the loss side's own arithmetic (the seed
 ``d loss / d loss = 1``, ``loss * weight``), fp32 under autocast. What it does not see: gradients inside a ``torch.compile``'d region or a custom autograd
 Function's backward (one node each: only what flows in and out), and the recomputed graph
 of activation checkpointing (built during backward, after the walk).
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "Ceiling", "mark_covered", "step_ceilings"]
+__all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "CeilingHooks", "mark_covered", "step_ceilings"]
 
 CHANNEL = "ceiling"  # the Recorder's per-step maximum this feeds
 FP32_ONLY = "fp16probe.fp32_only"  # node.metadata mark (op capture): its gradient stays fp32 under autocast
@@ -233,7 +233,7 @@ class _Plan:
         self.counted = counted
 
 
-class Ceiling:
+class CeilingHooks:
     """Feed the largest unscaled |gradient| of every autograd node into a per-step maximum.
 
     ``enabled()`` says whether the owner records now (started and sampling);
@@ -356,10 +356,10 @@ class Ceiling:
                 continue
             chain = meta.get(_MIRROR)
             if chain is not None and chain[0] is walk:
-                self._register(node, meta, _unless_consumed_elsewhere(hook, chain[1], token))
+                self._register(node, _unless_consumed_elsewhere(hook, chain[1], token))
                 self.nodes_mirrored += 1
             else:
-                self._register(node, meta, hook)
+                self._register(node, hook)
                 self.nodes_hooked += 1
                 hooked.append(node)
         return hooked
@@ -395,7 +395,7 @@ class Ceiling:
             if (nodes[i].variable.grad is None) is not was_none:
                 return False
         hook = self._hook(token)
-        handles = [self._register(nodes[i], None, hook) for i in plan.hooked]
+        handles = [self._register(nodes[i], hook) for i in plan.hooked]
         self.nodes_hooked += len(handles)
         if self._marks is not None:
             self.forwards_reused += 1  # as the full walk counts a forward on reused marks
@@ -454,7 +454,7 @@ class Ceiling:
             if meta.get(_KEY) is token:
                 meta[_EXTRA] = token
                 if meta.pop(_SKIPPED, None) is token:
-                    self._register(node, meta, self._hook(token))
+                    self._register(node, self._hook(token))
                     self.nodes_hooked += 1
                 continue
             meta[_KEY] = token
@@ -475,7 +475,7 @@ class Ceiling:
                 self._marks = None  # a longer or shorter graph: track the next forward
         return order, walk
 
-    def _register(self, node: Any, meta: dict | None, hook: Callable[[tuple[Any, ...]], None]) -> Any:
+    def _register(self, node: Any, hook: Callable[[tuple[Any, ...]], None]) -> Any:
         handle = node.register_prehook(hook)
         if _ACCUMULATE in node.name():
             # A parameter's AccumulateGrad node outlives a graph while another holds it (the

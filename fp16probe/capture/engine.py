@@ -38,6 +38,7 @@ Three implementations give identical counts (the tests run all three):
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "count_into",
     "count_many",
     "histogram",
+    "largest_abs",
     "max_abs_from_key",
     "max_abs_of_keys",
     "new_table",
@@ -218,6 +220,32 @@ def count_many(
             np.array(batch_rows, dtype=np.int64),
             host[1], host[3], replace,
         )  # ``batch`` keeps the tensors alive until the kernel returns
+
+
+def largest_abs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The largest |x| over non-empty floating tensors on one device, as a float32 0-d tensor there:
+    inf or NaN when one of them holds one (NaN over inf). No host synchronisation.
+
+    On the CPU with the numba engine, contiguous fp32 tensors are read in one compiled call
+    (torch's inf-norm is a scalar loop there, ten times a read); elsewhere one fused
+    ``torch._foreach_norm(xs, inf)``.
+    """
+    kernel = _numba_kernel()
+    if kernel is not None and all(type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32
+                                  and x.is_contiguous() for x in xs):
+        bits = kernel.largest_many(np.array([x.data_ptr() for x in xs], dtype=np.int64),
+                                   np.array([x.numel() for x in xs], dtype=np.int64))
+        return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    norms = torch._foreach_norm(list(xs), math.inf)  # one fused pass (per device and dtype)
+    return torch.stack([n.float() for n in norms]).max()
+
+
+def thin_largest() -> object | None:
+    """The CPU kernel's ``fold_largest_at(address, numel, slots, i)``, or None when numba does not count here:
+    ``slots[i]`` (the int32 view of a float32 buffer of maxima) becomes the larger of itself and the
+    largest |x| of ``numel`` contiguous fp32 at ``address`` (NaN kept). The recorder's forward maxima."""
+    kernel = _numba_kernel()
+    return None if kernel is None else kernel.fold_largest_at
 
 
 def thin_counter() -> tuple[object, int] | None:

@@ -56,7 +56,6 @@ _FP32_MAX = torch.finfo(torch.float32).max
 # Ops that move or view values without computing new ones: op capture's list less its casts
 # (which change the dtype here), plus repeat (a copy of the same values).
 _LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
-_CASTS = CAST_OPS
 _NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, torch.Size)
 
 
@@ -114,7 +113,6 @@ class ForwardAudit:
         self.step_index = -1
         self.steps: list[int] = []
         self.loss_low: dict[str, bool] = {}
-        self.loss_dtype_step: int | None = None
         self.custom: list[str] = []
         self.errors = 0
         self.first_error: str | None = None
@@ -187,7 +185,7 @@ class ForwardAudit:
         floats_in = [t for t in inputs if t.is_floating_point()]
         lows_in = [self._low_map(t) for t in floats_in]
         low: dict[str, bool] = {}
-        if op in _CASTS:
+        if op in CAST_OPS:
             changed = False
             for target in self.targets:
                 c = cast_is_low(op, args, kwargs, lambda t, _target=target: self._low_map(t)[_target])
@@ -208,7 +206,7 @@ class ForwardAudit:
                 low[target] = output_is_low(func, args, kwargs, is_low, target, self.regime)
         for t in outs:
             self._set_low(t, low)
-        if op in _LAYOUT or (op in _CASTS and not any(low.values())):
+        if op in _LAYOUT or (op in CAST_OPS and not any(low.values())):
             return out
         frame = self._stack[-1] if self._stack else [ROOT_NAME, {}]
         counts = frame[1]
@@ -219,7 +217,7 @@ class ForwardAudit:
         if fp16_targets:
             for t in outs:
                 self._measure(t, name, frame[0], op, "output", fp16_targets)
-        if fp16_targets and op not in _CASTS:
+        if fp16_targets and op not in CAST_OPS:
             for t, lin in zip(floats_in, lows_in):
                 if t.dim() == 0:
                     continue

@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from fp16probe.capture import distributed as _distributed
+from fp16probe.capture import engine
 from fp16probe.report import StepHistory, StepTrace
 
 __all__ = ["History"]
 
 _FIRST_CAPACITY = 1024
+_TRIGGERS = 16  # parameters whose gradient accumulation queues the end-of-backward read
 
 
 class History:
@@ -45,13 +47,22 @@ class History:
 
     # -- hooks ----------------------------------------------------------------------------
     def attach(self, params: Sequence[torch.Tensor]) -> None:
-        """Hook every parameter's gradient accumulation; the first of a backward queues the read."""
+        """Hook the gradient accumulation of a few parameters spread over ``params``; the first to
+        fire in a backward queues the read, which reads every parameter's gradient.
+
+        A hook per parameter would cost a Python call per parameter and step (0.8 ms a step
+        on a 200-parameter MLP) to learn what the first call says. A backward in which none
+        of the ``_TRIGGERS`` spread-out parameters gets a gradient records no row (its step
+        reads as unknown, never as a wrong value).
+        """
         if self._handles:
             return
         self._params = list(params)
         self._start_step = self.recorder.step_index if self._buf is None else self._start_step
-        for p in self._params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        n = len(self._params)
+        picks = sorted({round(k * (n - 1) / (_TRIGGERS - 1)) for k in range(_TRIGGERS)}) if n > _TRIGGERS else range(n)
+        for k in picks:
+            self._handles.append(self._params[k].register_post_accumulate_grad_hook(self._grad_ready))
 
     def detach(self) -> None:
         """Remove the hooks; what was recorded stays."""
@@ -83,8 +94,10 @@ class History:
             if not grads:
                 return
             device = grads[0].device
-            norms = torch._foreach_norm(grads, math.inf)  # one fused pass (per device and dtype)
-            raw = torch.stack([n.float().to(device, non_blocking=True) for n in norms]).max()
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            raw = torch.stack([engine.largest_abs(gs).to(device, non_blocking=True) for gs in by_device.values()]).max()
             scale = rec.scale_source.tensor() if rec.scale_source is not None else None
             row = self._row(rec.step_index - self._start_step, device)
             if scale is None:

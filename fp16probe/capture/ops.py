@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import cast_is_low, op_name, output_is_low
+from fp16probe.capture.autocast_rules import CAST_OPS, cast_is_low, op_name, output_is_low
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
@@ -61,8 +61,6 @@ LAYOUT_OPS = frozenset(
         "unfold", "unsqueeze", "view", "view_as", "vsplit",
     }
 )
-# Explicit dtype conversions: what they produce, and (as consumers) a possible cast to fp16.
-_CASTS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})
 
 _LOW, _FP32, _PASS = "lower", "fp32", "pass"  # what autocast does with an op
 
@@ -129,7 +127,7 @@ class _OpCapture(TorchFunctionMode):
                 # would make a new fp32 tensor from an fp16 x: give the result its own identity
                 # (a view, the same values and storage) so the two can carry different dtypes.
                 op = op_name(func)
-                if op in _CASTS:
+                if op in CAST_OPS:
                     low = self._cast_low(op, args, kwargs or {})
                     if low is not None and low != self._is_low(out):
                         out = out.view_as(out)
@@ -170,11 +168,11 @@ class _OpCapture(TorchFunctionMode):
                     inputs: list[torch.Tensor]) -> bool:
         if _autocast_on(out.device.type):  # the profile runs under autocast: real dtypes
             return out.dtype in (torch.float16, torch.bfloat16)
-        if op in _CASTS:
+        if op in CAST_OPS:
             low = self._cast_low(op, args, kwargs)
             if low is not None:
                 return low
-        if op in LAYOUT_OPS or op in _CASTS:
+        if op in LAYOUT_OPS or op in CAST_OPS:
             return bool(inputs) and self._is_low(inputs[0])
         if self.target is not None:
             return output_is_low(func, args, kwargs, self._is_low, self.target)
@@ -201,7 +199,7 @@ class _OpCapture(TorchFunctionMode):
             self._set_low(t, low)
         # A consumer that computes in fp16 (or casts) gives its fp32 inputs' gradients an
         # fp16 pass in the real run.
-        if low or op in _CASTS:
+        if low or op in CAST_OPS:
             for t in inputs:
                 entry = self.outs.get(id(t))
                 if entry is not None and entry[0]() is t:  # not a freed tensor's reused id

@@ -20,7 +20,7 @@ from torch import nn
 
 from fp16probe._version import __version__
 from fp16probe.capture import distributed as _distributed
-from fp16probe.capture.ceiling import CHANNEL, Ceiling, step_ceilings
+from fp16probe.capture.ceiling import CHANNEL, CeilingHooks, step_ceilings
 from fp16probe.capture.history import History
 from fp16probe.capture.recorder import FORWARD, ROOT_NAME, Recorder, iter_tensors
 from fp16probe.capture.shadow import DEFAULT_SHADOW_EVERY, Shadow
@@ -168,7 +168,7 @@ class Probe:
         rec.forward = bool(forward)
         # The overflow ceiling covers every gradient backward makes, not only hooked modules'.
         self._ceiling = (
-            Ceiling(
+            CeilingHooks(
                 lambda: rec.enabled and rec.sampling,
                 rec.inv_scale,
                 lambda v: rec.note_max(CHANNEL, v),
@@ -580,7 +580,7 @@ def _output_hook(rec: Recorder, name: str, type_name: str):
     return hook
 
 
-def _ceiling_hook(ceiling: Ceiling):
+def _ceiling_hook(ceiling: CeilingHooks):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         # Outside any torch function mode: the walk makes no tensor.
         with torch._C.DisableTorchFunction():

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp16probe.capture import distributed as _distributed
@@ -177,6 +178,7 @@ class Recorder:
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
+        self._thin: tuple[Any, int] | None = None  # engine.thin_counter() for this step, (None, 0): none
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
@@ -294,21 +296,25 @@ class Recorder:
 
     def _record_grad(self, i: int, grad: torch.Tensor) -> None:
         """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
-        thin = engine.thin_counter() if self.scaler is None else None
-        if thin is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
-                and grad.is_contiguous() and 0 < grad.numel() < thin[1]:
-            try:
-                with self.lock:
-                    st = self._state
-                    table = st.open.get(ACTIVATION_GRAD)
-                    if table is not None:
-                        counts, keys = engine.host_views(*table)
-                        thin[0](grad.data_ptr(), grad.numel(), counts, keys, i, False)  # type: ignore[operator]
-                        st.dirty = True
-                        return
-            except Exception as e:
-                self.note_error(e)
-                return
+        thin = self._thin
+        if thin is None:  # asked once a step (the size limit follows torch's thread count)
+            thin = self._thin = (engine.thin_counter() if self.scaler is None else None) or (None, 0)
+        if thin[1] and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
+                and grad.is_contiguous():
+            n = grad.numel()
+            if 0 < n < thin[1]:
+                try:
+                    with self.lock:
+                        st = self._state
+                        table = st.open.get(ACTIVATION_GRAD)
+                        if table is not None:
+                            counts, keys = engine.host_views(*table)
+                            thin[0](grad.data_ptr(), n, counts, keys, i, False)  # type: ignore[misc]
+                            st.dirty = True
+                            return
+                except Exception as e:
+                    self.note_error(e)
+                    return
         self.record(ACTIVATION_GRAD, i, grad)
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -424,9 +430,10 @@ class Recorder:
         an in-place maximum into the module's slot.
         """
         try:
-            if t.numel() == 0 or t.dtype == torch.float64:
+            dtype = t.dtype
+            if dtype is torch.float64:
                 return
-            if t.dtype == torch.float32 and _autocast_on(t.device.type):
+            if dtype is torch.float32 and _autocast_on("cpu" if t.is_cpu else t.device.type):
                 return  # autocast keeps it fp32: it cannot overflow fp16
             self._forward.fold(name, t)
             self._state.dirty = True
@@ -458,13 +465,6 @@ class Recorder:
                 RuntimeWarning,
                 stacklevel=2,
             )
-
-    def scale_tensor(self) -> torch.Tensor | None:
-        """The scaler's scale in force this step, as a device tensor (None without a scaler)."""
-        st = self._state
-        if st.scale is None and self.scale_source is not None:
-            self._inv_scale(st, None)
-        return st.scale
 
     def inv_scale(self, device: torch.device) -> torch.Tensor | None:
         """1 / the scale in force this step, on ``device`` (None when gradients are not scaled); no sync."""
@@ -518,6 +518,7 @@ class Recorder:
         Everything is computed out of place first; the last statement commits. An
         exception or KeyboardInterrupt before it leaves the step open and intact.
         """
+        self._thin = None
         with self.lock:
             st = self._state
             index = st.step_index + 1
@@ -661,12 +662,14 @@ _AMINMAX_FROM = 1 << 16  # elements from which one aminmax pass beats |t| then a
 class _ForwardMaxima:
     """Per-module forward maxima on the device: this step's, the run's, and the first step past fp16's max."""
 
-    __slots__ = ("index", "step", "views", "run", "first")
+    __slots__ = ("index", "step", "views", "slots", "fold_at", "run", "first")
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
         self.step: torch.Tensor | None = None  # [capacity] float32: this step's maxima
         self.views: list[torch.Tensor] = []  # one 0-d view of ``step`` per module
+        self.slots: np.ndarray | None = None  # ``step`` as int32 numpy, for the CPU kernel (None: torch ops)
+        self.fold_at: object | None = None  # engine.thin_largest(): fp32 CPU outputs in one compiled read
         self.run: torch.Tensor | None = None  # [capacity] float32: the run's maxima over closed steps
         self.first: torch.Tensor | None = None  # [capacity] int64: first step past 65504 (-1: none yet)
 
@@ -674,6 +677,12 @@ class _ForwardMaxima:
         i = self.index.get(name)
         if i is None:
             i = self.index[name] = len(self.index)
+        slots = self.slots  # a CPU buffer: fp32 CPU outputs fold in one compiled read
+        if slots is not None and i < slots.shape[0] and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous():
+            self.fold_at(t.data_ptr(), t.numel(), slots, i)  # type: ignore[operator]
+            return
+        if t.numel() == 0:
+            return
         if self.step is None or i >= len(self.views) or self.step.device != t.device:
             self._grow(t.device, i + 1)
         view = self.views[i]
@@ -696,6 +705,8 @@ class _ForwardMaxima:
             first[:k] = self.first.to(device)
         self.step, self.run, self.first = step, run, first
         self.views = [step[i] for i in range(n)]
+        self.fold_at = engine.thin_largest() if step.is_cpu else None
+        self.slots = None if self.fold_at is None else step.numpy().view(np.int32)
 
     def close(self, step_index: int) -> torch.Tensor | None:
         buf = self.step

@@ -11,7 +11,7 @@ from typing import Any
 
 from fp16probe.formatting import percent
 
-__all__ = ["RECIPE_WORDS", "block_advice_lines", "block_table_markdown"]
+__all__ = ["RECIPE_WORDS", "block_advice_lines"]
 
 RECIPE_WORDS = {
     "current": "per-tensor current scaling (TE Float8CurrentScaling, torchao tensorwise)",
@@ -67,11 +67,3 @@ def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None) -> 
     out += [f"note: {n}" for n in advice["notes"]]
     out.append("sources: " + "; ".join(advice["citations"]))
     return out
-
-
-def block_table_markdown(advice: Mapping[str, Any]) -> str:
-    """Return the per-layer table as Markdown (for docs made from a real run)."""
-    head, rows = _table(advice)
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)

@@ -57,16 +57,12 @@ __all__ = [
     "log_histogram",
     "sink_for",
     "tensorboard_writer",
-    "to_mlflow",
-    "to_tensorboard",
-    "to_wandb",
     "tracker_series",
 ]
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 AXES = ("log2", "magnitude")
 PREFIX = "fp16probe"
-GRAD_KINDS = tuple(k for k in KINDS if k != ACTIVATION)
 
 
 def _require(module: str, extra: str, what: str) -> Any:
@@ -167,11 +163,11 @@ def tracker_series(
     ``kind`` values yet).
     """
     fmt = get_format(format)
-    return _series(report, fmt, kind, _recommendation(report, recommendation, fmt, kind), modules=modules,
+    return _series(report, fmt, _recommendation(report, recommendation, fmt, kind), modules=modules,
                    axis=axis, step_offset=step_offset, since_step=since_step)
 
 
-def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, *, modules: bool = False,
+def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules: bool = False,
             axis: str = "log2", step_offset: int = 0, since_step: int | None = None,
             skipped_before: int = 0) -> TrackerSeries:
     """What :func:`tracker_series` computes, for a recommendation already chosen (None: no scale).
@@ -429,24 +425,6 @@ def active_mlflow_run() -> tuple[Any, str] | None:
 
 # -- finished reports -----------------------------------------------------------------------------
 
-def to_tensorboard(report: Report, log_dir: Any, **options: Any) -> Path | None:
-    """Write ``report`` as TensorBoard event files under ``log_dir`` (or into a SummaryWriter).
-
-    Returns the log folder. Options as for :func:`export`.
-    """
-    return export(report, to="tensorboard", dest=log_dir, **options)
-
-
-def to_wandb(report: Report, run_or_dir: Any = None, **options: Any) -> Path | None:
-    """Log ``report`` to a wandb Run (or a new run under a folder; ``WANDB_MODE=offline`` keeps it local)."""
-    return export(report, to="wandb", dest=run_or_dir, **options)
-
-
-def to_mlflow(report: Report, tracking_uri: Any = None, **options: Any) -> Path | None:
-    """Log ``report`` to a new MLflow run (or ``(client, run_id)``): metrics, figures and an HTML report."""
-    return export(report, to="mlflow", dest=tracking_uri, **options)
-
-
 def export(
     report: Report,
     *,
@@ -482,7 +460,7 @@ def export(
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
     fmt = get_format(format)
     rec = _recommendation(report, recommendation, fmt, kind)
-    series = _series(report, fmt, kind, rec, modules=modules, axis=axis, step_offset=step_offset)
+    series = _series(report, fmt, rec, modules=modules, axis=axis, step_offset=step_offset)
     with _file_store_allowed(to, dest):
         sink = _open(to, dest, run_name=run_name, project=project)
         try:
@@ -588,7 +566,7 @@ class TrackerLog:
         again = sum(1 for st, f in zip(trace.steps, trace.found_inf)
                     if f and prev is not None and st + self.step_offset <= prev)
         before = self._skipped - again if windowed else 0
-        series = _series(report, self.format, self.kind, rec, modules=self.modules, axis=self.axis,
+        series = _series(report, self.format, rec, modules=self.modules, axis=self.axis,
                          step_offset=self.step_offset, since_step=self.last_step, skipped_before=before)
         if not series.steps() or (self.last_step is not None and max(series.steps()) <= self.last_step):
             return 0  # no new step: module totals alone are not logged again

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fp16probe.errors import ModelLoadError
+from fp16probe.errors import ModelLoadError, first_line
 
 __all__ = ["ArchiveNeedsTrust", "read_archive"]
 
@@ -75,14 +75,14 @@ def read_archive(path: Path) -> tuple[Any, tuple[str, ...]]:
     except Exception as e:
         raise ModelLoadError(
             f"MODEL {path}: cannot read it as a torch.export archive (not a zip written by torch.export.save, "
-            f"or truncated): {_first_line(e)}"
+            f"or truncated): {first_line(e)}"
         ) from e
 
     def read(name: str) -> bytes:
         try:
             return bytes(reader.get_record(name))
         except Exception as e:
-            raise ModelLoadError(f"MODEL {path}: the archive's {name} cannot be read: {_first_line(e)}") from e
+            raise ModelLoadError(f"MODEL {path}: the archive's {name} cannot be read: {first_line(e)}") from e
 
     if pkg.ARCHIVE_FORMAT_PATH not in names or pkg.ARCHIVE_VERSION_PATH not in names:
         raise ArchiveNeedsTrust(
@@ -144,7 +144,7 @@ def read_archive(path: Path) -> tuple[Any, tuple[str, ...]]:
     except Exception as e:
         raise ModelLoadError(
             f"MODEL {path}: cannot read it as a torch.export archive (corrupt, or saved by another torch?): "
-            f"{type(e).__name__}: {_first_line(e)}"
+            f"{type(e).__name__}: {first_line(e)}"
         ) from e
     _check_graph(ep, path, serialize)
     notes = []
@@ -176,7 +176,7 @@ def _json(raw: bytes, name: str, path: Path) -> Any:
     try:
         return json.loads(raw)
     except ValueError as e:
-        raise ModelLoadError(f"MODEL {path}: the archive's {name} is not valid JSON: {_first_line(e)}") from e
+        raise ModelLoadError(f"MODEL {path}: the archive's {name} is not valid JSON: {first_line(e)}") from e
 
 
 def _payload_config(read: Any, names: set[str], name: str, path: Path, schema: Any, serialize: Any) -> Any:
@@ -187,7 +187,7 @@ def _payload_config(read: Any, names: set[str], name: str, path: Path, schema: A
     except ModelLoadError:
         raise
     except Exception as e:
-        raise ModelLoadError(f"MODEL {path}: the archive's {name} is malformed: {_first_line(e)}") from e
+        raise ModelLoadError(f"MODEL {path}: the archive's {name} is malformed: {first_line(e)}") from e
 
 
 def _expr_strings(node: Any) -> Iterator[str]:
@@ -228,7 +228,7 @@ def _weights_only(raw: bytes, path: Path) -> Any:
             f"MODEL {path}: the archive's sample inputs hold Python objects beyond tensors (read by unpickling)"
         ) from e
     except Exception as e:
-        raise ModelLoadError(f"MODEL {path}: the archive's sample inputs cannot be read: {_first_line(e)}") from e
+        raise ModelLoadError(f"MODEL {path}: the archive's sample inputs cannot be read: {first_line(e)}") from e
     if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
         raise ModelLoadError(
             f"MODEL {path}: the archive's sample inputs are a {type(value).__name__}, expected (args, kwargs)"
@@ -277,8 +277,3 @@ class _QuietExport:
     def __exit__(self, *exc: Any) -> None:
         for lg, level in zip(self._loggers, self._levels):
             lg.setLevel(level)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -15,7 +15,7 @@ are chosen to be the ones the model's task trains with, and always recorded as i
 - Any other ``nn.Module``: inputs shaped from its first layer (``Linear``: features;
   ``Conv1d/2d/3d``: channels; ``Embedding``: token ids), and the default loss.
 
-The default loss (:func:`default_loss_for`) decides at its first call: the model's own
+The default loss (:class:`DecidingLoss`) decides at its first call: the model's own
 ``.loss`` when the output has one (labels came with the batch), else the batch's own targets
 when it carries some that fit the output (a tuple's second element, a dict's ``labels``:
 class ids get cross-entropy, values shaped like the output mean squared error), else
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -102,12 +102,19 @@ class Plan:
 # -- the model's forward ---------------------------------------------------------------
 
 
+def _forward_parameters(cls: type) -> list[inspect.Parameter] | None:
+    """forward()'s parameters after ``self``; None when its signature cannot be read."""
+    try:
+        return list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def forward_signature(model: nn.Module | type) -> str:
     """Return ``Class.forward(a, b=None, ...)``: what the model says it takes."""
     cls = model if isinstance(model, type) else type(model)
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError, AttributeError):
+    params = _forward_parameters(cls)
+    if params is None:
         return f"{cls.__name__}.forward(...)"
     shown = []
     for p in params[:6]:
@@ -124,18 +131,12 @@ def forward_signature(model: nn.Module | type) -> str:
 
 
 def _required_inputs(cls: type) -> list[str]:
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError, AttributeError):
-        return []
-    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [p.name for p in _forward_parameters(cls) or ()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _parameters(cls: type) -> list[str]:
-    try:
-        return list(inspect.signature(cls.forward).parameters)[1:]
-    except (TypeError, ValueError, AttributeError):
-        return []
+    return [p.name for p in _forward_parameters(cls) or ()]
 
 
 # forward() parameters that are a model's inputs when none is required (Hugging Face style:
@@ -192,9 +193,11 @@ def hf_plan(
         raise no_inputs_error(cls, f"{name} takes token ids and images together (input_ids and pixel_values); "
                                    f"fp16probe draws one kind of synthetic input{_nested_words(config)}")
     if "input_ids" in params:
-        return _hf_text_plan(cls, family, config, shape, vocab_size)
+        draw = _token_draw(cls, family or "hf_base_text", config, shape, vocab_size)
+        return _TOKEN_PLANS.get(draw.family, _Draw.plan)(draw)
     if "pixel_values" in params:
-        return _hf_image_plan(cls, family, config, shape)
+        draw = _image_draw(cls, family or "hf_base_image", config, shape)
+        return _IMAGE_PLANS.get(draw.family, _Draw.plan)(draw)
     raise no_inputs_error(cls, f"fp16probe cannot make synthetic inputs for {name} (no input_ids or pixel_values)")
 
 
@@ -207,7 +210,7 @@ def _nested(config: Callable[[str], Any], key: str) -> tuple[str, int] | None:
     for sub in _SUB_CONFIGS:
         inner = config(sub)
         value = inner.get(key) if isinstance(inner, Mapping) else getattr(inner, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if _positive(value):
             return f"{sub}.{key}", value
     return None
 
@@ -217,8 +220,8 @@ def _nested_words(config: Callable[[str], Any]) -> str:
     return "" if found is None else f" (its vocabulary is {found[0]} = {found[1]})"
 
 
-def _positive(config: Callable[[str], Any], key: str) -> int | None:
-    value = config(key)
+def _positive(value: Any) -> int | None:
+    """``value`` when it is a positive int (a bool is not), else None: how a config setting is trusted."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -226,20 +229,53 @@ def _num_labels(config: Callable[[str], Any]) -> int:
     id2label = config("id2label")
     if isinstance(id2label, Mapping) and id2label:
         return len(id2label)
-    return _positive(config, "num_labels") or 2  # transformers' own default
+    return _positive(config("num_labels")) or 2  # transformers' own default
 
 
-def _hf_text_plan(cls: type, family: str | None, config: Callable[[str], Any],
-                  shape: tuple[int, ...] | None, vocab_size: int | None) -> Plan:
+@dataclass(frozen=True)
+class _Draw:
+    """What every family's plan starts from: the model's synthetic input, its config, the notes so far."""
+
+    family: str
+    config: Callable[[str], Any]
+    key: str  # the forward() argument: input_ids or pixel_values
+    shape: tuple[int, ...]
+    high: int | None = None  # token ids are drawn from [0, high); None: standard normal pixels
+    notes: tuple[str, ...] = ()
+    configure: Mapping[str, Any] = field(default_factory=dict)
+
+    def inputs(self, gen: torch.Generator) -> torch.Tensor:
+        """Draw one batch of the input."""
+        if self.high is None:
+            return torch.randn(self.shape, generator=gen)
+        return torch.randint(0, self.high, self.shape, generator=gen)
+
+    def plan(self, make: Callable[[torch.Generator], dict[str, Any]] | None = None, *, more: str = "",
+             labels: str | None = None, loss: str | None = None) -> Plan:
+        """The plan drawing ``make``'s batches (default: the input alone); ``more`` extends the inputs' description."""
+        if self.high is None:
+            batch, channels, height, width = self.shape
+            text = f"{batch} standard normal images of {channels}x{height}x{width} (pixel_values)"
+        else:
+            text = f"{self.shape[0]} sequences of {self.shape[1]} uniform random token ids in [0, {self.high})"
+        dtype = torch.float32 if self.high is None else torch.int64
+        return Plan(self.family, make or (lambda gen: {self.key: self.inputs(gen)}), f"synthetic: {text}{more}",
+                    labels=labels, loss=loss, notes=self.notes, configure=self.configure,
+                    shapes=((self.shape, dtype),))
+
+
+def _token_draw(cls: type, family: str, config: Callable[[str], Any],
+                shape: tuple[int, ...] | None, vocab_size: int | None) -> _Draw:
+    """Token ids: the vocabulary and sequence length from the config (or ``vocab_size``, ``shape``)."""
     name = cls.__name__
-    vocab = vocab_size or _positive(config, "vocab_size")
+    vocab = vocab_size or _positive(config("vocab_size"))
     nested = _nested(config, "vocab_size") if vocab is None else None
     if nested is not None:
         vocab = nested[1]
     if vocab is None:
         raise no_inputs_error(cls, f"{name}'s config has no vocab_size (nor {', '.join(s + '.vocab_size' for s in _SUB_CONFIGS)}) "
                                    "to draw token ids from, and no vocab size was given")
-    positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config, k))),
+    positions = next((p for k in ("max_position_embeddings", "n_positions", "n_ctx") if (p := _positive(config(k)))),
                      None)
     if shape is not None:
         if len(shape) != 2:
@@ -248,97 +284,138 @@ def _hf_text_plan(cls: type, family: str | None, config: Callable[[str], Any],
         batch, seq = shape
     else:
         batch, seq = BATCH, min(SEQUENCE, positions) if positions else SEQUENCE
+    return _Draw(family, config, "input_ids", (batch, seq), high=vocab)
+
+
+def _image_draw(cls: type, family: str, config: Callable[[str], Any], shape: tuple[int, ...] | None) -> _Draw:
+    """Images: channels and size from the config (or ``shape``), with a note for each one assumed."""
     notes: list[str] = []
-    configure: dict[str, Any] = {}
-    high = vocab
-    pad = config("pad_token_id")
-    if family == "sequence_classification" and pad is None:
+    if shape is not None:
+        if len(shape) != 4:
+            raise InputError(f"input_shape={','.join(map(str, shape))}: {cls.__name__} takes images; "
+                             "expected batch,channels,height,width", parameter="input_shape")
+        batch, channels, height, width = shape
+    else:
+        batch = IMAGE_BATCH
+        channels = _positive(config("num_channels"))
+        if channels is None:
+            channels = 3
+            notes.append("the config does not say num_channels: 3 assumed")
+        size = config("image_size")
+        if isinstance(size, (list, tuple)) and len(size) == 2:
+            height, width = int(size[0]), int(size[1])
+        elif _positive(size):
+            height = width = size
+        else:
+            height = width = IMAGE_SIZE
+            notes.append(f"the config does not say image_size: {IMAGE_SIZE}x{IMAGE_SIZE} assumed (the ImageNet size)")
+    return _Draw(family, config, "pixel_values", (batch, channels, height, width), notes=tuple(notes))
+
+
+
+# -- one plan per head family: the labels its task trains on ---------------------------
+
+
+def _causal_lm(d: _Draw) -> Plan:
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        x = d.inputs(gen)
+        return {"input_ids": x, "labels": x}
+
+    return d.plan(make, labels="labels = input_ids (the next tokens)",
+                  loss="the model's own loss: cross-entropy of each next token (labels = input_ids, "
+                       "shifted inside the model)")
+
+
+def _masked_lm(d: _Draw) -> Plan:
+    mask_id = d.config("mask_token_id")
+    masked_with = f"mask_token_id {mask_id}" if isinstance(mask_id, int) else "random ids (no mask_token_id in the config)"
+
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        x = d.inputs(gen)
+        chosen = torch.rand(d.shape, generator=gen) < MASK_SHARE
+        chosen[:, 0] |= ~chosen.any(dim=1)  # at least one masked token per row
+        labels = torch.where(chosen, x, torch.full_like(x, -100))
+        fill = (torch.full_like(x, mask_id) if isinstance(mask_id, int) else d.inputs(gen))
+        return {"input_ids": torch.where(chosen, fill, x), "labels": labels}
+
+    return d.plan(make, more=f", {MASK_SHARE:.0%} of positions replaced by {masked_with}",
+                  labels="the original ids at the masked positions",
+                  loss=f"the model's own loss: cross-entropy at the {MASK_SHARE:.0%} masked positions")
+
+
+def _seq2seq_lm(d: _Draw) -> Plan:
+    batch, target = d.shape[0], max(1, d.shape[1] // 2)
+    pad = d.config("pad_token_id")
+    first_id = pad if isinstance(pad, int) else 0
+    shift = not isinstance(d.config("decoder_start_token_id"), int)
+    if shift:
+        d = replace(d, notes=(*d.notes, "the config has no decoder_start_token_id: decoder_input_ids are the "
+                                        f"labels shifted right after a {first_id}"))
+
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        x = d.inputs(gen)
+        y = torch.randint(0, d.high, (batch, target), generator=gen)
+        out = {"input_ids": x, "labels": y}
+        if shift:
+            first = torch.full((batch, 1), first_id, dtype=y.dtype)
+            out["decoder_input_ids"] = torch.cat([first, y[:, :-1]], dim=1)
+        return out
+
+    return d.plan(make, more=f"; {batch} target sequences of {target} random ids",
+                  labels=f"random target ids in [0, {d.high}), teacher-forced",
+                  loss="the model's own loss: cross-entropy of the decoder's tokens against the target ids")
+
+
+def _classification(d: _Draw) -> Plan:
+    """Sequence and image classifiers: one label (or target) per row."""
+    if d.high is not None and d.config("pad_token_id") is None:
         # Decoder-style classifiers pool each row's last non-pad token and refuse a batch
         # without a pad id; reserve the last id as pad and never draw it.
-        configure["pad_token_id"] = vocab - 1
-        high = vocab - 1
-        notes.append(f"config.pad_token_id was unset: set to {vocab - 1} (never drawn) so the classifier "
-                     "pools each row's last token")
-    ids_text = f"{batch} sequences of {seq} uniform random token ids in [0, {high})"
-    sized = ((batch, seq), torch.int64)
-    fam = family or "hf_base_text"
+        pad = d.high - 1
+        d = replace(d, high=pad, configure={"pad_token_id": pad},
+                    notes=(*d.notes, f"config.pad_token_id was unset: set to {pad} (never drawn) so the "
+                                     "classifier pools each row's last token"))
+    labels_of, labels_text, loss_text = _class_labels(d.config, d.shape[:1], "image" if d.high is None else "sequence")
 
-    def ids(gen: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, high, (batch, seq), generator=gen)
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        return {d.key: d.inputs(gen), "labels": labels_of(gen)}
 
-    if family == "causal_lm":
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            x = ids(gen)
-            return {"input_ids": x, "labels": x}
+    return d.plan(make, labels=labels_text, loss=loss_text)
 
-        return Plan(fam, make, f"synthetic: {ids_text}", labels="labels = input_ids (the next tokens)",
-                    loss="the model's own loss: cross-entropy of each next token (labels = input_ids, "
-                         "shifted inside the model)", notes=tuple(notes), shapes=(sized,))
-    if family == "masked_lm":
-        mask_id = config("mask_token_id")
-        masked_with = f"mask_token_id {mask_id}" if isinstance(mask_id, int) else "random ids (no mask_token_id in the config)"
 
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            x = ids(gen)
-            chosen = torch.rand((batch, seq), generator=gen) < MASK_SHARE
-            chosen[:, 0] |= ~chosen.any(dim=1)  # at least one masked token per row
-            labels = torch.where(chosen, x, torch.full_like(x, -100))
-            fill = (torch.full_like(x, mask_id) if isinstance(mask_id, int) else ids(gen))
-            return {"input_ids": torch.where(chosen, fill, x), "labels": labels}
+def _token_classification(d: _Draw) -> Plan:
+    n = _num_labels(d.config)
 
-        return Plan(fam, make, f"synthetic: {ids_text}, {MASK_SHARE:.0%} of positions replaced by {masked_with}",
-                    labels="the original ids at the masked positions",
-                    loss=f"the model's own loss: cross-entropy at the {MASK_SHARE:.0%} masked positions",
-                    notes=tuple(notes), shapes=(sized,))
-    if family == "seq2seq_lm":
-        target = max(1, seq // 2)
-        start = config("decoder_start_token_id")
-        shift = not isinstance(start, int)
-        if shift:
-            notes.append("the config has no decoder_start_token_id: decoder_input_ids are the labels shifted "
-                         f"right after a {pad if isinstance(pad, int) else 0}")
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        return {"input_ids": d.inputs(gen), "labels": torch.randint(0, n, d.shape, generator=gen)}
 
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            x = ids(gen)
-            y = torch.randint(0, high, (batch, target), generator=gen)
-            out = {"input_ids": x, "labels": y}
-            if shift:
-                first = torch.full((batch, 1), pad if isinstance(pad, int) else 0, dtype=y.dtype)
-                out["decoder_input_ids"] = torch.cat([first, y[:, :-1]], dim=1)
-            return out
+    return d.plan(make, labels=f"a uniform random label in [0, {n}) per token",
+                  loss=f"the model's own loss: cross-entropy of each token's label over {n} labels")
 
-        return Plan(fam, make, f"synthetic: {ids_text}; {batch} target sequences of {target} random ids",
-                    labels=f"random target ids in [0, {high}), teacher-forced",
-                    loss="the model's own loss: cross-entropy of the decoder's tokens against the target ids",
-                    notes=tuple(notes), shapes=(sized,))
-    if family == "sequence_classification":
-        labels_of, labels_text, loss_text = _class_labels(config, (batch,), "sequence")
 
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            return {"input_ids": ids(gen), "labels": labels_of(gen)}
+def _question_answering(d: _Draw) -> Plan:
+    batch, seq = d.shape
 
-        return Plan(fam, make, f"synthetic: {ids_text}", labels=labels_text, loss=loss_text,
-                    notes=tuple(notes), configure=configure, shapes=(sized,))
-    if family == "token_classification":
-        n = _num_labels(config)
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        start = torch.randint(0, seq, (batch,), generator=gen)
+        end = torch.minimum(start + torch.randint(0, 4, (batch,), generator=gen), torch.tensor(seq - 1))
+        return {"input_ids": d.inputs(gen), "start_positions": start, "end_positions": end}
 
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            return {"input_ids": ids(gen), "labels": torch.randint(0, n, (batch, seq), generator=gen)}
+    return d.plan(make, labels="answer spans: a uniform random start, ending 0-3 tokens later",
+                  loss="the model's own loss: cross-entropy of the answer's start and end positions")
 
-        return Plan(fam, make, f"synthetic: {ids_text}", labels=f"a uniform random label in [0, {n}) per token",
-                    loss=f"the model's own loss: cross-entropy of each token's label over {n} labels",
-                    notes=tuple(notes), shapes=(sized,))
-    if family == "question_answering":
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            start = torch.randint(0, seq, (batch,), generator=gen)
-            end = torch.minimum(start + torch.randint(0, 4, (batch,), generator=gen), torch.tensor(seq - 1))
-            return {"input_ids": ids(gen), "start_positions": start, "end_positions": end}
 
-        return Plan(fam, make, f"synthetic: {ids_text}",
-                    labels="answer spans: a uniform random start, ending 0-3 tokens later",
-                    loss="the model's own loss: cross-entropy of the answer's start and end positions",
-                    notes=tuple(notes), shapes=(sized,))
-    return Plan(fam, lambda gen: {"input_ids": ids(gen)}, f"synthetic: {ids_text}", notes=tuple(notes), shapes=(sized,))
+# family -> its plan, for models fed token ids and for models fed images; any other family
+# (a base model without a head) gets the input alone and the default loss.
+_TOKEN_PLANS: dict[str, Callable[[_Draw], Plan]] = {
+    "causal_lm": _causal_lm,
+    "masked_lm": _masked_lm,
+    "seq2seq_lm": _seq2seq_lm,
+    "sequence_classification": _classification,
+    "token_classification": _token_classification,
+    "question_answering": _question_answering,
+}
+_IMAGE_PLANS: dict[str, Callable[[_Draw], Plan]] = {"image_classification": _classification}
 
 
 def _class_labels(config: Callable[[str], Any], shape: tuple[int, ...],
@@ -357,45 +434,6 @@ def _class_labels(config: Callable[[str], Any], shape: tuple[int, ...],
     return (lambda gen: torch.randint(0, n, shape, generator=gen),
             f"a uniform random class in [0, {n}) per {what}",
             f"the model's own loss: cross-entropy over {n} classes")
-
-
-def _hf_image_plan(cls: type, family: str | None, config: Callable[[str], Any], shape: tuple[int, ...] | None) -> Plan:
-    name = cls.__name__
-    notes: list[str] = []
-    if shape is not None:
-        if len(shape) != 4:
-            raise InputError(f"input_shape={','.join(map(str, shape))}: {name} takes images; "
-                             "expected batch,channels,height,width", parameter="input_shape")
-        batch, channels, height, width = shape
-    else:
-        batch = IMAGE_BATCH
-        channels = _positive(config, "num_channels")
-        if channels is None:
-            channels = 3
-            notes.append("the config does not say num_channels: 3 assumed")
-        size = config("image_size")
-        if isinstance(size, (list, tuple)) and len(size) == 2:
-            height, width = int(size[0]), int(size[1])
-        elif isinstance(size, int) and not isinstance(size, bool) and size > 0:
-            height = width = size
-        else:
-            height = width = IMAGE_SIZE
-            notes.append(f"the config does not say image_size: {IMAGE_SIZE}x{IMAGE_SIZE} assumed (the ImageNet size)")
-    text = f"synthetic: {batch} standard normal images of {channels}x{height}x{width} (pixel_values)"
-
-    def pixels(gen: torch.Generator) -> torch.Tensor:
-        return torch.randn((batch, channels, height, width), generator=gen)
-
-    shapes = (((batch, channels, height, width), torch.float32),)
-    if family == "image_classification":
-        labels_of, labels_text, loss_text = _class_labels(config, (batch,), "image")
-
-        def make(gen: torch.Generator) -> dict[str, Any]:
-            return {"pixel_values": pixels(gen), "labels": labels_of(gen)}
-
-        return Plan(family, make, text, labels=labels_text, loss=loss_text, notes=tuple(notes), shapes=shapes)
-    return Plan(family or "hf_base_image", lambda gen: {"pixel_values": pixels(gen)}, text, notes=tuple(notes),
-                shapes=shapes)
 
 
 # -- any other module ------------------------------------------------------------------
@@ -596,11 +634,6 @@ def _counts_logits(output: Any, pred: torch.Tensor) -> bool:
     return logits is pred
 
 
-def default_loss_for(seed: int = 0) -> DecidingLoss:
-    """The default loss (see the module docstring); its ``decided`` says which way it went."""
-    return DecidingLoss(seed)
-
-
 def _classes(pred: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Logits as [N, C] rows (a [batch, seq, C] sequence flattened)."""
     if pred.dim() < 2:
@@ -631,34 +664,30 @@ class NamedLoss:
                                 f"({self.invented_targets})", True)
             else:
                 self.decided = (f"--loss {self.name}: {base} against the batch's targets", False)
-        name = self.name
-        if name in ("cross_entropy", "nll"):
+        fn = NAMED_LOSSES[self.name][0]
+        if self.name in ("cross_entropy", "nll"):
             rows, _ = _classes(pred)
             if target is None:
                 target = self._labels(rows, (rows.shape[0],))
-            fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
             return fn(rows, target.reshape(-1).long().to(rows.device), ignore_index=-100)
-        if name == "bce_with_logits":
+        if self.name == "bce_with_logits":
             if target is None:
                 gen = self._labels.generator(pred.device)
                 target = (torch.rand(pred.shape, generator=gen, device=pred.device) < 0.5).float()
-            return F.binary_cross_entropy_with_logits(pred, target.float().reshape(pred.shape))
-        if target is None:
+        elif target is None:
             target = torch.zeros_like(pred)
-        fn = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}[name]
         return fn(pred, target.float().reshape(pred.shape))
 
 
-# name: (what it computes, what it compares with when the batch has no targets)
-NAMED_LOSSES: dict[str, tuple[str, str, str]] = {
-    "cross_entropy": ("F.cross_entropy", "cross-entropy of the logits",
-                      "uniformly random class labels"),
-    "nll": ("F.nll_loss", "negative log-likelihood of log-probabilities", "uniformly random class labels"),
-    "bce_with_logits": ("F.binary_cross_entropy_with_logits", "binary cross-entropy of the logits",
+# name: (the function, what it computes, what it compares with when the batch has no targets)
+NAMED_LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str, str]] = {
+    "cross_entropy": (F.cross_entropy, "cross-entropy of the logits", "uniformly random class labels"),
+    "nll": (F.nll_loss, "negative log-likelihood of log-probabilities", "uniformly random class labels"),
+    "bce_with_logits": (F.binary_cross_entropy_with_logits, "binary cross-entropy of the logits",
                         "random 0/1 targets"),
-    "mse": ("F.mse_loss", "mean squared error", "zeros (the mean of squares)"),
-    "l1": ("F.l1_loss", "mean absolute error", "zeros (the mean absolute value)"),
-    "smooth_l1": ("F.smooth_l1_loss", "smooth L1 (Huber) loss", "zeros"),
+    "mse": (F.mse_loss, "mean squared error", "zeros (the mean of squares)"),
+    "l1": (F.l1_loss, "mean absolute error", "zeros (the mean absolute value)"),
+    "smooth_l1": (F.smooth_l1_loss, "smooth L1 (Huber) loss", "zeros"),
 }
 
 

@@ -9,23 +9,16 @@ import torch
 from torch import nn
 
 from fp16probe.errors import InputError
+from fp16probe.running.inputs import map_tensors
 
 __all__ = ["keep_in_fp32"]
 
 
-def _up(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dtype in (torch.float16, torch.bfloat16):
-        return obj.float()
-    if isinstance(obj, tuple):
-        return tuple(_up(v) for v in obj)
-    if isinstance(obj, list):
-        return [_up(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _up(v) for k, v in obj.items()}
-    return obj
-
-
 _MARK = "_fp16probe_keep_fp32"
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cuda") -> nn.Module:
@@ -50,7 +43,7 @@ def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cud
 
         def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
             with torch.autocast(device_type, enabled=False):
-                return _inner(*_up(args), **_up(kwargs))
+                return _inner(*map_tensors(args, _up), **map_tensors(kwargs, _up))
 
         module.forward = forward  # type: ignore[method-assign]
         setattr(module, _MARK, True)

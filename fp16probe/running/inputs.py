@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.capture.probe import iter_tensors
-from fp16probe.errors import InputError, ModelLoadError
+from fp16probe.errors import InputError, ModelLoadError, first_line
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, HF, LoadedModel, quiet_transformers, read_hf_config, resolve_import
 
@@ -33,6 +33,7 @@ __all__ = [
     "check_inputs_before_load",
     "describe_batch",
     "make_batches",
+    "map_tensors",
     "move_to",
     "parse_shape",
     "pick_device",
@@ -42,7 +43,6 @@ DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
 }
-DEFAULT_TOKEN_SHAPE = (4, 32)  # batch x sequence for token-id models without input_shape
 # One synthetic batch may take at most this share of the memory free where it is made:
 # beyond it the run would swap or die with a C++ trace instead of a one-line error.
 MEMORY_SHARE = 0.5
@@ -157,7 +157,7 @@ def make_batches(
         return _from_plan(plan, device, seed)
     vocab = vocab_size or loaded.vocab_size
     if vocab is not None and (input_shape is None or input_dtype in ("int64", "long", "int32")):
-        shape = parse_shape(input_shape) if input_shape else DEFAULT_TOKEN_SHAPE
+        shape = parse_shape(input_shape) if input_shape else (families.BATCH, families.SEQUENCE)
         _check_allocatable(shape, torch.int64, device)
         desc = f"synthetic: uniform random token ids in [0, {vocab}) of shape {list(shape)}"
         return Batches(_to_device(_token_batches(shape, vocab, gen, loaded.has_loss), device), desc, synthetic=True)
@@ -217,7 +217,7 @@ def check_inputs_before_load(
             with quiet_transformers():
                 config = config_class.from_dict(dict(raw))
         except Exception as e:
-            raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {_first_line(e)}") from e
+            raise ModelLoadError(f"{config_file}: {config_class.__name__} cannot read it: {first_line(e)}") from e
         plan = families.hf_plan(cls, _setting_of(config), shape=parse_shape(input_shape) if input_shape else None,
                                 vocab_size=vocab_size)
         for shape_, dtype_ in plan.shapes:
@@ -271,17 +271,22 @@ def _to_device(it: Iterable[Any], device: torch.device) -> Iterator[Any]:
         yield move_to(batch, device)
 
 
-def move_to(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside a batch (tensors, mappings, tuples, lists) to ``device``."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor inside ``obj`` (tensors, mappings, tuples, lists); keep anything else."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return fn(obj)
     if isinstance(obj, Mapping):
-        return {k: move_to(v, device) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [move_to(v, device) for v in obj]
+        return [map_tensors(v, fn) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(move_to(v, device) for v in obj)
+        return tuple(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside a batch to ``device``."""
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -308,8 +313,3 @@ def describe_batch(batch: Any) -> str:
     """Name a batch's tensors by shape and dtype, for error messages."""
     shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in iter_tensors(batch)]
     return "inputs " + ", ".join(shapes[:4]) if shapes else type(batch).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

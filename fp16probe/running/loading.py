@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.errors import InputError, ModelLoadError
+from fp16probe.errors import InputError, ModelLoadError, first_line
 
 __all__ = [
     "LoadedModel",
@@ -167,7 +167,7 @@ def resolve_import(spec: str, parameter: str | None = None) -> Any:
         ) from e
     except Exception as e:  # a module that fails while importing: user code
         raise ModelLoadError(
-            f"{what}: importing {module_name!r} raised {type(e).__name__}: {_first_line(e)}", parameter=parameter
+            f"{what}: importing {module_name!r} raised {type(e).__name__}: {first_line(e)}", parameter=parameter
         ) from e
     for part in attr.split("."):
         try:
@@ -188,7 +188,7 @@ def _load_import(spec: str, weights: Any, trust: bool) -> LoadedModel:
             model = obj()
         except Exception as e:
             raise ModelLoadError(
-                f"MODEL {spec!r}: calling the factory raised {type(e).__name__}: {_first_line(e)}; "
+                f"MODEL {spec!r}: calling the factory raised {type(e).__name__}: {first_line(e)}; "
                 "the factory must build the model with no arguments"
             ) from e
     else:
@@ -220,7 +220,7 @@ def load_state_dict_file(path: str | os.PathLike[str], *, trust_checkpoint: bool
         try:
             return dict(load_file(str(path), device="cpu"))
         except Exception as e:
-            raise ModelLoadError(f"{path}: not a readable safetensors file (corrupt or truncated?): {_first_line(e)}") from e
+            raise ModelLoadError(f"{path}: not a readable safetensors file (corrupt or truncated?): {first_line(e)}") from e
     obj = _torch_load(path, trust_checkpoint, what="--weights")
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
         obj = obj["state_dict"]  # a Lightning checkpoint, or a training checkpoint that keeps one
@@ -244,7 +244,7 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
     except Exception as e:
         if not _is_refusal(e):
             raise ModelLoadError(
-                f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {_first_line(e)}"
+                f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {first_line(e)}"
             ) from e
         if not trust:
             raise ModelLoadError(
@@ -253,7 +253,7 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
     try:  # only reached with trust_checkpoint=True: the caller opted in to running the file's code
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise ModelLoadError(f"{what} {path}: loading it failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelLoadError(f"{what} {path}: loading it failed: {type(e).__name__}: {first_line(e)}") from e
 
 
 def _is_refusal(e: BaseException) -> bool:
@@ -295,7 +295,7 @@ def _apply_state_dict(model: nn.Module, state: dict[str, torch.Tensor], path: Pa
     try:
         model.load_state_dict(state, strict=True)
     except Exception as e:
-        raise ModelLoadError(f"--weights {path}: load_state_dict failed: {_first_line(e)}") from e
+        raise ModelLoadError(f"--weights {path}: load_state_dict failed: {first_line(e)}") from e
     return note
 
 
@@ -330,7 +330,7 @@ def read_hf_config(config_file: Path) -> dict[str, Any]:
     try:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
-        raise ModelLoadError(f"{config_file}: not readable JSON: {_first_line(e)}") from e
+        raise ModelLoadError(f"{config_file}: not readable JSON: {first_line(e)}") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_file}: holds a JSON {type(raw).__name__}, expected an object of settings")
     checks = {
@@ -393,7 +393,7 @@ def _load_hf(path: Path, trust_remote_code: bool) -> LoadedModel:
             )
     except Exception as e:
         raise ModelLoadError(
-            f"MODEL {str(path)!r}: transformers could not load it ({type(e).__name__}: {_first_line(e)})"
+            f"MODEL {str(path)!r}: transformers could not load it ({type(e).__name__}: {first_line(e)})"
         ) from e
     config = model.config
     vocab = getattr(config, "vocab_size", None)
@@ -423,7 +423,7 @@ def _load_export(path: Path, trust: bool) -> LoadedModel:
                 "model.state_dict() and pass MODEL=package.module:factory --weights FILE"
             ) from e
         ep = _load_export_trusted(path)
-        notes.append(f"loaded with --trust-checkpoint through torch.export.load ({_first_line(e).removeprefix(f'MODEL {path}: ')})")
+        notes.append(f"loaded with --trust-checkpoint through torch.export.load ({first_line(e).removeprefix(f'MODEL {path}: ')})")
     try:
         # unflatten restores the submodule hierarchy, so per-module activation gradients exist.
         model: nn.Module = torch.export.unflatten(ep)
@@ -448,7 +448,7 @@ def _load_export_trusted(path: Path) -> Any:
     except Exception as e:
         raise ModelLoadError(
             f"MODEL {path}: cannot read it as a torch.export archive (corrupt, or saved by another torch?): "
-            f"{type(e).__name__}: {_first_line(e)}"
+            f"{type(e).__name__}: {first_line(e)}"
         ) from e
     finally:
         export_log.setLevel(level)
@@ -464,11 +464,6 @@ def _load_pickled(path: Path, trust: bool) -> LoadedModel:
             f"MODEL (package.module:factory) and this file as --weights"
         )
     raise ModelLoadError(f"MODEL {path} holds a {type(obj).__name__}, expected a pickled torch.nn.Module")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _few(items: list[str], n: int = 3) -> str:

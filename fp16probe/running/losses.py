@@ -17,7 +17,7 @@ from fp16probe.errors import InputError
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, LoadedModel, resolve_import
 
-__all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "check_loss_spec", "default_loss", "make_loss"]
+__all__ = ["DEFAULT_LOSS_TEXT", "NAMED_LOSSES", "Loss", "as_loss", "check_loss_spec", "make_loss"]
 
 DEFAULT_LOSS_TEXT = (
     "default: the model's own .loss when the output has one, else the batch's own targets when they fit the "
@@ -41,12 +41,6 @@ class Loss:
         if isinstance(decided, tuple) and len(decided) == 2:
             return Loss(self.fn, decided[0], synthetic=decided[1])
         return self
-
-
-def default_loss(output: Any, batch: Any) -> torch.Tensor:
-    """Return the model's own ``.loss`` if it has one, else the mean of squares of its floating outputs."""
-    own = families.own_loss(output)
-    return own if own is not None else families.mean_of_squares(output)
 
 
 def check_loss_spec(loss: str | None) -> None:
@@ -105,7 +99,7 @@ def _own_loss(output: Any, batch: Any) -> torch.Tensor:
     return own
 
 
-def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_loss: bool = False, seed: int = 0) -> Loss:
+def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, seed: int = 0) -> Loss:
     """Wrap a Python loss function, a built-in loss's name, or None (the default) as a :class:`Loss`.
 
     The default (``fn=None``) chooses at its first call, by the output: the model's own
@@ -123,4 +117,4 @@ def as_loss(fn: Callable[[Any, Any], torch.Tensor] | Loss | str | None, *, has_l
         if not callable(fn):
             raise InputError(f"loss_fn={fn!r}: expected a function (output, batch) -> scalar loss", parameter="loss_fn")
         return Loss(fn, getattr(fn, "__qualname__", type(fn).__name__), synthetic=False)
-    return Loss(families.default_loss_for(seed), DEFAULT_LOSS_TEXT, synthetic=True)
+    return Loss(families.DecidingLoss(seed), DEFAULT_LOSS_TEXT, synthetic=True)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.blockscale import BLOCK_FORMATS
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
 from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
@@ -196,7 +196,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                      "(every op and the loss in fp16, no autocast)")
     batch_src = batches if isinstance(batches, Batches) else _as_batches(batches, dev)
     loss = as_loss(loss_fn)
-    grad_scaler = _make_scaler(scaler, precision, dev)
+    grad_scaler = _make_scaler(scaler, dev)
     probe = _make_probe(model, grad_scaler, {"target": target, "regime": regime, **probe_options})
     settings = RunSettings(steps=r.steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=r.lr,
@@ -398,7 +398,7 @@ def _as_batches(batches: Iterable[Any], device: torch.device) -> Batches:
     return Batches(moved, f"batches passed to fp16probe.profile ({type(batches).__name__})", synthetic=False)
 
 
-def _make_scaler(scaler: Any, precision: str, device: torch.device) -> Any:
+def _make_scaler(scaler: Any, device: torch.device) -> Any:
     if not isinstance(scaler, (int, float)):  # None or a scaler of the caller's (the request allows nothing else)
         return scaler
     return torch.amp.GradScaler(device.type, init_scale=float(scaler))
@@ -579,14 +579,14 @@ def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok:
                 model: nn.Module | None = None) -> Fp16ProbeError:
     """Classify a failure at ``step`` (0-based): the input's only when the first batch does not fit."""
     name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
-    message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {_first_line(e)}"
+    message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {first_line(e)}"
     if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
             and _MISMATCH.search(str(e))):
         from fp16probe.running.families import forward_signature
 
         wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""
         error: Fp16ProbeError = InputError(
-            f"the model rejected the input ({describe_batch(batch)}) at step 1: {name}: {_first_line(e)}; "
+            f"the model rejected the input ({describe_batch(batch)}) at step 1: {name}: {first_line(e)}; "
             f"{wants}pass input_shape= with a shape it accepts (and a dtype it takes), or batches from "
             "package.module:function returning an iterable of batches (a tensor, a tuple of positional "
             "inputs, or a dict of keyword arguments)", parameter="input_shape"
@@ -685,10 +685,10 @@ def run_profile(
             except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
                 if guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
                     error = ModelError(f"step {step + 1}: waited for the other ranks in the {what} and gave up "
-                                       f"({_first_line(e)})")
+                                       f"({first_line(e)})")
                     error.__cause__ = e
                 elif what == "batches":
-                    error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {_first_line(e)}")
+                    error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {first_line(e)}")
                     error.__cause__ = e
                 else:
                     error = _step_error(step, what, e, batch, first_ok=done > 0, model=_unwrapped(model))
@@ -738,8 +738,3 @@ def _taken_step(optimizer: torch.optim.Optimizer, scaler: Any, loss_val: float) 
         optimizer.step()
         return True
     return False
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RankGuard", "Settled", "TIMEOUT_ENV", "is_collective_error", "status_of", "timeout_s"]
 
@@ -163,7 +163,7 @@ class RankGuard:
         except RuntimeError as e:
             self._break()
             raise ModelError(f"rank {self.rank}: the other ranks did not answer while comparing models: "
-                             f"{_first_line(e)}") from e
+                             f"{first_line(e)}") from e
         for r, theirs in enumerate(every):
             if theirs != every[0]:
                 error = ModelError(f"rank {r} built a different model from rank 0: "
@@ -184,7 +184,7 @@ class RankGuard:
             self._dist.all_reduce(t, group=self.group)
         except RuntimeError as e:
             self._break()
-            self.failure = f"after {done} step(s), the ranks' agreement failed ({_first_line(e)})"
+            self.failure = f"after {done} step(s), the ranks' agreement failed ({first_line(e)})"
             t[self.rank] = max(status, LOST)
             t[:self.rank] = LOST  # no word from the others: count them lost too
             t[self.rank + 1:self.size] = LOST
@@ -201,7 +201,7 @@ class RankGuard:
                 messages = tuple(str(m) for m in every)
             except RuntimeError as e:
                 self._break()
-                self.failure = self.failure or f"exchanging the ranks' messages failed ({_first_line(e)})"
+                self.failure = self.failure or f"exchanging the ranks' messages failed ({first_line(e)})"
         return Settled(statuses, done, messages, self.broken, message)
 
 
@@ -223,8 +223,3 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
         if (na, sa, da) != (nb, sb, db):
             return f"parameter {nb} is {list(sb)} {db}, rank 0's {na} is {list(sa)} {da}"
     return "the parameters differ"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

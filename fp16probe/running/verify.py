@@ -22,7 +22,7 @@ from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
-from fp16probe.running.inputs import call_model, move_to
+from fp16probe.running.inputs import call_model, map_tensors, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
 from fp16probe.verification import VALUE_TOLERANCE, Verification, tolerance_for
@@ -122,10 +122,10 @@ def verify(
     watch = _FirstNonfinite(target)
     with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
         for step, batch in enumerate(batch_list):
-            ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None, ref_opt)
+            ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None)
             scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
             watch.step = step
-            tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler, None,
+            tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler,
                               pure_scale=pure_scale, watch=watch)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             overflow_steps += int(overflowed)
@@ -147,17 +147,9 @@ def verify(
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
             target.zero_grad(set_to_none=True)
-    by_kind: dict[str, dict[str, Any]] = {
-        k: {"nonzero_values": nz, "zeroed_values": z, "zeroed_fraction": z / nz if nz else 0.0,
-            "relative_error": errors[k][0] / errors[k][1] if errors[k][1] else None}
-        for k, (nz, z) in counts.items()}
+    by_kind = {k: _measured(counts[k], errors[k]) for k in counts}
+    by_kind[ALL_KINDS] = _measured([sum(c) for c in zip(*counts.values())], [sum(e) for e in zip(*errors.values())])
     notes.extend(watch.causes(overflow_steps, len(batch_list), rec))
-    nz_all = sum(nz for nz, _ in counts.values())
-    z_all = sum(z for _, z in counts.values())
-    err_all = sum(e[0] for e in errors.values()), sum(e[1] for e in errors.values())
-    by_kind[ALL_KINDS] = {"nonzero_values": nz_all, "zeroed_values": z_all,
-                          "zeroed_fraction": z_all / nz_all if nz_all else 0.0,
-                          "relative_error": err_all[0] / err_all[1] if err_all[1] else None}
     kind = rec.kind if rec.kind in counts else ALL_KINDS
     measured = by_kind[kind]
     if measured["nonzero_values"] == 0:
@@ -182,6 +174,13 @@ def verify(
     )
 
 
+def _measured(count: list[int], error: list[float]) -> dict[str, Any]:
+    """One kind's figures from [nonzero in fp32, of those zero in target] and [sum |fp16 - fp32|, sum |fp32|]."""
+    nz, zeroed = count
+    return {"nonzero_values": nz, "zeroed_values": zeroed, "zeroed_fraction": zeroed / nz if nz else 0.0,
+            "relative_error": error[0] / error[1] if error[1] else None}
+
+
 def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
     if not isinstance(spec, Mapping) or spec.get("name") not in OPTIMIZERS:
         return None
@@ -189,7 +188,7 @@ def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
 
 
 def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, device: torch.device,
-              dtype: torch.dtype | None, scaler: Any, optimizer: Any, *, pure_scale: float | None = None,
+              dtype: torch.dtype | None, scaler: Any, *, pure_scale: float | None = None,
               watch: "_FirstNonfinite | None" = None) -> dict[str, torch.Tensor]:
     """One forward and backward; return the weight gradients (scaled ones stay scaled: zeros are zeros)."""
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -197,7 +196,7 @@ def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, de
         torch.manual_seed(seed + step)
         try:
             if pure_scale is not None:
-                half = _to_half(batch)
+                half = map_tensors(batch, lambda t: t.half() if t.dtype == torch.float32 else t)
                 value = loss.fn(call_model(model, half), half)
             elif dtype is None:
                 value = loss.fn(call_model(model, batch), batch)
@@ -231,18 +230,6 @@ def _finish_target_step(model: nn.Module, scaler: Any, optimizer: torch.optim.Op
     if not bad and optimizer is not None:
         optimizer.step()
     return bad
-
-
-def _to_half(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.half() if obj.dtype == torch.float32 else obj
-    if isinstance(obj, tuple):
-        return tuple(_to_half(v) for v in obj)
-    if isinstance(obj, list):
-        return [_to_half(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _to_half(v) for k, v in obj.items()}
-    return obj
 
 
 def _error(pairs: list[tuple[torch.Tensor, torch.Tensor]], inv: float) -> tuple[float, float]:
