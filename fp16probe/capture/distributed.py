@@ -98,8 +98,8 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> b
     return world_size() > 1
 
 
-def after_backward(fn: Callable[[], None]) -> None:
-    """Run ``fn`` once the current backward pass is over, after DDP has all-reduced.
+def after_backward(fn: Callable[[], None], *, ddp: bool = True) -> None:
+    """Run ``fn`` once the current backward pass is over (with ``ddp``, after DDP has all-reduced).
 
     Call it from inside backward (an autograd hook). DDP queues its own end-of-backward
     callback (which waits for the bucket all-reduces and writes the averaged gradients)
@@ -108,7 +108,7 @@ def after_backward(fn: Callable[[], None]) -> None:
     queueing from a callback puts ``fn`` after DDP's.
     """
     engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: engine.queue_callback(fn))
+    engine.queue_callback((lambda: engine.queue_callback(fn)) if ddp else fn)
 
 
 def gather_report(

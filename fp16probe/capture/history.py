@@ -76,10 +76,7 @@ class History:
             return
         try:
             self._queued_for = rec.step_index
-            if rec.defer_to_ddp:
-                _distributed.after_backward(self._read)
-            else:
-                torch.autograd.Variable._execution_engine.queue_callback(self._read)
+            _distributed.after_backward(self._read, ddp=rec.defer_to_ddp)
         except Exception as e:
             rec.note_error(e)
 

@@ -330,10 +330,7 @@ class Recorder:
             pending = self._pending_params
             pending.append((i, param))
             if len(pending) == 1:
-                if self.defer_to_ddp:
-                    _distributed.after_backward(self._count_params)
-                else:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._count_params)
+                _distributed.after_backward(self._count_params, ddp=self.defer_to_ddp)
         except Exception as e:
             self.note_error(e)
 
