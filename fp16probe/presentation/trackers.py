@@ -42,6 +42,7 @@ from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.presentation.answer import caveat_lines, recommendation_for
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
 
@@ -241,10 +242,9 @@ def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, 
                 histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
     texts = []
     if rec is not None:
-        caveats = rec.caveats
         body = rec.text.rstrip()
-        if caveats:
-            body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
+        if rec.caveats:
+            body += "\n\n" + "\n".join(caveat_lines(rec))
         if body.strip():
             texts.append((f"{PREFIX}/recommendation", body.strip()))
     return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
@@ -611,8 +611,6 @@ class TrackerLog:
 
 def _recommendation(report: Report, given: Recommendation | None, fmt: Format, kind: str) -> Recommendation | None:
     """The recommendation given, the report's own for ``fmt``, or a fresh analysis (None when none can be made)."""
-    from fp16probe.presentation.answer import recommendation_for
-
     if given is not None:
         return given
     stored = recommendation_for(report, fmt.name)
