@@ -615,14 +615,6 @@ def _by_kind_words(ev: Mapping[str, Any], k: int, lead: str = " (", close: str =
     return lead + ", ".join(parts) + close
 
 
-def _nonfinite_note(ev: Mapping[str, Any]) -> str:
-    n = ev.get("nonfinite_steps", 0)
-    if not n:
-        return ""
-    return (f" {n} profiled step(s) held inf/NaN gradients in an fp32 run without a loss scaler; no scale "
-            "fixes those, and they are left out of the limit on S.")
-
-
 def _bf16_surprise(fmt: Format) -> str:
     if fmt.name != "bf16":
         return ""
@@ -695,7 +687,7 @@ def _text_constant(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwar
         f"{ev['profiled_steps']} profiled steps {_overflow_words(fmt)}. {_limit_words(fmt, ev, margin)} "
         f"{_BACKOFF} GradScaler starts at S and probes upward only every growth_interval steps."
         f"{_schedule_words(kwargs, table)} {CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} "
-        f"{DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{DEFAULTS_STANDING}"
     )
 
 
@@ -717,7 +709,7 @@ def _text_dynamic(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwarg
         f"{percent(ev['flushed_fraction_at_1'])} flush. init_scale = 2^{k} comes from the data: the largest power "
         f"of two, less the margin, at which no profiled step overflows, so the schedule starts without skipped "
         f"steps. {_BACKOFF}{_schedule_words(kwargs, table)}{caveat} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}"
     )
 
 
@@ -737,7 +729,7 @@ def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any
         f"each profiled step leaves {percent(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: "
         f"{limiting}. The most values flush in: {flushing}. If you keep one "
         f"scale, the least bad is {_kwargs_words(kwargs)}. {_BACKOFF}{_schedule_words(kwargs, table)} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}"
     )
 
 
