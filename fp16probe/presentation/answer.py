@@ -137,16 +137,10 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
                  device: str | None = None) -> list[Line]:
     """Return the answer in a few lines: verdict, S or schedule, flushed before and after,
     overflow margin, the code to paste and for which device, then what qualifies it."""
-    k = rec.log2_scale
     lines = [Line("verdict", _verdict_sentence(rec))]
-    # Without a verdict the shares are no evidence (an autocast profile's are lower bounds):
-    # a "flushed: 0%" beside "not enough evidence" would read as good news.
-    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-        after = ""
-        if k is not None and k != 0 and rec.flushed_fraction_at_scale is not None:
-            after = f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-        lines.append(Line("flushed", f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{after} "
-                                     f"of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}"))
+    flushed = _flushed_sentence(rec, f" of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
+    if flushed:
+        lines.append(Line("flushed", flushed))
     margin = _margin_sentence(rec)
     if margin:
         lines.append(Line("margin", margin))
@@ -283,6 +277,21 @@ def caveat_lines(rec: Recommendation) -> list[str]:
     return [f"caveat: {caveat_text(c)}" for c in rec.caveats]
 
 
+def _flushed_sentence(rec: Recommendation, of: str = "") -> str:
+    """'flushed: x at S = 1, y at S = 2^k' and ``of`` ('' without a verdict: its shares are no evidence,
+    and a "flushed: 0%" beside "not enough evidence" would read as good news)."""
+    if rec.flushed_fraction_at_1 is None or rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:
+        return ""
+    k, at_k = rec.log2_scale, rec.flushed_fraction_at_scale
+    after = "" if not k or at_k is None else f", {num.percent(at_k)} at S = {num.power_of_two(k)}"
+    return f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{after}{of}"
+
+
+def _worst_sentence(rec: Recommendation) -> str:
+    worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
+    return f"worst modules at S = 1: {worst}" if worst else ""
+
+
 def _verdict_sentence(rec: Recommendation) -> str:
     words = VERDICT_WORDS.get(rec.verdict, str(rec.verdict))
     k = rec.log2_scale
@@ -394,22 +403,15 @@ def recommendation_summary(rec: Recommendation, width: int = SUMMARY_WIDTH) -> s
     and ``rec.explanation()`` wraps it.
     """
     ev = rec.evidence
-    lines = [f"Recommendation({_verdict_sentence(rec).removeprefix('verdict for ')})"]
-    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-        k = rec.log2_scale
-        at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
-            f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-        lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s} of "
-                     f"{num.count(ev.get('nonzero_values', 0))} nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
+    lines = [f"Recommendation({_verdict_sentence(rec).removeprefix('verdict for ')})", _flushed_sentence(
+        rec, f" of {num.count(ev.get('nonzero_values', 0))} nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")]
     if "profiled_steps" in ev:
         over = rec.overflow_steps_at_scale
         lines.append(f"steps: {ev['profiled_steps']} profiled" + ("" if over is None else f", {over} overflow at S"))
-    if rec.worst_modules:
-        worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
-        lines.append(f"worst modules at S = 1: {worst}")
+    lines.append(_worst_sentence(rec))
     if rec.caveats:
         lines.append(f"{len(rec.caveats)} caveat(s) in .caveats; the reasoning in .explanation()")
-    out = [ln for line in lines for ln in wrap_text(line, width, "  ")]
+    out = [ln for line in lines if line for ln in wrap_text(line, width, "  ")]
     code = grad_scaler_code(rec, width=width)  # split after commas: still valid Python to paste
     return "\n".join(out + (code.splitlines() if code else []))
 
@@ -426,21 +428,13 @@ def report_summary(report: Report, width: int = SUMMARY_WIDTH) -> str:
     if rec is None:
         lines.append("no recommendation stored: fp16probe.analyze(report) makes one")
     else:
-        lines.append(_verdict_sentence(rec))
-        if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-            k = rec.log2_scale
-            at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
-                f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-            lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s}")
-        if rec.worst_modules:
-            lines.append("worst modules at S = 1: " + ", ".join(
-                f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3]))
+        lines += [_verdict_sentence(rec), _flushed_sentence(rec), _worst_sentence(rec)]
     if report.verification is not None:
         lines.append(_verification_sentence(report.verification))
     if md.partial:
         lines.append(f"partial: {md.steps_seen} of {md.steps_total} requested steps")
     lines.append("more: report.recommendation, report.plot(), fp16probe show REPORT --explain")
-    return "\n".join(ln for line in lines for ln in wrap_text(line, width, "  "))
+    return "\n".join(ln for line in lines if line for ln in wrap_text(line, width, "  "))
 
 
 # -- text that fits a width --------------------------------------------------------------
