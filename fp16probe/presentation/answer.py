@@ -197,72 +197,60 @@ _STOPPED = {"error": "stopped by a failure", "terminated": "terminated (SIGTERM)
 # Caveat code -> its sentence, from the caveat's data (as the analysis wrote it).
 CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "text": lambda d: str(d["text"]),  # a report from before codes: the sentence it stored
-    "low_precision_run": lambda d: (
-        f"This profile was taken under {d['precision']} at {num.scales_in_force(d['scales'])}: gradients that flushed "
-        f"during the run are already exact zeros ({num.count(d['zero_values'])} of {num.count(d['values'])} judged "
-        "values are zero, true zeros included), so flushed shares count only what survived and are lower bounds. "
-        "Profile in fp32 (the default precision) to measure what flushes."),
-    "hooked_ceiling": lambda d: (
-        "The overflow ceiling comes from the hooked modules' and parameters' gradients only: this report has no "
-        "backward-wide ceiling, so gradients outside hooked modules (functional ops after the last module, a "
-        "temperature or gain before the loss, the loss side) are not seen and a larger one may overflow before S does."),
-    "scale_induced_overflow": lambda d: (
-        f"{d['count']} profiled step(s) held inf/NaN at the scale in force ({num.scales_in_force(d['scales'])}"
-        f"{'; steps ' + ', '.join(map(str, d['steps'])) if d['steps'] else ''}): such a step says its largest "
-        "gradient was at least the format's max divided by that scale, so it counts as overflowing at that scale "
-        "and above, not at every scale."),
-    "intrinsic_nonfinite": lambda d: (
-        f"{d['count']} profiled step(s) held inf/NaN in an fp32 run without a loss scaler: no loss scale explains or "
-        "fixes those; they are left out of the limit on S."),
-    "narrowed_kind": lambda d: (
-        f"Only {KIND_WORDS.get(d['kind'], d['kind'])} were judged for flushing (kind={d['kind']!r}); the loss scale "
-        f"multiplies {', '.join(KIND_WORDS.get(k, k) for k in d['others'])} too."),
-    "silent_modules": lambda d: (
-        f"{d['count']} hooked module(s) recorded no gradient ({_names(d['modules'], d['count'])}): their forward was "
-        "bypassed (e.g. a parent that uses their weights directly) or their output did not reach the loss."),
-    "autocast_fp32_ops": lambda d: (
-        f"{d['count']} op(s) whose gradients stay fp32 under fp16 autocast were left out of the histograms and the "
-        f"overflow ceiling ({_names(d['ops'], d['count'])}): autocast runs them in fp32 (or they take fp32 inputs) "
-        "and only fp32 ops consume them. This assumes training under autocast; a model converted with .half() "
-        "computes them in fp16."),
-    "partial_run": lambda d: (
-        f"The run was {_STOPPED.get(str(d.get('stopped')), 'interrupted')}: {d['steps_seen']} of "
-        f"{d['steps_requested']} requested steps were profiled."),
-    "rerun_steps": lambda d: (
-        f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between them; " + (
-            "no further rerun is scheduled." if d.get("next_step") is None
-            else f"the next rerun comes at step {d['next_step']}.")),
-    "projected_schedule": lambda d: (
-        f"The growth_interval above is a projection: the profiled steps resampled over {num.count(d['horizon'])} "
-        f"simulated steps. This report records every one of its {num.count(d['history_steps'])} steps: "
-        "`fp16probe schedule` judges loss-scale rules on the run's own history."),
-    "pure_fp16": lambda d: (
-        "Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, every gradient and "
-        "the loss are fp16, and without fp32 master weights an update smaller than about 2^-11 of its weight is "
-        "lost (profile with --optimizer to measure that share)."),
-    "forward_modules_only": lambda d: (
-        "The forward pass was judged on the hooked modules' outputs only (the Probe's own maxima); functional ops "
-        "between modules and the loss's dtype were not audited: fp16probe.profile (the command line's profile) "
-        "audits every op."),
-    "forward_low_headroom": lambda d: (
-        f"Forward values close to fp16's max (65504) under {_run(d)}: "
+    "low_precision_run": lambda d: (f"This profile was taken under {d['precision']} at "
+        f"{num.scales_in_force(d['scales'])}: gradients that flushed during the run are already exact zeros "
+        f"({num.count(d['zero_values'])} of {num.count(d['values'])} judged values are zero, true zeros included), so "
+        "flushed shares count only what survived and are lower bounds. Profile in fp32 (the default precision) to "
+        "measure what flushes."),
+    "hooked_ceiling": lambda d: ("The overflow ceiling comes from the hooked modules' and parameters' gradients only: "
+        "this report has no backward-wide ceiling, so gradients outside hooked modules (functional ops after the last "
+        "module, a temperature or gain before the loss, the loss side) are not seen and a larger one may overflow "
+        "before S does."),
+    "scale_induced_overflow": lambda d: (f"{d['count']} profiled step(s) held inf/NaN at the scale in force "
+        f"({num.scales_in_force(d['scales'])}{'; steps ' + ', '.join(map(str, d['steps'])) if d['steps'] else ''}): "
+        "such a step says its largest gradient was at least the format's max divided by that scale, so it counts as "
+        "overflowing at that scale and above, not at every scale."),
+    "intrinsic_nonfinite": lambda d: (f"{d['count']} profiled step(s) held inf/NaN in an fp32 run without a loss "
+        "scaler: no loss scale explains or fixes those; they are left out of the limit on S."),
+    "narrowed_kind": lambda d: (f"Only {KIND_WORDS.get(d['kind'], d['kind'])} were judged for flushing "
+        f"(kind={d['kind']!r}); the loss scale multiplies {', '.join(KIND_WORDS.get(k, k) for k in d['others'])} too."),
+    "silent_modules": lambda d: (f"{d['count']} hooked module(s) recorded no gradient "
+        f"({_names(d['modules'], d['count'])}): their forward was bypassed (e.g. a parent that uses their weights "
+        "directly) or their output did not reach the loss."),
+    "autocast_fp32_ops": lambda d: (f"{d['count']} op(s) whose gradients stay fp32 under fp16 autocast were left out "
+        f"of the histograms and the overflow ceiling ({_names(d['ops'], d['count'])}): autocast runs them in fp32 (or "
+        "they take fp32 inputs) and only fp32 ops consume them. This assumes training under autocast; a model "
+        "converted with .half() computes them in fp16."),
+    "partial_run": lambda d: (f"The run was {_STOPPED.get(str(d.get('stopped')), 'interrupted')}: "
+        f"{d['steps_seen']} of {d['steps_requested']} requested steps were profiled."),
+    "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
+        "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
+                    else f"the next rerun comes at step {d['next_step']}.")),
+    "projected_schedule": lambda d: ("The growth_interval above is a projection: the profiled steps resampled over "
+        f"{num.count(d['horizon'])} simulated steps. This report records every one of its "
+        f"{num.count(d['history_steps'])} steps: `fp16probe schedule` judges loss-scale rules on the run's own "
+        "history."),
+    "pure_fp16": lambda d: ("Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, "
+        "every gradient and the loss are fp16, and without fp32 master weights an update smaller than about 2^-11 of "
+        "its weight is lost (profile with --optimizer to measure that share)."),
+    "forward_modules_only": lambda d: ("The forward pass was judged on the hooked modules' outputs only (the Probe's "
+        "own maxima); functional ops between modules and the loss's dtype were not audited: fp16probe.profile (the "
+        "command line's profile) audits every op."),
+    "forward_low_headroom": lambda d: (f"Forward values close to fp16's max (65504) under {_run(d)}: "
         f"{', '.join(f'{n} ({num.bits(b)} bits)' for n, b in d['tensors'])}. Less than {num.bits(3.0)} bits of "
         "headroom is how forward overflow starts (a trained T5's feed-forward output grew past 65504 this way); "
         "watch these as training goes on, or keep them in fp32."),
-    "forward_flushing": lambda d: (
-        f"Forward values flush to zero in fp16 under {_run(d)} (share of each tensor's nonzero values): "
-        f"{', '.join(f'{n} {num.percent(f)}' for n, f in d['tensors'])}"
+    "forward_flushing": lambda d: (f"Forward values flush to zero in fp16 under {_run(d)} (share of each tensor's "
+        f"nonzero values): {', '.join(f'{n} {num.percent(f)}' for n, f in d['tensors'])}"
         f"{_more(d['count'] - len(d['tensors']))}. A loss scale does not act on forward values; these zeros are in "
         "the fp16 run whatever S is."),
-    "custom_functions": lambda d: (
-        f"The graph holds custom autograd Functions ({', '.join(d['functions'])}): the overflow ceiling sees only "
-        "what flows into and out of their backward, not the values it forms inside (a backward that multiplies "
-        "before it divides can overflow at a lower S). Run with --verify (fp16probe.profile(..., verify=True)) to "
-        "check the scale for real."),
-    "loss_fp16": lambda d: (
-        f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself as an fp16 number, "
-        "so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that cap: "
-        "loss_fn(output.float(), target)."),
+    "custom_functions": lambda d: (f"The graph holds custom autograd Functions ({', '.join(d['functions'])}): the "
+        "overflow ceiling sees only what flows into and out of their backward, not the values it forms inside (a "
+        "backward that multiplies before it divides can overflow at a lower S). Run with --verify "
+        "(fp16probe.profile(..., verify=True)) to check the scale for real."),
+    "loss_fp16": lambda d: (f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself "
+        "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
+        "cap: loss_fn(output.float(), target)."),
 }
 
 
