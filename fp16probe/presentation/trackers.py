@@ -359,7 +359,7 @@ class _MlflowSink:
                 from fp16probe.presentation.figures import save_figures
 
                 save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
-                             format=fmt.name, kind=kind)
+                             format=fmt, kind=kind)
             page = report_html(report, fmt, kind=kind, recommendation=recommendation)
             (folder / "fp16probe-report.html").write_text(
                 "<!doctype html>\n<html><head><meta charset='utf-8'><title>fp16probe report: "
@@ -619,6 +619,6 @@ def _recommendation(report: Report, given: Recommendation | None, fmt: Format, k
     from fp16probe.analysis.recommend import analyze
 
     try:
-        return analyze(report, fmt.name, kind=kind)
+        return analyze(report, fmt, kind=kind)
     except Fp16ProbeError:  # e.g. no values of that kind yet
         return None
