@@ -756,9 +756,7 @@ def _forward_caveats(ff: ForwardFindings | None) -> tuple[Caveat, ...]:
     if ff is None:
         return ()
     run = {"regime": ff.regime, "target": ff.target}
-    out: list[Caveat] = []
-    if ff.regime == "pure_fp16":
-        out.append(Caveat("pure_fp16"))
+    out = [Caveat("pure_fp16")] if ff.regime == "pure_fp16" else []
     if ff.source == "modules":
         out.append(Caveat("forward_modules_only"))
     if ff.low_headroom and not ff.overflowing:

@@ -26,7 +26,6 @@ __all__ = [
     "KIND_WORDS",
     "VERDICT_WORDS",
     "Line",
-    "caveat_lines",
     "caveat_text",
     "evidence_rows",
     "findings",
@@ -175,7 +174,7 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         verification = report.verification
         if verification is not None:
             lines.append(Line("verification", _verification_sentence(verification)))
-    lines += [Line("caveat", c) for c in caveat_lines(rec)]
+    lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]
     return lines
 
 
@@ -258,11 +257,6 @@ def caveat_text(c: Caveat) -> str:
     """Return a caveat's sentence (an unknown code, from a newer writer, shows as its code and data)."""
     words = CAVEAT_WORDS.get(c.code)
     return words(c.data) if words is not None else f"{c.code}: {dict(c.data)}"
-
-
-def caveat_lines(rec: Recommendation) -> list[str]:
-    """Return the recommendation's caveats as every medium shows them, one ``caveat: ...`` each."""
-    return [f"caveat: {caveat_text(c)}" for c in rec.caveats]
 
 
 def _flushed_sentence(rec: Recommendation, of: str = "") -> str:

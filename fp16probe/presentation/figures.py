@@ -37,7 +37,7 @@ from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP
 from fp16probe.analysis.whatif import flushed_fraction, what_if, worst_modules
-from fp16probe.presentation.answer import caveat_lines, recommendation_for, shorten_name, wrap_text
+from fp16probe.presentation.answer import recommendation_for, shorten_name, wrap_text
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, atomic_write_text
 
@@ -504,7 +504,7 @@ def figure(
                               f"steps, target {fmt.name}"))
     if recommendation is not None and recommendation.caveats:
         chars = int(fig.get_figwidth() * 14)  # about 8 pt text across the figure
-        lines = [line for c in caveat_lines(recommendation) for line in wrap_text(c, chars)]
+        lines = [line for c in recommendation.caveats for line in wrap_text(f"caveat: {c}", chars)]
         fig.supxlabel(_literal("\n".join(lines)), fontsize=8, color="#8a4b00", gid="caveats")
     return fig
 

@@ -42,7 +42,7 @@ from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
-from fp16probe.presentation.answer import caveat_lines, recommendation_for
+from fp16probe.presentation.answer import recommendation_for
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
 
@@ -242,9 +242,10 @@ def _series(report: Report, fmt: Format, kind: str, rec: Recommendation | None, 
                 histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
     texts = []
     if rec is not None:
+        caveats = rec.caveats
         body = rec.text.rstrip()
-        if rec.caveats:
-            body += "\n\n" + "\n".join(caveat_lines(rec))
+        if caveats:
+            body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
         if body.strip():
             texts.append((f"{PREFIX}/recommendation", body.strip()))
     return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
