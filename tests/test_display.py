@@ -235,8 +235,9 @@ def test_every_caveat_code_the_analysis_writes_has_its_words():
         assert text.endswith(".") and "{" not in text and "None" not in text, (code, text)
         assert str(Caveat.from_dict(json.loads(json.dumps(caveat.to_dict())))) == text
     assert answer.caveat_text(Caveat("text", {"text": "As stored."})) == "As stored."
-    # A code from a newer writer still shows (its code and data), rather than failing the display.
+    # A code from a newer writer, or data an edited file broke, still shows (code and data), never an error.
     assert answer.caveat_text(Caveat("newer", {"n": 1})) == "newer: {'n': 1}"
+    assert answer.caveat_text(Caveat("silent_modules", {"count": 2})) == "silent_modules: {'count': 2}"
 
 
 # -- HTML -----------------------------------------------------------------------------------

@@ -335,10 +335,10 @@ def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tup
         hidden = flushed_hidden_bound([h])
         if hidden > tau:
             return ("autocast_zeros",
-                    f"this profile was computed in {report.metadata.precision} at {scales_in_force(m.scale_in_force)}, where "
-                    f"gradients that flushed became exact zeros; {percent(hidden)} of the judged values are zeros "
-                    f"(threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile in "
-                    "fp32 (the default precision) to measure what flushes.")
+                    f"this profile was computed in {report.metadata.precision} at {scales_in_force(m.scale_in_force)}, "
+                    f"where gradients that flushed became exact zeros; {percent(hidden)} of the judged values are "
+                    f"zeros (threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile "
+                    "in fp32 (the default precision) to measure what flushes.")
     if h.nonzero_finite == 0 and h.nonfinite == 0:
         return ("all_zero",
                 f"all {count(h.total)} captured {what} are exactly zero: a zero-initialised output "

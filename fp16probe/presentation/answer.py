@@ -254,9 +254,12 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
 
 
 def caveat_text(c: Caveat) -> str:
-    """Return a caveat's sentence (an unknown code, from a newer writer, shows as its code and data)."""
-    words = CAVEAT_WORDS.get(c.code)
-    return words(c.data) if words is not None else f"{c.code}: {dict(c.data)}"
+    """Return a caveat's sentence; a code or data this version cannot word (a newer writer's, an edited
+    file's) shows as the code and its data, never as an error."""
+    try:
+        return CAVEAT_WORDS[c.code](c.data)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return f"{c.code}: {dict(c.data)}"
 
 
 def _flushed_sentence(rec: Recommendation, of: str = "") -> str:
