@@ -448,13 +448,13 @@ def test_no_args_prints_help():
 def test_show_bins_never_straddle_the_format_bounds():
     from rich.console import Console
 
-    from fp16probe import Histogram
+    from fp16probe import Histogram, get_format
     from fp16probe.presentation.terminal import _bins_table
 
     # 60 occupied bins squeezed into 24 rows: groups of 3, which would straddle -25 and -14.
     h = Histogram.from_values({e: 1 for e in range(-50, 10)})
     console = Console(width=120, record=True, no_color=True)
-    console.print(_bins_table(h, "fp16"))
+    console.print(_bins_table(h, get_format("fp16")))
     normal = flushed = subnormal = 0
     for line in console.export_text().splitlines():
         cells = [c.strip() for c in line.split("│")] if "│" in line else []
