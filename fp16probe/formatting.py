@@ -1,14 +1,20 @@
 """One way to write each kind of number fp16probe shows: shares, scales, counts, magnitudes.
 
-Shared by the analysis text and every presentation, so that a number reads the same in
-the recommendation, the terminal, the notebook and the figures.
+Shared by the analysis text and every presentation, so that a number (and the few phrases
+both use: kinds, the scales in force, the fp16 run) reads the same in the recommendation,
+the terminal, the notebook and the figures.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
-__all__ = ["bits", "count", "magnitude", "percent", "power_of_two", "scale", "share"]
+__all__ = ["KIND_WORDS", "bits", "count", "fp16_run", "magnitude", "percent", "power_of_two", "scale",
+           "scales_in_force", "share"]
+
+KIND_WORDS = {"all": "gradients", "activation_grad": "activation gradients", "weight_grad": "weight gradients",
+              "activation": "activations"}
 
 
 def percent(fraction: float | None) -> str:
@@ -62,3 +68,18 @@ def bits(x: float | None) -> str:
     if x is None:
         return "n/a"
     return f"{x:.3g}"
+
+
+def scales_in_force(scales: Sequence[float]) -> str:
+    """Write the loss scales a profile ran at (sorted): one, a range, or none (S = 1)."""
+    if not scales:
+        return "S = 1 (no loss scaler in the trace)"
+    if len(scales) == 1:
+        return f"S = {scale(scales[0])}"
+    return f"S from {scale(scales[0])} to {scale(scales[-1])}"
+
+
+def fp16_run(regime: str, target: str) -> str:
+    """Write the fp16 run a forward prediction is for, e.g. "fp16 autocast on CUDA"."""
+    how = "a model converted with .half() (pure fp16)" if regime == "pure_fp16" else "fp16 autocast"
+    return f"{how} on {target.upper() if target == 'cuda' else target}"

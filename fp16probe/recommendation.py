@@ -16,6 +16,7 @@ from fp16probe.errors import ReportError
 
 __all__ = [
     "GRADSCALER_DEFAULTS",
+    "Caveat",
     "Evidence",
     "GradScalerKwargs",
     "Recommendation",
@@ -174,6 +175,28 @@ class Evidence(TypedDict, total=False):
 
 
 @dataclass(frozen=True)
+class Caveat:
+    """A limit of the evidence: a ``code`` and its ``data``; ``str(caveat)`` words it (``presentation.answer``)."""
+
+    code: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form, ``{"code": ..., "data": {...}}``."""
+        return {"code": self.code, "data": _jsonable(self.data)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | str) -> "Caveat":
+        """Build a Caveat from its JSON form; an older report's sentence becomes code ``"text"``."""
+        return cls("text", {"text": d}) if isinstance(d, str) else cls(str(d["code"]), dict(d.get("data") or {}))
+
+    def __str__(self) -> str:
+        from fp16probe.presentation.answer import caveat_text
+
+        return caveat_text(self)
+
+
+@dataclass(frozen=True)
 class Recommendation:
     """A verdict on loss scaling for one format, with its evidence, thresholds and sources.
 
@@ -181,8 +204,8 @@ class Recommendation:
     exponent (dynamic), the best compromise (no_single_scale), the per-tensor scale
     (per_tensor_scaling), 0 (none_needed) or None (insufficient_evidence).
     ``grad_scaler_kwargs`` go straight to ``torch.amp.GradScaler``; empty where no
-    GradScaler is advised. ``caveats`` are the limits of this evidence, worded for the
-    reader; every presentation shows them.
+    GradScaler is advised. ``caveats`` are the limits of this evidence (:class:`Caveat`
+    records); every presentation shows them in the same words.
     """
 
     verdict: Verdict
@@ -201,7 +224,7 @@ class Recommendation:
     text: str
     kind: str = "activation_grad"
     growth_interval_table: Mapping[str, Any] | None = None
-    caveats: tuple[str, ...] = field(default=())
+    caveats: tuple[Caveat, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (the first version's keys, plus ``caveats``)."""
@@ -213,7 +236,7 @@ class Recommendation:
         d["thresholds"] = _jsonable(self.thresholds)
         d["citations"] = list(self.citations)
         d["growth_interval_table"] = _jsonable(self.growth_interval_table)
-        d["caveats"] = list(self.caveats)
+        d["caveats"] = [c.to_dict() for c in self.caveats]
         return d
 
     @classmethod
@@ -233,7 +256,7 @@ class Recommendation:
         kw["grad_scaler_kwargs"] = dict(d.get("grad_scaler_kwargs", {}))
         kw["evidence"] = cast(Evidence, dict(d.get("evidence", {})))
         kw["thresholds"] = cast(Thresholds, dict(d.get("thresholds", {})))
-        kw["caveats"] = tuple(str(c) for c in d.get("caveats", ()))
+        kw["caveats"] = tuple(Caveat.from_dict(c) for c in d.get("caveats", ()))
         return cls(**kw)
 
     # -- presentation (rich loads only when these are called) -------------------------

@@ -325,10 +325,12 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
         _optional(d.get(key), f"{path}.{key}", _fraction)
     for key in ("grad_scaler_kwargs", "evidence", "thresholds", "growth_interval_table"):
         _optional(d.get(key), f"{path}.{key}", _object)
-    for key in ("citations", "caveats"):
-        if d.get(key) is not None:
-            for i, c in enumerate(_list(d[key], f"{path}.{key}")):
-                _str(c, f"{path}.{key}[{i}]")
+    for i, c in enumerate(_list(d.get("citations", []), f"{path}.citations")):
+        _str(c, f"{path}.citations[{i}]")
+    for i, c in enumerate(_list(d.get("caveats", []), f"{path}.caveats")):
+        if not isinstance(c, str):  # {"code", "data"}; older reports stored the sentence
+            _str(_object(c, f"{path}.caveats[{i}]").get("code"), f"{path}.caveats[{i}].code")
+            _optional(c.get("data"), f"{path}.caveats[{i}].data", _object)
     if d.get("worst_modules") is not None:
         for i, pair in enumerate(_list(d["worst_modules"], f"{path}.worst_modules")):
             where = f"{path}.worst_modules[{i}]"

@@ -303,7 +303,7 @@ def test_every_verdicts_wording_keeps_the_provenance_rules():
         assert wording_problems(rec.text) == [], (rec.verdict, rec.text)
         if rec.verdict != "insufficient_evidence":
             assert "1710.03740" in rec.text  # the underflow mechanism is Micikevicius et al.'s
-        assert "LIT-" not in rec.text and not any("LIT-" in c for c in rec.citations + rec.caveats)
+        assert "LIT-" not in rec.text and not any("LIT-" in str(c) for c in rec.citations + rec.caveats)
         assert "optimal" not in rec.text.lower()
         if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence", "forward_overflow",
                                "forward_underflow"):

@@ -3,8 +3,10 @@ in rich.print, in Jupyter's HTML; module names and URLs as data, never broken or
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
+import json
 import os
 import re
 import subprocess
@@ -18,6 +20,7 @@ from typer.testing import CliRunner
 from fp16probe.analysis.recommend import analyze
 from fp16probe.cli import app
 from fp16probe.presentation import answer, html, terminal
+from fp16probe.recommendation import Caveat
 from fp16probe.report import ACTIVATION_GRAD, Report
 from tests.fixtures.reports import hand_report
 
@@ -181,13 +184,60 @@ def test_names_are_shortened_and_wrapped_only_at_dots():
 
 
 def test_caveats_reach_every_medium(hand):
-    rec = replace(hand.recommendation, caveats=("this run computed in fp16 <at S = 1>",))
+    rec = replace(hand.recommendation, caveats=(Caveat("text", {"text": "this run computed in fp16 <at S = 1>"}),))
     report = hand.with_recommendation(rec)
     assert "caveat: this run computed in fp16 <at S = 1>" in _rich(report, 100)
     assert "caveat: this run computed in fp16 &lt;at S = 1&gt;" in html.report_html(report, figure=False)
     fig = report.plot("distribution")
     assert any("caveat: this run computed in fp16" in t.get_text() for t in fig.findobj()
                if hasattr(t, "get_text") and t.get_gid() == "caveats")
+
+
+# Representative data for each caveat code, as the analysis writes it.
+CAVEAT_SAMPLES = {
+    "text": {"text": "An old report's caveat, stored as its sentence."},
+    "low_precision_run": {"precision": "fp16-autocast", "scales": [1024.0], "zero_values": 12, "values": 1000},
+    "hooked_ceiling": {},
+    "scale_induced_overflow": {"count": 2, "scales": [2.0**15, 2.0**16], "steps": [3, 7]},
+    "intrinsic_nonfinite": {"count": 1},
+    "narrowed_kind": {"kind": "activation_grad", "others": ["weight_grad"]},
+    "silent_modules": {"count": 7, "modules": ["a", "b", "c", "d", "e"]},
+    "autocast_fp32_ops": {"count": 2, "ops": ["norm/rsqrt", "(model)/mse_loss"]},
+    "partial_run": {"stopped": "hangup", "steps_seen": 3, "steps_requested": 10},
+    "rerun_steps": {"count": 2, "next_step": None},
+    "projected_schedule": {"horizon": 20000, "history_steps": 30},
+    "pure_fp16": {},
+    "forward_modules_only": {},
+    "forward_low_headroom": {"regime": "autocast", "target": "cuda", "tensors": [["fc1", 2.5]]},
+    "forward_flushing": {"regime": "pure_fp16", "target": "cpu", "count": 6,
+                         "tensors": [["t1", 0.05], ["t2", 0.04], ["t3", 0.03], ["t4", 0.02]]},
+    "custom_functions": {"functions": ["_ScaledBackward"]},
+    "loss_fp16": {"regime": "autocast", "target": "cuda"},
+}
+
+
+def _emitted_caveat_codes() -> set[str]:
+    """Every code the analysis writes: the first argument of each ``Caveat(...)`` under fp16probe/analysis."""
+    codes = set()
+    for path in sorted((ROOT / "fp16probe" / "analysis").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Caveat":
+                assert isinstance(node.args[0], ast.Constant), f"{path.name}:{node.lineno}: a code is a literal"
+                codes.add(node.args[0].value)
+    return codes
+
+
+def test_every_caveat_code_the_analysis_writes_has_its_words():
+    assert _emitted_caveat_codes() | {"text"} == set(answer.CAVEAT_WORDS) == set(CAVEAT_SAMPLES)
+    for code, data in CAVEAT_SAMPLES.items():
+        caveat = Caveat(code, data)
+        text = answer.caveat_text(caveat)
+        assert text.endswith(".") and "{" not in text and "None" not in text, (code, text)
+        assert str(Caveat.from_dict(json.loads(json.dumps(caveat.to_dict())))) == text
+    assert answer.caveat_text(Caveat("text", {"text": "As stored."})) == "As stored."
+    # A code from a newer writer, or data an edited file broke, still shows (code and data), never an error.
+    assert answer.caveat_text(Caveat("newer", {"n": 1})) == "newer: {'n': 1}"
+    assert answer.caveat_text(Caveat("silent_modules", {"count": 2})) == "silent_modules: {'count': 2}"
 
 
 # -- HTML -----------------------------------------------------------------------------------

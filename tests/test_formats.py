@@ -76,3 +76,49 @@ def test_unknown_format_is_a_clear_error():
         get_format("fp12")
     assert issubclass(UnknownFormatError, Fp16ProbeError)
     assert get_format("float16") is FORMATS["fp16"] and get_format("E4M3") is FORMATS["fp8_e4m3"]
+
+
+
+def test_a_format_name_is_looked_up_once_at_each_entry_point(monkeypatch):
+    """Below the entry points the format travels as a Format: no leaf looks its name up again.
+
+    Counted: lookups of a name (``get_format("fp16")``); ``get_format`` of a Format returns it.
+    """
+    import io
+    import sys
+
+    import fp16probe
+    import fp16probe.formats
+    from fp16probe.presentation import figures, html, terminal
+    from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
+
+    # Modules that look fp16 up when imported (its bounds) load before counting starts.
+    import fp16probe.analysis.forward  # noqa: F401
+    import fp16probe.capture.forward  # noqa: F401
+    import fp16probe.running.profile  # noqa: F401
+
+    names = []
+
+    def counting(fmt):
+        if isinstance(fmt, str):
+            names.append(fmt)
+        return get_format(fmt)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("fp16probe") and getattr(module, "get_format", None) is get_format:
+            monkeypatch.setattr(module, "get_format", counting)
+
+    def lookups(run) -> int:
+        names.clear()
+        run()
+        return len(names)
+
+    torch.manual_seed(0)
+    report = fp16probe.profile(DemoNet(), demo_batches(), demo_loss, steps=3)
+    assert len(names) <= 2, names  # the run's settings check and the analysis, each an entry point
+    console = terminal.make_console()
+    console.file = io.StringIO()
+    assert lookups(lambda: terminal.print_summary(console, report, report.recommendation, explain=True,
+                                                  distribution=True)) == 1
+    assert lookups(lambda: html.report_html(report, figure=False)) == 1
+    assert lookups(lambda: figures.figure(report)) == 1

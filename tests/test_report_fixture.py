@@ -55,11 +55,11 @@ def test_old_report_analyses_as_before(key: str) -> None:
     assert {k: got["evidence"][k] for k in old["evidence"]} == old["evidence"]
     # Written before the backward-wide ceiling existed: the caveat says so. A narrowed kind says
     # what it left out; the fp16 run says where its zeros come from.
-    caveats = got["caveats"]
-    assert any("no backward-wide ceiling" in c for c in caveats)
-    assert any("judged for flushing" in c for c in caveats) == (old["kind"] != "all")
-    assert any("S = 2^10" in c for c in caveats) == key.startswith("fp16-weight/")
-    assert len(caveats) == 1 + (old["kind"] != "all") + key.startswith("fp16-weight/")
+    codes = [c["code"] for c in got["caveats"]]
+    assert "hooked_ceiling" in codes
+    assert ("narrowed_kind" in codes) == (old["kind"] != "all")
+    assert ("low_precision_run" in codes) == key.startswith("fp16-weight/")
+    assert len(codes) == 1 + (old["kind"] != "all") + key.startswith("fp16-weight/")
 
 
 @pytest.mark.parametrize("kind", ["activation_grad", "weight_grad", "all"])
@@ -70,4 +70,5 @@ def test_old_fp16_autocast_report_is_now_insufficient_evidence(kind: str) -> Non
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "autocast_zeros"
     assert "S = 2^10" in rec.text and "Profile in fp32" in rec.text
     assert rec.grad_scaler_kwargs == {} and rec.log2_scale is None
-    assert any("fp16-autocast at S = 2^10" in c for c in rec.caveats)
+    (run,) = [c.data for c in rec.caveats if c.code == "low_precision_run"]
+    assert run["precision"] == "fp16-autocast" and run["scales"] == [2.0**10]

@@ -22,7 +22,7 @@ from fp16probe.cli import app
 from fp16probe.errors import Fp16ProbeError
 from fp16probe.histogram import MIN_EXP
 from fp16probe.presentation.trackers import TrackerLog, export, log_histogram, tracker_series
-from fp16probe.recommendation import Recommendation, Verdict
+from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram
 from tests.fixtures.reports import hand_report
 
@@ -67,7 +67,7 @@ def test_series_scalars_are_the_closed_form_shares():
     rec = Recommendation(verdict=Verdict.CONSTANT, format="fp16", log2_scale=8, scale=256.0, grad_scaler_kwargs={},
                          flushed_fraction_at_1=None, flushed_fraction_at_scale=None, overflow_steps_at_scale=None,
                          headroom_bits=None, worst_modules=(), evidence={}, thresholds={}, citations=(),
-                         text="advice", caveats=("one", "two"))
+                         text="advice", caveats=(Caveat("text", {"text": "one"}), Caveat("text", {"text": "two"})))
     series = tracker_series(scaled_report(), "fp16", recommendation=rec)
     by = {}
     for tag, step, value in series.scalars:

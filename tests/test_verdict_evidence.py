@@ -15,12 +15,16 @@ from fp16probe.analysis.recommend import analyze
 from fp16probe.analysis.whatif import what_if, worst_modules
 from fp16probe.formats import get_format
 from fp16probe.formatting import count, magnitude, percent, power_of_two, scale
-from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation, Verdict
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Recommendation, Verdict
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 
 H = Histogram.from_values
 FAST = dict(horizon=2000)
 DATA = Path(__file__).parent / "data"
+
+
+def codes(rec):
+    return [c.code for c in rec.caveats]
 
 
 def report_of(act_steps, weight_steps=None, *, precision="fp32", scale=None, found_inf=None, ceiling=None):
@@ -57,7 +61,7 @@ def test_weight_gradients_that_flush_decide_the_default_verdict():
     # --kind still narrows: activation gradients alone need nothing, and the caveat says what was left out.
     narrow = analyze(report, kind="activation_grad", **FAST)
     assert narrow.verdict == "none_needed"
-    assert any("weight gradients too" in c for c in narrow.caveats)
+    assert Caveat("narrowed_kind", {"kind": "activation_grad", "others": ["weight_grad"]}) in narrow.caveats
 
 
 def test_the_trace_ceiling_sets_the_limit_and_the_what_if_table_agrees():
@@ -73,11 +77,11 @@ def test_the_trace_ceiling_sets_the_limit_and_the_what_if_table_agrees():
     assert table.first_overflowing_log2_scale() == rec.evidence["largest_safe_log2_scale"] + 1
     # 3 * 2^15 and 2 * 2^15 both reach 65520; 3 * 2^14 = 49152 does not
     assert table.row(6).overflow_steps == table.row(14).overflow_steps == 1 and table.row(15).overflow_steps == 3
-    assert not any("no backward-wide ceiling" in c for c in rec.caveats)
+    assert "hooked_ceiling" not in codes(rec)
     # Without the ceiling the histograms alone would allow 2^15 and say so in a caveat.
     blind = analyze(report_of(steps), **FAST)
     assert blind.evidence["largest_safe_log2_scale"] == 15
-    assert any("no backward-wide ceiling" in c for c in blind.caveats)
+    assert "hooked_ceiling" in codes(blind)
     assert Ceiling.of(report).overflow_steps(fmt, 5) == 0
 
 
@@ -103,13 +107,14 @@ def test_fp16_autocast_zeros_hide_flushing_so_the_evidence_is_insufficient():
     rec = analyze(report_of(steps, precision="fp16-autocast"), **FAST)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "autocast_zeros"
     assert "10% of the judged values are zeros" in rec.text and "Profile in fp32" in rec.text
-    assert any("S = 1 (no loss scaler in the trace)" in c for c in rec.caveats)
+    assert Caveat("low_precision_run", {"precision": "fp16-autocast", "scales": [], "zero_values": 100,
+                                        "values": 1000}) in rec.caveats  # no scaler in the trace: S = 1
     # The same zeros in an fp32 profile are true zeros; under bf16 autocast (fp32's range) too.
     assert analyze(report_of(steps), **FAST).verdict == "none_needed"
     assert analyze(report_of(steps, precision="bf16-autocast"), **FAST).verdict == "none_needed"
     # Few zeros bound what can hide: a verdict, with the caveat.
     few = analyze(report_of([{"m": H({-10: 100000}, zero=10)}], precision="fp16-autocast"), **FAST)
-    assert few.verdict == "none_needed" and any("lower bounds" in c for c in few.caveats)
+    assert few.verdict == "none_needed" and "low_precision_run" in codes(few)
 
 
 # -- scale-induced overflow -----------------------------------------------------------------
@@ -129,8 +134,8 @@ def test_a_step_that_overflowed_at_the_scale_in_force_bounds_s_without_collapsin
     assert rec.evidence["simulated_final_scale"] >= 2.0**14  # the replay does not collapse the scale
     assert rec.evidence["simulated_mean_flushed_fraction"] < 1e-3
     assert "already held inf/NaN; no scale fixes those" not in rec.text
-    assert any("at that scale and above" in c for c in rec.caveats)
-    assert any("S from 2^15 to 2^16" in c for c in rec.caveats)  # the scale in force, from the trace
+    # The scales in force, from the trace.
+    assert Caveat("scale_induced_overflow", {"count": 1, "scales": [2.0**15, 2.0**16], "steps": [1]}) in rec.caveats
     table = what_if(report, "fp16", log2_scales=range(10, 20))
     assert table.first_overflowing_log2_scale() == 16 and table.nonfinite_steps == 0
 
@@ -140,7 +145,7 @@ def test_inf_in_an_fp32_run_without_a_scaler_is_left_out_of_the_limit():
     broken = {"m": H({-30: 1000, 0: 1}, nan=2)}
     rec = analyze(report_of([clean, broken]), **FAST)
     assert rec.evidence["nonfinite_steps"] == 1 and rec.evidence["largest_safe_log2_scale"] == 15
-    assert rec.overflow_steps_at_scale == 0 and "no scale fixes those" in rec.text
+    assert rec.overflow_steps_at_scale == 0 and Caveat("intrinsic_nonfinite", {"count": 1}) in rec.caveats
 
 
 # -- advice that cannot deadlock ------------------------------------------------------------
@@ -216,17 +221,22 @@ def test_verdict_is_a_str_enum_with_a_severity():
 def test_recommendation_json_round_trip_keeps_types_and_caveats():
     rec = analyze(report_of([{"m": H({-30: 1000, 0: 1})}], precision="fp16-autocast"), **FAST)
     data = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
-    assert data["verdict"] == "constant" and data["caveats"] == list(rec.caveats)
+    assert data["verdict"] == "constant" and data["caveats"] == [c.to_dict() for c in rec.caveats]
+    assert data["caveats"][0] == {"code": "low_precision_run", "data": {
+        "precision": "fp16-autocast", "scales": [], "zero_values": 0, "values": 1001}}
     back = Recommendation.from_dict(data)
     assert back == rec and isinstance(back.verdict, Verdict) and isinstance(back.caveats, tuple)
     old = {k: v for k, v in data.items() if k != "caveats"}  # a file from before caveats existed
     assert Recommendation.from_dict(old).caveats == ()
+    # Reports written before caveats had codes stored the sentence: it loads as code "text", shown as it was.
+    older = Recommendation.from_dict({**data, "caveats": ["An old caveat."]})
+    assert older.caveats == (Caveat("text", {"text": "An old caveat."}),) and str(older.caveats[0]) == "An old caveat."
 
 
 def test_a_hooked_module_that_recorded_nothing_is_named():
     report = report_of([{"used": H({-30: 1000, 0: 1}), "out_proj": H({})}])
     rec = analyze(report, **FAST)
-    assert any("1 hooked module(s) recorded no gradient (out_proj)" in c for c in rec.caveats)
+    assert Caveat("silent_modules", {"count": 1, "modules": ["out_proj"]}) in rec.caveats
 
 
 def test_every_step_holding_inf_in_an_fp32_run_is_not_none_needed():

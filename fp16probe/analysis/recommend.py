@@ -44,10 +44,10 @@ from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTa
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.formatting import bits, count, magnitude, percent, power_of_two, scale as scale_words
+from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
 from fp16probe.histogram import Histogram
-from fp16probe.recommendation import GRADSCALER_DEFAULTS, Evidence, Recommendation, Thresholds, Verdict
-from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
+from fp16probe.report import ACTIVATION_GRAD, Report
 
 __all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale", "target_of"]
 
@@ -55,9 +55,6 @@ VERDICTS = tuple(v.value for v in Verdict)
 # An fp16 forward tensor that loses this share of its nonzero values to zero leads the answer
 # (forward_underflow); a smaller share above the threshold is a caveat beside the scale verdict.
 FORWARD_UNDERFLOW_VERDICT = 0.1
-
-_KIND_WORDS = {ACTIVATION_GRAD: "activation gradients", WEIGHT_GRAD: "weight gradients"}
-
 
 def target_of(report: Report, format: str | Format | None = None, kind: str | None = None) -> tuple[str, str]:
     """Return the (format, kind) a report is judged for: those given, else the stored recommendation's.
@@ -146,14 +143,14 @@ def analyze(
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
     format, kind = target_of(report, format, kind)
+    fmt = get_format(format)
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
         return shadow.with_reference(report, analyze(
-            ref, format, kind=kind, margin_bits=margin_bits, max_flushed_fraction=max_flushed_fraction,
+            ref, fmt, kind=kind, margin_bits=margin_bits, max_flushed_fraction=max_flushed_fraction,
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_intervals=growth_intervals,
             horizon=horizon, seed=seed, hysteresis=hysteresis, min_scale=min_scale, worst=worst,
             target=target), kind)
-    fmt = get_format(format)
     thresholds = _thresholds(fmt, kind, margin_bits, max_flushed_fraction, growth_factor, backoff_factor,
                              growth_intervals, horizon, seed, hysteresis, min_scale, worst)
     m = _measure(report, kind)
@@ -174,7 +171,7 @@ def _gradient_verdict(report: Report, m: "_Measured", fmt: Format, thresholds: T
     """The loss-scale verdict the gradients give (with the loss's own dtype applied)."""
     tau, margin_bits = thresholds["max_flushed_fraction"], thresholds["margin_bits"]
     evidence = _base_evidence(m, fmt)
-    caveats = _caveats(report, m, fmt) + _forward_caveats(ff)
+    caveats = _caveats(report, m) + _forward_caveats(ff)
     if ff is not None:
         evidence.update(_forward_evidence(ff))
     reason = _weak_evidence(report, m, fmt, tau)
@@ -288,79 +285,36 @@ def _ceiling_source(ceiling: Ceiling) -> str:
 
 # -- step 3: the limits of this evidence ------------------------------------------------------
 
-def _caveats(report: Report, m: _Measured, fmt: Format) -> tuple[str, ...]:
-    out: list[str] = []
-    precision = str(report.metadata.precision)
-    run = run_format(precision)
-    if run is not None:
-        out.append(
-            f"This profile was taken under {precision} at {_scale_in_force_words(m)}: gradients that "
-            f"flushed during the run are already exact zeros ({count(m.hist.zero)} of {count(m.hist.total)} "
-            f"judged values are zero, true zeros included), so flushed shares count only what survived and "
-            f"are lower bounds. Profile in fp32 (the default precision) to measure what flushes."
-        )
+def _caveats(report: Report, m: _Measured) -> tuple[Caveat, ...]:
+    out: list[Caveat] = []
+    md, scales = report.metadata, list(m.scale_in_force)
+    if run_format(str(md.precision)) is not None:
+        out.append(Caveat("low_precision_run", {"precision": str(md.precision), "scales": scales,
+                                                "zero_values": m.hist.zero, "values": m.hist.total}))
     if not m.ceiling.measured:
-        out.append(
-            "The overflow ceiling comes from the hooked modules' and parameters' gradients only: this report "
-            "has no backward-wide ceiling, so gradients outside hooked modules (functional ops after the "
-            "last module, a temperature or gain before the loss, the loss side) are not seen and a larger "
-            "one may overflow before S does."
-        )
+        out.append(Caveat("hooked_ceiling"))
     induced = m.ceiling.scale_induced_steps
     if induced:
         steps = [report.trace.steps[i] for i in induced] if len(report.trace) else []
-        out.append(
-            f"{len(induced)} profiled step(s) held inf/NaN at the scale in force ({_scale_in_force_words(m)}"
-            f"{'; steps ' + ', '.join(str(s) for s in steps[:10]) if steps else ''}): such a step says its "
-            "largest gradient was at least the format's max divided by that scale, so it counts as "
-            "overflowing at that scale and above, not at every scale."
-        )
+        out.append(Caveat("scale_induced_overflow", {"count": len(induced), "scales": scales, "steps": steps[:10]}))
     if m.ceiling.intrinsic_steps:
-        out.append(
-            f"{m.ceiling.intrinsic_steps} profiled step(s) held inf/NaN in an fp32 run without a loss "
-            "scaler: no loss scale explains or fixes those; they are left out of the limit on S."
-        )
+        out.append(Caveat("intrinsic_nonfinite", {"count": m.ceiling.intrinsic_steps}))
     if m.kind != ALL_GRADS:
         others = [k for k in GRAD_KINDS if k not in m.kinds and report.histogram(k).total]
         if others:
-            out.append(
-                f"Only {_KIND_WORDS.get(m.kind, m.kind)} were judged for flushing (kind={m.kind!r}); "
-                f"the loss scale multiplies {', '.join(_KIND_WORDS[k] for k in others)} too."
-            )
-    extra = report.metadata.extra
-    gradient_free = set(extra.get("gradient_free_modules") or ())  # no finding: see Probe._silent_modules
-    silent = list(extra.get("unrecorded_modules") or ()) or [
+            out.append(Caveat("narrowed_kind", {"kind": m.kind, "others": others}))
+    gradient_free = set(md.extra.get("gradient_free_modules") or ())  # no finding: see Probe._silent_modules
+    silent = list(md.extra.get("unrecorded_modules") or ()) or [
         x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0 and x.name not in gradient_free]
-    if silent and report.metadata.steps_seen:
-        out.append(
-            f"{len(silent)} hooked module(s) recorded no gradient ({', '.join(silent[:5])}"
-            f"{', ...' if len(silent) > 5 else ''}): their forward was bypassed (e.g. a parent that uses "
-            "their weights directly) or their output did not reach the loss."
-        )
-    fp32_ops = list(report.metadata.extra.get("autocast_fp32_ops") or ())
+    if silent and md.steps_seen:
+        out.append(Caveat("silent_modules", {"count": len(silent), "modules": silent[:5]}))
+    fp32_ops = list(md.extra.get("autocast_fp32_ops") or ())
     if fp32_ops:
-        out.append(
-            f"{len(fp32_ops)} op(s) whose gradients stay fp32 under fp16 autocast were left out of the "
-            f"histograms and the overflow ceiling ({', '.join(fp32_ops[:5])}{', ...' if len(fp32_ops) > 5 else ''}): "
-            "autocast runs them in fp32 (or they take fp32 inputs) and only fp32 ops consume them. "
-            "This assumes training under autocast; a model converted with .half() computes them in fp16."
-        )
-    if report.metadata.partial:
-        extra = report.metadata.extra
-        requested = extra.get("steps_requested") or report.metadata.steps_total
-        how = {"error": "stopped by a failure", "terminated": "terminated (SIGTERM)",
-               "hangup": "hung up (SIGHUP)"}.get(str(extra.get("stopped")), "interrupted")
-        out.append(f"The run was {how}: {report.metadata.steps_seen} of {requested} requested steps were profiled.")
+        out.append(Caveat("autocast_fp32_ops", {"count": len(fp32_ops), "ops": fp32_ops[:5]}))
+    if md.partial:
+        out.append(Caveat("partial_run", {"stopped": md.extra.get("stopped"), "steps_seen": md.steps_seen,
+                                          "steps_requested": md.extra.get("steps_requested") or md.steps_total}))
     return tuple(out)
-
-
-def _scale_in_force_words(m: _Measured) -> str:
-    s = m.scale_in_force
-    if not s:
-        return "S = 1 (no loss scaler in the trace)"
-    if len(s) == 1:
-        return f"S = {scale_words(s[0])}"
-    return f"S from {scale_words(s[0])} to {scale_words(s[-1])}"
 
 
 def _hidden_flush_matters(report: Report, fmt: Format) -> bool:
@@ -372,7 +326,7 @@ def _hidden_flush_matters(report: Report, fmt: Format) -> bool:
 def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tuple[str, str] | None:
     """Return (reason, what to do) when the profile cannot carry a verdict, else None."""
     h = m.hist
-    what = _KIND_WORDS.get(m.kind, "gradient values") if m.kind != ALL_GRADS else "gradient values"
+    what = KIND_WORDS.get(m.kind, "gradient values") if m.kind != ALL_GRADS else "gradient values"
     if h.total == 0:
         return ("nothing_captured",
                 f"the report holds no {what} (captured: {', '.join(report.metadata.captured) or 'nothing'}). "
@@ -381,10 +335,10 @@ def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tup
         hidden = flushed_hidden_bound([h])
         if hidden > tau:
             return ("autocast_zeros",
-                    f"this profile was computed in {report.metadata.precision} at {_scale_in_force_words(m)}, where "
-                    f"gradients that flushed became exact zeros; {percent(hidden)} of the judged values are zeros "
-                    f"(threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile in "
-                    "fp32 (the default precision) to measure what flushes.")
+                    f"this profile was computed in {report.metadata.precision} at {scales_in_force(m.scale_in_force)}, "
+                    f"where gradients that flushed became exact zeros; {percent(hidden)} of the judged values are "
+                    f"zeros (threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile "
+                    "in fp32 (the default precision) to measure what flushes.")
     if h.nonzero_finite == 0 and h.nonfinite == 0:
         return ("all_zero",
                 f"all {count(h.total)} captured {what} are exactly zero: a zero-initialised output "
@@ -394,7 +348,7 @@ def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tup
     if h.nonzero_finite == 0 or every_step_broken:
         if m.ceiling.scale_induced_steps and not every_step_broken:
             return ("all_nonfinite",
-                    f"the captured {what} are all zero, inf or NaN at {_scale_in_force_words(m)}: the "
+                    f"the captured {what} are all zero, inf or NaN at {scales_in_force(m.scale_in_force)}: the "
                     "run overflowed before anything could be measured. Profile in fp32 (the default precision), "
                     "or at a lower loss scale.")
         return ("all_nonfinite",
@@ -418,7 +372,7 @@ def _worst(report: Report, m: _Measured, fmt: Format, k: int, n: int) -> tuple[t
     return tuple((w.name, w.fraction) for w in worst_modules(report, fmt, log2_scale=k, kind=m.kind, count=n))
 
 
-def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, caveats: tuple[str, ...],
+def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, caveats: tuple[Caveat, ...],
                   reason: tuple[str, str]) -> Recommendation:
     ev["insufficient_reason"] = reason[0]
     text = f"No verdict for {fmt.name}: {reason[1]}"
@@ -434,7 +388,7 @@ def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, cavea
 
 
 def _none_needed(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
-                 caveats: tuple[str, ...], k_max: int | None) -> Recommendation:
+                 caveats: tuple[Caveat, ...], k_max: int | None) -> Recommendation:
     ev.update(_at_scale(m, fmt, 0))
     tau = th["max_flushed_fraction"]
     parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {percent(ev['flushed_fraction_at_1'])} of the "
@@ -474,7 +428,7 @@ def _capped(k: int, max_abs: float, margin_bits: int) -> tuple[int, bool]:
 
 
 def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
-            caveats: tuple[str, ...], k_max: int) -> Recommendation:
+            caveats: tuple[Caveat, ...], k_max: int) -> Recommendation:
     tau, margin = th["max_flushed_fraction"], th["margin_bits"]
     k, capped = _capped(k_max - margin, m.ceiling.max_abs, margin)
     ev.update(_at_scale(m, fmt, k))
@@ -581,7 +535,7 @@ def _limiting_modules(report: Report, fmt: Format, n: int) -> list[list[Any]]:
 
 
 def _per_tensor(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
-                caveats: tuple[str, ...]) -> Recommendation:
+                caveats: tuple[Caveat, ...]) -> Recommendation:
     """Saturating casts: one scale per tensor from its measured max, as FP8 recipes do."""
     margin = th["margin_bits"]
     flushed = nonzero = saturated = 0
@@ -657,16 +611,8 @@ def _by_kind_words(ev: Mapping[str, Any], k: int, lead: str = " (", close: str =
     if len(by_kind) < 2:
         return "" if close == ")" else close
     key = "flushed_fraction_at_1" if k == 0 else "flushed_fraction_at_scale"
-    parts = [f"{_KIND_WORDS.get(name, name)} {percent(d[key])}" for name, d in by_kind.items()]
+    parts = [f"{KIND_WORDS.get(name, name)} {percent(d[key])}" for name, d in by_kind.items()]
     return lead + ", ".join(parts) + close
-
-
-def _nonfinite_note(ev: Mapping[str, Any]) -> str:
-    n = ev.get("nonfinite_steps", 0)
-    if not n:
-        return ""
-    return (f" {n} profiled step(s) held inf/NaN gradients in an fp32 run without a loss scaler; no scale "
-            "fixes those, and they are left out of the limit on S.")
 
 
 def _bf16_surprise(fmt: Format) -> str:
@@ -741,7 +687,7 @@ def _text_constant(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwar
         f"{ev['profiled_steps']} profiled steps {_overflow_words(fmt)}. {_limit_words(fmt, ev, margin)} "
         f"{_BACKOFF} GradScaler starts at S and probes upward only every growth_interval steps."
         f"{_schedule_words(kwargs, table)} {CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} "
-        f"{DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{DEFAULTS_STANDING}"
     )
 
 
@@ -763,7 +709,7 @@ def _text_dynamic(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwarg
         f"{percent(ev['flushed_fraction_at_1'])} flush. init_scale = 2^{k} comes from the data: the largest power "
         f"of two, less the margin, at which no profiled step overflows, so the schedule starts without skipped "
         f"steps. {_BACKOFF}{_schedule_words(kwargs, table)}{caveat} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}"
     )
 
 
@@ -783,7 +729,7 @@ def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any
         f"each profiled step leaves {percent(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: "
         f"{limiting}. The most values flush in: {flushing}. If you keep one "
         f"scale, the least bad is {_kwargs_words(kwargs)}. {_BACKOFF}{_schedule_words(kwargs, table)} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}{_nonfinite_note(ev)}"
+        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}"
     )
 
 
@@ -806,43 +752,23 @@ def _forward_evidence(ff: ForwardFindings) -> Evidence:
     return ev
 
 
-def _where(ff: ForwardFindings) -> str:
-    regime = "a model converted with .half() (pure fp16)" if ff.regime == "pure_fp16" else "fp16 autocast"
-    return f"{regime} on {ff.target.upper() if ff.target == 'cuda' else ff.target}"
-
-
-def _forward_caveats(ff: ForwardFindings | None) -> tuple[str, ...]:
+def _forward_caveats(ff: ForwardFindings | None) -> tuple[Caveat, ...]:
     if ff is None:
         return ()
-    out: list[str] = []
-    if ff.regime == "pure_fp16":
-        out.append("Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, every "
-                   "gradient and the loss are fp16, and without fp32 master weights an update smaller than about "
-                   "2^-11 of its weight is lost (profile with --optimizer to measure that share).")
+    run = {"regime": ff.regime, "target": ff.target}
+    out = [Caveat("pure_fp16")] if ff.regime == "pure_fp16" else []
     if ff.source == "modules":
-        out.append("The forward pass was judged on the hooked modules' outputs only (the Probe's own maxima); "
-                   "functional ops between modules and the loss's dtype were not audited: fp16probe.profile "
-                   "(the command line's profile) audits every op.")
+        out.append(Caveat("forward_modules_only"))
     if ff.low_headroom and not ff.overflowing:
-        names = ", ".join(f"{t.name} ({bits(t.headroom_bits or 0.0)} bits)" for t in ff.low_headroom[:5])
-        out.append(f"Forward values close to fp16's max (65504) under {_where(ff)}: {names}. Less than "
-                   f"{bits(3.0)} bits of headroom is how forward overflow starts (a trained T5's feed-forward "
-                   "output grew past 65504 this way); watch these as training goes on, or keep them in fp32.")
+        out.append(Caveat("forward_low_headroom", {**run, "tensors": [
+            [t.name, t.headroom_bits or 0.0] for t in ff.low_headroom[:5]]}))
     if ff.flushing and ff.flushing[0].flushed_fraction < FORWARD_UNDERFLOW_VERDICT:
-        names = ", ".join(f"{t.name} {percent(t.flushed_fraction)}" for t in ff.flushing[:4])
-        more = f" and {len(ff.flushing) - 4} more" if len(ff.flushing) > 4 else ""
-        out.append(f"Forward values flush to zero in fp16 under {_where(ff)} (share of each tensor's nonzero "
-                   f"values): {names}{more}. A loss scale does not act on "
-                   "forward values; these zeros are in the fp16 run whatever S is.")
+        out.append(Caveat("forward_flushing", {**run, "count": len(ff.flushing), "tensors": [
+            [t.name, t.flushed_fraction] for t in ff.flushing[:4]]}))
     if ff.custom_functions:
-        out.append(f"The graph holds custom autograd Functions ({', '.join(ff.custom_functions[:5])}): the "
-                   "overflow ceiling sees only what flows into and out of their backward, not the values it "
-                   "forms inside (a backward that multiplies before it divides can overflow at a lower S). "
-                   "Run with --verify (fp16probe.profile(..., verify=True)) to check the scale for real.")
+        out.append(Caveat("custom_functions", {"functions": list(ff.custom_functions[:5])}))
     if ff.loss_fp16:
-        out.append(f"The loss is computed in fp16 under {_where(ff)}: its gradient seeds backward with S "
-                   f"itself as an fp16 number, so any S of 65520 or more overflows on every step. Compute the "
-                   "loss in fp32 to lift that cap: loss_fn(output.float(), target).")
+        out.append(Caveat("loss_fp16", run))
     return tuple(out)
 
 
@@ -899,7 +825,7 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
     code = _fix_code(modules, ff.target if ff.target in ("cuda", "cpu") else "cuda")
     ev["fix_code"] = code
     ev["fix_modules"] = modules
-    where = _where(ff)
+    where = fp16_run(ff.regime, ff.target)
     after = (f"Once the forward is fixed, the gradients alone give: {inner.verdict.value}"
              + (f" at S = 2^{inner.log2_scale}" if inner.log2_scale not in (None, 0) else "") + ".")
     keep = (f"Keep {', '.join(modules[:5])}{', ...' if len(modules) > 5 else ''} in fp32 (autocast off inside, "
@@ -935,7 +861,7 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
              f"65504 only ({PAPER}).")
     caveats = inner.caveats
     if verdict is Verdict.FORWARD_OVERFLOW:  # the inf came from the forward, not from the scale in force
-        caveats = tuple(c for c in caveats if "held inf/NaN at the scale in force" not in c)
+        caveats = tuple(c for c in caveats if c.code != "scale_induced_overflow")
     return Recommendation(
         verdict=verdict, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
         flushed_fraction_at_1=inner.flushed_fraction_at_1, flushed_fraction_at_scale=None,

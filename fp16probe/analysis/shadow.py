@@ -16,7 +16,7 @@ from fp16probe.analysis.ceiling import run_format
 from fp16probe.analysis.whatif import fraction, kinds_of
 from fp16probe.formatting import count, percent
 from fp16probe.histogram import Histogram
-from fp16probe.recommendation import Recommendation
+from fp16probe.recommendation import Caveat, Recommendation
 from fp16probe.report import Report
 
 __all__ = ["pending_words", "reference", "with_reference", "zero_split"]
@@ -90,15 +90,10 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
                   f"{count(split['structural_zero_values'])} are zero in fp32 too (structural) and "
                   f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
                   f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
-    caveat = (f"The verdict rests on the {len(steps)} rerun step(s), not on the live steps between them; "
-              + (f"the next rerun comes at step {meta['next_step']}." if meta.get("next_step") is not None
-                 else "no further rerun is scheduled."))
-    caveats = tuple(c for c in rec.caveats) + (caveat,)
+    caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": meta.get("next_step")}),)
     if rec.growth_interval_table and report.history is not None and len(report.history):
-        caveats += (f"The growth_interval above is a projection: the profiled steps resampled over "
-                    f"{count(int(rec.growth_interval_table.get('horizon', 0)))} simulated steps. This report "
-                    f"records every one of its {count(len(report.history))} steps: `fp16probe schedule` judges "
-                    "loss-scale rules on the run's own history.",)
+        caveats += (Caveat("projected_schedule", {"horizon": int(rec.growth_interval_table.get("horizon", 0)),
+                                                  "history_steps": len(report.history)}),)
     return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
 
 

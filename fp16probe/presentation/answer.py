@@ -13,17 +13,20 @@ import math
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from fp16probe import formatting as num
-from fp16probe.recommendation import Recommendation, Verdict
+from fp16probe.formatting import KIND_WORDS
+from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.verification import Verification
 
 __all__ = [
+    "CAVEAT_WORDS",
     "KIND_WORDS",
     "VERDICT_WORDS",
     "Line",
+    "caveat_text",
     "evidence_rows",
     "findings",
     "fit_name",
@@ -50,8 +53,6 @@ VERDICT_WORDS = {
     Verdict.FORWARD_OVERFLOW: "the forward pass overflows (no loss scale fixes it)",
     Verdict.FORWARD_UNDERFLOW: "the forward pass flushes values to zero (no loss scale fixes it)",
 }
-KIND_WORDS = {"all": "gradients", "activation_grad": "activation gradients", "weight_grad": "weight gradients",
-              "activation": "activations"}
 ELLIPSIS = "…"
 _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
 
@@ -135,16 +136,10 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
                  device: str | None = None) -> list[Line]:
     """Return the answer in a few lines: verdict, S or schedule, flushed before and after,
     overflow margin, the code to paste and for which device, then what qualifies it."""
-    k = rec.log2_scale
     lines = [Line("verdict", _verdict_sentence(rec))]
-    # Without a verdict the shares are no evidence (an autocast profile's are lower bounds):
-    # a "flushed: 0%" beside "not enough evidence" would read as good news.
-    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-        after = ""
-        if k is not None and k != 0 and rec.flushed_fraction_at_scale is not None:
-            after = f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-        lines.append(Line("flushed", f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{after} "
-                                     f"of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}"))
+    flushed = _flushed_sentence(rec, f" of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
+    if flushed:
+        lines.append(Line("flushed", flushed))
     margin = _margin_sentence(rec)
     if margin:
         lines.append(Line("margin", margin))
@@ -181,6 +176,105 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
             lines.append(Line("verification", _verification_sentence(verification)))
     lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]
     return lines
+
+
+# -- caveats: the one place their words live ----------------------------------------------
+def _names(names: Sequence[str], total: int) -> str:
+    return ", ".join(names) + (", ..." if total > len(names) else "")
+
+
+def _more(n: int) -> str:
+    return f" and {n} more" if n > 0 else ""
+
+
+def _run(d: Mapping[str, Any]) -> str:
+    return num.fp16_run(d["regime"], d["target"])
+
+
+_STOPPED = {"error": "stopped by a failure", "terminated": "terminated (SIGTERM)", "hangup": "hung up (SIGHUP)"}
+
+# Caveat code -> its sentence, from the caveat's data (as the analysis wrote it).
+CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "text": lambda d: str(d["text"]),  # a report from before codes: the sentence it stored
+    "low_precision_run": lambda d: (f"This profile was taken under {d['precision']} at "
+        f"{num.scales_in_force(d['scales'])}: gradients that flushed during the run are already exact zeros "
+        f"({num.count(d['zero_values'])} of {num.count(d['values'])} judged values are zero, true zeros included), so "
+        "flushed shares count only what survived and are lower bounds. Profile in fp32 (the default precision) to "
+        "measure what flushes."),
+    "hooked_ceiling": lambda d: ("The overflow ceiling comes from the hooked modules' and parameters' gradients only: "
+        "this report has no backward-wide ceiling, so gradients outside hooked modules (functional ops after the last "
+        "module, a temperature or gain before the loss, the loss side) are not seen and a larger one may overflow "
+        "before S does."),
+    "scale_induced_overflow": lambda d: (f"{d['count']} profiled step(s) held inf/NaN at the scale in force "
+        f"({num.scales_in_force(d['scales'])}{'; steps ' + ', '.join(map(str, d['steps'])) if d['steps'] else ''}): "
+        "such a step says its largest gradient was at least the format's max divided by that scale, so it counts as "
+        "overflowing at that scale and above, not at every scale."),
+    "intrinsic_nonfinite": lambda d: (f"{d['count']} profiled step(s) held inf/NaN in an fp32 run without a loss "
+        "scaler: no loss scale explains or fixes those; they are left out of the limit on S."),
+    "narrowed_kind": lambda d: (f"Only {KIND_WORDS.get(d['kind'], d['kind'])} were judged for flushing "
+        f"(kind={d['kind']!r}); the loss scale multiplies {', '.join(KIND_WORDS.get(k, k) for k in d['others'])} too."),
+    "silent_modules": lambda d: (f"{d['count']} hooked module(s) recorded no gradient "
+        f"({_names(d['modules'], d['count'])}): their forward was bypassed (e.g. a parent that uses their weights "
+        "directly) or their output did not reach the loss."),
+    "autocast_fp32_ops": lambda d: (f"{d['count']} op(s) whose gradients stay fp32 under fp16 autocast were left out "
+        f"of the histograms and the overflow ceiling ({_names(d['ops'], d['count'])}): autocast runs them in fp32 (or "
+        "they take fp32 inputs) and only fp32 ops consume them. This assumes training under autocast; a model "
+        "converted with .half() computes them in fp16."),
+    "partial_run": lambda d: (f"The run was {_STOPPED.get(str(d.get('stopped')), 'interrupted')}: "
+        f"{d['steps_seen']} of {d['steps_requested']} requested steps were profiled."),
+    "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
+        "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
+                    else f"the next rerun comes at step {d['next_step']}.")),
+    "projected_schedule": lambda d: ("The growth_interval above is a projection: the profiled steps resampled over "
+        f"{num.count(d['horizon'])} simulated steps. This report records every one of its "
+        f"{num.count(d['history_steps'])} steps: `fp16probe schedule` judges loss-scale rules on the run's own "
+        "history."),
+    "pure_fp16": lambda d: ("Predicted as a pure-fp16 run (the model came in fp16: .half(), no autocast): every op, "
+        "every gradient and the loss are fp16, and without fp32 master weights an update smaller than about 2^-11 of "
+        "its weight is lost (profile with --optimizer to measure that share)."),
+    "forward_modules_only": lambda d: ("The forward pass was judged on the hooked modules' outputs only (the Probe's "
+        "own maxima); functional ops between modules and the loss's dtype were not audited: fp16probe.profile (the "
+        "command line's profile) audits every op."),
+    "forward_low_headroom": lambda d: (f"Forward values close to fp16's max (65504) under {_run(d)}: "
+        f"{', '.join(f'{n} ({num.bits(b)} bits)' for n, b in d['tensors'])}. Less than {num.bits(3.0)} bits of "
+        "headroom is how forward overflow starts (a trained T5's feed-forward output grew past 65504 this way); "
+        "watch these as training goes on, or keep them in fp32."),
+    "forward_flushing": lambda d: (f"Forward values flush to zero in fp16 under {_run(d)} (share of each tensor's "
+        f"nonzero values): {', '.join(f'{n} {num.percent(f)}' for n, f in d['tensors'])}"
+        f"{_more(d['count'] - len(d['tensors']))}. A loss scale does not act on forward values; these zeros are in "
+        "the fp16 run whatever S is."),
+    "custom_functions": lambda d: (f"The graph holds custom autograd Functions ({', '.join(d['functions'])}): the "
+        "overflow ceiling sees only what flows into and out of their backward, not the values it forms inside (a "
+        "backward that multiplies before it divides can overflow at a lower S). Run with --verify "
+        "(fp16probe.profile(..., verify=True)) to check the scale for real."),
+    "loss_fp16": lambda d: (f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself "
+        "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
+        "cap: loss_fn(output.float(), target)."),
+}
+
+
+def caveat_text(c: Caveat) -> str:
+    """Return a caveat's sentence; a code or data this version cannot word (a newer writer's, an edited
+    file's) shows as the code and its data, never as an error."""
+    try:
+        return CAVEAT_WORDS[c.code](c.data)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return f"{c.code}: {dict(c.data)}"
+
+
+def _flushed_sentence(rec: Recommendation, of: str = "") -> str:
+    """'flushed: x at S = 1, y at S = 2^k' and ``of`` ('' without a verdict: its shares are no evidence,
+    and a "flushed: 0%" beside "not enough evidence" would read as good news)."""
+    if rec.flushed_fraction_at_1 is None or rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:
+        return ""
+    k, at_k = rec.log2_scale, rec.flushed_fraction_at_scale
+    after = "" if not k or at_k is None else f", {num.percent(at_k)} at S = {num.power_of_two(k)}"
+    return f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{after}{of}"
+
+
+def _worst_sentence(rec: Recommendation) -> str:
+    worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
+    return f"worst modules at S = 1: {worst}" if worst else ""
 
 
 def _verdict_sentence(rec: Recommendation) -> str:
@@ -294,22 +388,15 @@ def recommendation_summary(rec: Recommendation, width: int = SUMMARY_WIDTH) -> s
     and ``rec.explanation()`` wraps it.
     """
     ev = rec.evidence
-    lines = [f"Recommendation({_verdict_sentence(rec).removeprefix('verdict for ')})"]
-    if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-        k = rec.log2_scale
-        at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
-            f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-        lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s} of "
-                     f"{num.count(ev.get('nonzero_values', 0))} nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
+    lines = [f"Recommendation({_verdict_sentence(rec).removeprefix('verdict for ')})", _flushed_sentence(
+        rec, f" of {num.count(ev.get('nonzero_values', 0))} nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")]
     if "profiled_steps" in ev:
         over = rec.overflow_steps_at_scale
         lines.append(f"steps: {ev['profiled_steps']} profiled" + ("" if over is None else f", {over} overflow at S"))
-    if rec.worst_modules:
-        worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
-        lines.append(f"worst modules at S = 1: {worst}")
+    lines.append(_worst_sentence(rec))
     if rec.caveats:
         lines.append(f"{len(rec.caveats)} caveat(s) in .caveats; the reasoning in .explanation()")
-    out = [ln for line in lines for ln in wrap_text(line, width, "  ")]
+    out = [ln for line in lines if line for ln in wrap_text(line, width, "  ")]
     code = grad_scaler_code(rec, width=width)  # split after commas: still valid Python to paste
     return "\n".join(out + (code.splitlines() if code else []))
 
@@ -326,21 +413,13 @@ def report_summary(report: Report, width: int = SUMMARY_WIDTH) -> str:
     if rec is None:
         lines.append("no recommendation stored: fp16probe.analyze(report) makes one")
     else:
-        lines.append(_verdict_sentence(rec))
-        if rec.flushed_fraction_at_1 is not None and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
-            k = rec.log2_scale
-            at_s = "" if not k or rec.flushed_fraction_at_scale is None else \
-                f", {num.percent(rec.flushed_fraction_at_scale)} at S = {num.power_of_two(k)}"
-            lines.append(f"flushed: {num.percent(rec.flushed_fraction_at_1)} at S = 1{at_s}")
-        if rec.worst_modules:
-            lines.append("worst modules at S = 1: " + ", ".join(
-                f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3]))
+        lines += [_verdict_sentence(rec), _flushed_sentence(rec), _worst_sentence(rec)]
     if report.verification is not None:
         lines.append(_verification_sentence(report.verification))
     if md.partial:
         lines.append(f"partial: {md.steps_seen} of {md.steps_total} requested steps")
     lines.append("more: report.recommendation, report.plot(), fp16probe show REPORT --explain")
-    return "\n".join(ln for line in lines for ln in wrap_text(line, width, "  "))
+    return "\n".join(ln for line in lines if line for ln in wrap_text(line, width, "  "))
 
 
 # -- text that fits a width --------------------------------------------------------------

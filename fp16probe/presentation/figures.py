@@ -348,7 +348,7 @@ def plot_what_if(
     """
     fmt = get_format(format)
     if isinstance(report, Report):
-        table = what_if(report, fmt.name, kind=kind, modules=False)
+        table = what_if(report, fmt, kind=kind, modules=False)
         recommendation = _recommendation(report, recommendation, fmt)
     else:
         table = report
@@ -420,7 +420,7 @@ def plot_scale_timeline(
         schedules.append(("recommended", kwargs, _SCALED_COLOR))
     schedules.append(("GradScaler default", dict(GRADSCALER_DEFAULTS), "#555555"))
     for label, kw, color in schedules:
-        result = simulate(report.trace, fmt.name, kw, seed=seed, kind=kind, **horizon_kw)
+        result = simulate(report.trace, fmt, kw, seed=seed, kind=kind, **horizon_kw)
         scales = np.asarray(result.scales, dtype=np.float64)
         steps = np.arange(len(scales))
         skipped = np.asarray(result.skipped, dtype=bool)

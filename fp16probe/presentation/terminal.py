@@ -17,7 +17,7 @@ from typing import Any
 
 from fp16probe.analysis.gate import GateResult
 from fp16probe.analysis.whatif import numerically_zero, worst_modules
-from fp16probe.formats import get_format
+from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
@@ -137,7 +137,7 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
                              "fp16probe.analysis.recommend.analyze(report), makes one", width, "yellow")
         else:
             yield from _answer(report, rec, width, device)
-        fmt = rec.format if rec is not None else "fp16"
+        fmt = get_format(rec.format if rec is not None else "fp16")
         k = rec.log2_scale if rec is not None else None
         if explain:
             yield from _run_context(report, width)
@@ -335,10 +335,9 @@ def _cells(values: Iterable[str]) -> list[Any]:
     return [Text(str(v)) for v in values]
 
 
-def _distribution_table(h: Histogram, fmt_name: str, log2_scale: int | None, kind: str) -> Any:
+def _distribution_table(h: Histogram, fmt: Format, log2_scale: int | None, kind: str) -> Any:
     from rich.table import Table
 
-    fmt = get_format(fmt_name)
     n = h.nonzero_finite
     table = Table(title=f"{kind}: {num.count(h.total)} values against {fmt.name}", title_justify="left")
     table.add_column("|g| at S = 1")
@@ -360,12 +359,11 @@ def _distribution_table(h: Histogram, fmt_name: str, log2_scale: int | None, kin
     return table
 
 
-def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
+def _bins_table(h: Histogram, fmt: Format, rows: int = 24) -> Any:
     """Occupied log2 bins, grouped so at most ``rows`` show, with the format's bounds marked."""
     from rich.table import Table
     from rich.text import Text
 
-    fmt = get_format(fmt_name)
     lo, hi = h.lowest_exp, h.highest_exp
     table = Table(title="log2 histogram (bin e holds |g| in (2^(e-1), 2^e])", title_justify="left")
     table.add_column("bins", no_wrap=True)
@@ -400,12 +398,11 @@ def _bins_table(h: Histogram, fmt_name: str, rows: int = 24) -> Any:
     return table
 
 
-def _worst_table(report: Report, kind: str, fmt_name: str, log2_scale: int | None, top: int,
+def _worst_table(report: Report, kind: str, fmt: Format, log2_scale: int | None, top: int,
                  width: int) -> Iterator[Any]:
     """The modules that flush the most, names wrapped after dots to the room the numbers leave."""
     from rich.table import Table
 
-    fmt = get_format(fmt_name)
     ranked = [report.module(w.name, w.kind) for w in worst_modules(report, fmt, kind=kind, count=top)]
     if not ranked:
         yield from _para(f"no module's values flush in {fmt.name} at S = 1 ({kind})", width)

@@ -42,6 +42,7 @@ from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.presentation.answer import recommendation_for
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
 
@@ -355,7 +356,7 @@ class _MlflowSink:
                 from fp16probe.presentation.figures import save_figures
 
                 save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
-                             format=fmt.name, kind=kind)
+                             format=fmt, kind=kind)
             page = report_html(report, fmt, kind=kind, recommendation=recommendation)
             (folder / "fp16probe-report.html").write_text(
                 "<!doctype html>\n<html><head><meta charset='utf-8'><title>fp16probe report: "
@@ -589,8 +590,6 @@ class TrackerLog:
 
 def _recommendation(report: Report, given: Recommendation | None, fmt: Format, kind: str) -> Recommendation | None:
     """The recommendation given, the report's own for ``fmt``, or a fresh analysis (None when none can be made)."""
-    from fp16probe.presentation.answer import recommendation_for
-
     if given is not None:
         return given
     stored = recommendation_for(report, fmt.name)
@@ -599,6 +598,6 @@ def _recommendation(report: Report, given: Recommendation | None, fmt: Format, k
     from fp16probe.analysis.recommend import analyze
 
     try:
-        return analyze(report, fmt.name, kind=kind)
+        return analyze(report, fmt, kind=kind)
     except Fp16ProbeError:  # e.g. no values of that kind yet
         return None
