@@ -85,3 +85,22 @@ def test_plot_with_a_scaled_format_is_refused_before_the_model_loads():
     result = run("profile", "no_such_pkg_q:Model", "--format", "nvfp4", "--plot", "fig.png")
     assert result.exit_code == EXIT_USAGE, result.output
     assert one_error_line(result).startswith("error: --plot fig.png: the figures draw fp16/bf16/fp8 histograms")
+
+
+def test_an_analysis_error_names_the_kind_flag_on_the_command_line(tmp_path, monkeypatch):
+    """An analysis error about the kind reaches the command line as --kind, the library as kind=."""
+    from fp16probe import Fp16ProbeError, Probe
+    from fp16probe.analysis.recommend import analyze
+
+    model = nn.Linear(4, 4)
+    with Probe(model, weight_grads=False) as probe:
+        model(torch.randn(2, 4)).sum().backward()
+        probe.step()
+    report = probe.report()
+    with pytest.raises(Fp16ProbeError, match=r"or pass kind='all'$") as e:
+        analyze(report, kind="weight_grad")
+    assert e.value.parameter == "kind"
+    report.save(tmp_path / "r.json")
+    monkeypatch.chdir(tmp_path)
+    result = run("recommend", "r.json", "--kind", "weight_grad")
+    assert one_error_line(result).endswith("or pass --kind 'all'")

@@ -231,7 +231,8 @@ def _measure(report: Report, kind: str) -> _Measured:
     if kind != ALL_GRADS and hist.total == 0:
         raise AnalysisError(
             f"the report holds no {kind} values: profile with the Probe capturing them "
-            f"(captured: {', '.join(report.metadata.captured) or 'nothing'}), or pass kind='all'"
+            f"(captured: {', '.join(report.metadata.captured) or 'nothing'}), or pass kind='all'",
+            parameter="kind",
         )
     by_kind = {k: report.histogram(k) for k in kinds if report.histogram(k).total}
     scales = sorted({float(s) for s in report.trace.scale if s is not None})
