@@ -113,6 +113,7 @@ class _OneLineErrors(typer.core.TyperGroup):
 
 # Set when a command's own error handling took over (it then says why it stops).
 _COMMAND_STARTED: list[bool] = []
+_RUN_AS_PROCESS: list[bool] = []  # main() runs a command as the whole process, which exits after it (not CliRunner)
 
 # typer vendors click from 0.2x on and uses the real one before: take the class it raises.
 _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -362,6 +363,8 @@ def profile(
     console = render.make_console()
     # stop_signals: a second Ctrl-C never aborts the partial report; one before the first step leaves none
     with _errors(console, debug, " before the first step finished; no report written"), stop_signals() as shield:
+        if _RUN_AS_PROCESS:  # it exits right after the block: a stop signal then (torchrun's SIGTERM once
+            shield.keep()  # another rank exits, a late SIGHUP) is ignored, not left to kill it after its report
         # Refused before the model loads or runs; the files behind module:function inputs are inputs too.
         _check_profile_outputs(model, weights, out, plot, batches=batches, loss=loss)
         request = ProfileRequest(
@@ -375,9 +378,7 @@ def profile(
         try:
             report = profile_request(
                 request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
-                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main),
-                # torchrun's SIGTERM, once another rank exits, must not cut this one's exit short
-                on_distributed=shield.keep)
+                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
         except Fp16ProbeError as e:
             if e.report is None:
                 raise
@@ -816,6 +817,7 @@ def export(
 
 def main() -> None:
     """Entry point of the ``fp16probe`` console script."""
+    _RUN_AS_PROCESS.append(True)
     try:
         app(prog_name="fp16probe")
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before a command took over its signals (typer builds the

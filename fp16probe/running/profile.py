@@ -262,24 +262,20 @@ def _no_progress(total: int, main: bool) -> Iterator[Callable[[int], None]]:
 
 
 def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], None] | None = None,
-                    progress: Progress = _no_progress,
-                    on_distributed: Callable[[], None] | None = None) -> Report | None:
+                    progress: Progress = _no_progress) -> Report | None:
     """Load, feed and profile what ``request`` names; return the Report (None on ranks other than 0).
 
     What the command line runs, in the order torchinfo's ``summary()`` reads: resolve the device,
     seed, load, make the inputs and the loss, run. ``on_notes`` hears, on rank 0 before the run,
     what loading and the inputs changed (also kept in the report); ``progress(total, main)`` makes
-    the context whose ``update(done)`` is called after each step; ``on_distributed`` is called once
-    torch.distributed is set up (``FP16PROBE_DIST_TIMEOUT`` bounds its collectives, see
-    docs/faults.md). Errors are :func:`profile`'s.
+    the context whose ``update(done)`` is called after each step (``FP16PROBE_DIST_TIMEOUT`` bounds
+    torch.distributed's collectives, see docs/faults.md). Errors are :func:`profile`'s.
     """
     from fp16probe.capture import distributed
     from fp16probe.running.ranks import timeout_s
 
     r = request
     is_dist = distributed.init_from_env(timeout=timeout_s())
-    if is_dist and on_distributed is not None:
-        on_distributed()
     rank = distributed.rank()
     dev = pick_device(r.device)
     if is_dist and dev.type == "cuda":

@@ -75,11 +75,12 @@ class StopSignals:
                 signal.signal(signum, self._handle)
 
     def keep(self) -> None:
-        """At :meth:`restore`, ignore the stop signals instead (a torchrun rank about to exit).
+        """At :meth:`restore`, ignore the stop signals instead (a command about to exit).
 
-        torchrun sends SIGTERM to the other ranks as soon as one exits; a rank still
-        writing, or tearing down, would die of it and lose its exit code. Python resets
-        its own handlers to the default at exit, but leaves an ignored signal ignored.
+        torchrun sends SIGTERM to the other ranks as soon as one exits, and a signal can land
+        between the restore and the exit; either would kill a process that has written its
+        report with the signal's default action, losing its exit code. Python resets its own
+        handlers to the default at exit, but leaves an ignored signal ignored.
         """
         self._keep = True
 
