@@ -181,9 +181,9 @@ class StepHistory:
         return {
             "first_step": self.first_step,
             "scale": list(self.scale),
-            "grad_max": [_json_float(g) for g in self.grad_max],
-            "ceiling": [_json_float(c) for c in self.ceiling],
-            "forward_max": None if self.forward_max is None else [_json_float(f) for f in self.forward_max],
+            "grad_max": [json_float(g) for g in self.grad_max],
+            "ceiling": [json_float(c) for c in self.ceiling],
+            "forward_max": None if self.forward_max is None else [json_float(f) for f in self.forward_max],
         }
 
     @classmethod
@@ -194,19 +194,20 @@ class StepHistory:
         return cls(
             first_step=int(d["first_step"]),
             scale=tuple(None if s is None else float(s) for s in d["scale"]),
-            grad_max=tuple(_from_json_float(g) for g in d["grad_max"]),
-            ceiling=tuple(_from_json_float(c) for c in d.get("ceiling") or [None] * len(d["scale"])),
-            forward_max=None if fwd is None else tuple(_from_json_float(f) for f in fwd),
+            grad_max=tuple(_fromjson_float(g) for g in d["grad_max"]),
+            ceiling=tuple(_fromjson_float(c) for c in d.get("ceiling") or [None] * len(d["scale"])),
+            forward_max=None if fwd is None else tuple(_fromjson_float(f) for f in fwd),
         )
 
 
-def _json_float(v: float | None) -> float | str | None:
+def json_float(v: float | None) -> float | str | None:
+    """A float for JSON: itself, None, or "nan" / "inf" (JSON has neither)."""
     if v is None or math.isfinite(v):
         return v
     return "nan" if math.isnan(v) else "inf"
 
 
-def _from_json_float(v: Any) -> float | None:
+def _fromjson_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
 

@@ -25,7 +25,7 @@ from fp16probe.capture.history import History
 from fp16probe.capture.recorder import FORWARD, ROOT_NAME, Recorder, iter_tensors
 from fp16probe.capture.shadow import DEFAULT_SHADOW_EVERY, Shadow
 from fp16probe.errors import ProbeError
-from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, ModuleStats, Report, json_float
 
 __all__ = ["ROOT_NAME", "Probe", "iter_tensors", "select_modules"]
 
@@ -440,9 +440,9 @@ class Probe:
         forward_max, first_over = self.recorder.forward_maxima()
         if forward_max:
             extra_meta["forward_max"] = {
-                "modules": {n: _json_float(v) for n, v in forward_max.items()},
+                "modules": {n: json_float(v) for n, v in forward_max.items()},
                 "first_overflow_step": first_over,
-                "step_max": [_json_float(v) for v in got.maxima.get(FORWARD, ())],
+                "step_max": [json_float(v) for v in got.maxima.get(FORWARD, ())],
                 "source": "the largest |output| of each hooked module's forward, fp16 outputs only under autocast",
             }
         if self.recorder.sharded_weight_grads:
@@ -546,14 +546,6 @@ class Probe:
             tied = bool(own) and all(id(p) in seen_params for p in own)
             (gradient_free if not own or tied else findings).append(display)
         return findings, gradient_free
-
-
-def _json_float(v: float) -> float | str:
-    if v != v:
-        return "nan"
-    if v in (float("inf"), float("-inf")):
-        return "inf"
-    return float(v)
 
 
 def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delayed: Sequence[Any] | None,
