@@ -33,6 +33,7 @@ ALLOWED = {
 # module on demand. Only these may import presentation (inside the method), and those
 # imports are left out of the cycle check.
 SHIMS = {
+    ("fp16probe.recommendation", "Caveat.__str__"),
     ("fp16probe.recommendation", "Recommendation.__repr__"),
     ("fp16probe.recommendation", "Recommendation.__rich__"),
     ("fp16probe.recommendation", "Recommendation._repr_html_"),
