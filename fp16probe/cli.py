@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -280,15 +280,10 @@ def _stored_format(report: Report) -> str:
     return target_of(report)[0]
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
-
-
-def _check_output(path: Path, option: str) -> None:
-    """Refuse, before any work, an output path that is a folder or lies under a file."""
+def _check_output(path: Path, option: str, inputs: Sequence[Path] = (), *, figure: bool = False,
+                  writable: bool = False) -> None:
+    """Refuse, before any work, an output path that is a folder, lies under a file, is one of ``inputs``
+    or inside an input folder, is not a figure file (``figure``) or cannot be written (``writable``)."""
     if path.is_dir():
         raise InputError(f"{option} {path} is a folder; expected a file path, e.g. one inside that folder")
     parent = path.absolute().parent
@@ -296,6 +291,20 @@ def _check_output(path: Path, option: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise InputError(f"{option} {path}: {parent} is a file, not a folder; choose another output path")
+    for p in inputs:
+        try:
+            same = p.exists() and (path.resolve() == p.resolve()
+                                   or (p.is_dir() and path.resolve().is_relative_to(p.resolve())))
+        except OSError:
+            same = False
+        if same:
+            raise InputError(f"{option} {path} would overwrite the input {p}; choose another output path")
+    if figure:
+        from fp16probe.presentation import figures
+
+        figures.check_figure_path(path)
+    if writable:
+        _check_writable(path, option)
 
 
 @contextlib.contextmanager
@@ -307,12 +316,6 @@ def _writing(path: Path, option: str) -> Iterator[None]:
         raise InputError(
             f"{option} {path}: cannot write it ({e.strerror or type(e).__name__}); choose a writable path"
         ) from e
-
-
-def _refuse_overwrite(out: Path, inputs: list[Path], option: str) -> None:
-    for p in inputs:
-        if p is not None and p.exists() and (_same_file(out, p) or (p.is_dir() and out.resolve().is_relative_to(p.resolve()))):
-            raise InputError(f"{option} {out} would overwrite the input {p}; choose another output path")
 
 
 @app.command()
@@ -407,20 +410,13 @@ def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, p
                            batches: str | None, loss: str | None) -> None:
     """Refuse an output that is a folder, an input (the files behind module:function inputs too),
     unwritable, or (figures) of an unknown type."""
-    from fp16probe.presentation import figures
-
     inputs = [Path(model)] if model and Path(model).exists() else []
     if weights is not None:
         inputs.append(weights)
     inputs += _code_files({"MODEL": model, "--batches": batches, "--loss": loss})
-    _check_output(out, "--out")
-    _refuse_overwrite(out, inputs, "--out")
-    _check_writable(out, "--out")
+    _check_output(out, "--out", inputs, writable=True)
     if plot is not None:
-        _check_output(plot, "--plot")
-        _refuse_overwrite(plot, inputs + [out], "--plot")
-        figures.check_figure_path(plot)
-        _check_writable(plot, "--plot")
+        _check_output(plot, "--plot", [*inputs, out], figure=True, writable=True)
 
 
 def _print_notes(console: Any, notes: list[str]) -> None:
@@ -620,11 +616,7 @@ def plot(
 
     console = render.make_console()
     with _errors(console, debug):
-        _check_output(output, "--output")
-        _refuse_overwrite(output, [report], "--output")
-        from fp16probe.presentation import figures
-
-        figures.check_figure_path(output)
+        _check_output(output, "--output", [report], figure=True)
         r = Report.load(report)
         fmt, knd, rec = _judged(r, format, kind)
         with _writing(output, "--output"):
@@ -726,8 +718,7 @@ def compare(
         outputs = {"--summary": summary, "--junit": junit, "$GITHUB_STEP_SUMMARY": os.environ.get("GITHUB_STEP_SUMMARY")}
         for option, p in outputs.items():
             if p:
-                _check_output(Path(p), option)
-                _refuse_overwrite(Path(p), [baseline, current], option)
+                _check_output(Path(p), option, [baseline, current])
         thresholds = gate.GateThresholds(
             max_flushed_increase=max_flushed_increase, max_flushed_increase_at_scale=max_flushed_increase_at_scale,
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
