@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 
 class Fp16ProbeError(RuntimeError):
     """Base class of every error fp16probe raises on purpose.
@@ -75,3 +78,14 @@ def first_line(e: BaseException) -> str:
     """The first line of ``e``'s message (its class name when the message is empty), for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import an optional package (a tracker, a framework), or raise one line naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise Fp16ProbeError(
+            f"{what} needs the {module.split('.')[0]!r} package, which is not installed ({e}); "
+            f"install it with: pip install 'fp16probe[{extra}]'"
+        ) from e

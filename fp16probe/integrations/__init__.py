@@ -7,27 +7,15 @@ The frameworks are optional extras, imported only when a callback module is impo
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-from fp16probe.errors import Fp16ProbeError
+from fp16probe.errors import require
 
 __all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "finish", "require", "write_outputs"]
 
 REPORT_NAME = "fp16probe-report.json"  # the command line's default too
 RECOMMENDATION_NAME = "fp16probe-recommendation.txt"
-
-
-def require(module: str, extra: str, what: str) -> Any:
-    """Import an optional framework, or say which extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise Fp16ProbeError(
-            f"{what} needs the {module!r} package, which is not installed ({e}); "
-            f"install it with: pip install 'fp16probe[{extra}]'"
-        ) from e
 
 
 def write_outputs(report: Any, folder: str | Path) -> Any:

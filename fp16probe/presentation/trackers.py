@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import importlib
 import math
 import os
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from fp16probe.analysis.whatif import flushed_fraction, fraction
-from fp16probe.errors import Fp16ProbeError, InputError
+from fp16probe.errors import Fp16ProbeError, InputError, require
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
 from fp16probe.presentation.answer import recommendation_for
@@ -64,17 +63,6 @@ __all__ = [
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 AXES = ("log2", "magnitude")
 PREFIX = "fp16probe"
-
-
-def _require(module: str, extra: str, what: str) -> Any:
-    """Import an optional tracker package, or raise one line naming the extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise Fp16ProbeError(
-            f"{what} needs the {module.split('.')[0]!r} package, which is not installed; "
-            f"install it with: pip install 'fp16probe[{extra}]'"
-        ) from e
 
 
 # -- the data every tracker gets ---------------------------------------------------------------
@@ -291,7 +279,7 @@ class _WandbSink:
     name = "wandb"
 
     def __init__(self, run: Any, *, owned: bool = False) -> None:
-        self.wandb = _require("wandb", "wandb", "exporting to Weights & Biases")
+        self.wandb = require("wandb", "wandb", "exporting to Weights & Biases")
         self.run = run
         self.owned = owned
         self.location = getattr(run, "dir", None)
@@ -404,8 +392,8 @@ def sink_for(target: Any) -> Any:
 
 def tensorboard_writer(log_dir: Any) -> Any:
     """Return a new ``torch.utils.tensorboard.SummaryWriter`` in ``log_dir``, marked as made by fp16probe."""
-    _require("tensorboard", "tensorboard", "logging to TensorBoard")
-    writer_mod = _require("torch.utils.tensorboard", "tensorboard", "logging to TensorBoard")
+    require("tensorboard", "tensorboard", "logging to TensorBoard")
+    writer_mod = require("torch.utils.tensorboard", "tensorboard", "logging to TensorBoard")
     writer = writer_mod.SummaryWriter(log_dir=str(log_dir))
     writer._fp16probe_owned = True
     return writer
@@ -413,13 +401,13 @@ def tensorboard_writer(log_dir: Any) -> Any:
 
 def active_wandb_run() -> Any:
     """The wandb run in progress (``wandb.run``), or None."""
-    wandb = _require("wandb", "wandb", "logging to Weights & Biases")
+    wandb = require("wandb", "wandb", "logging to Weights & Biases")
     return wandb.run
 
 
 def active_mlflow_run() -> tuple[Any, str] | None:
     """``(MlflowClient, run_id)`` of MLflow's active run, or None."""
-    mlflow = _require("mlflow", "mlflow", "logging to MLflow")
+    mlflow = require("mlflow", "mlflow", "logging to MLflow")
     run = mlflow.active_run()
     return None if run is None else (mlflow.MlflowClient(), run.info.run_id)
 
@@ -506,7 +494,7 @@ def _open(to: str, dest: Any, *, run_name: str | None, project: str) -> Any:
             raise InputError("exporting to TensorBoard needs a log folder, e.g. runs/fp16probe")
         return _TensorBoardSink(tensorboard_writer(dest), owned=True)
     if to == "wandb":
-        wandb = _require("wandb", "wandb", "exporting to Weights & Biases")
+        wandb = require("wandb", "wandb", "exporting to Weights & Biases")
         if dest is not None:
             Path(dest).mkdir(parents=True, exist_ok=True)
         try:
@@ -518,7 +506,7 @@ def _open(to: str, dest: Any, *, run_name: str | None, project: str) -> Any:
                 "log in with 'wandb login', or set WANDB_MODE=offline to write locally and 'wandb sync' later"
             ) from e
         return _WandbSink(run, owned=True)
-    mlflow = _require("mlflow", "mlflow", "exporting to MLflow")
+    mlflow = require("mlflow", "mlflow", "exporting to MLflow")
     uri = None if dest is None else _mlflow_uri(dest)
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(project)
