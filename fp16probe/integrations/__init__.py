@@ -12,7 +12,7 @@ from typing import Any
 
 from fp16probe.errors import require
 
-__all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "finish", "require", "write_outputs"]
+__all__ = ["REPORT_NAME", "RECOMMENDATION_NAME", "ProbeCallback", "finish", "require", "write_outputs"]
 
 REPORT_NAME = "fp16probe-report.json"  # the command line's default too
 RECOMMENDATION_NAME = "fp16probe-recommendation.txt"
@@ -48,3 +48,42 @@ def finish(probe: Any, *, trainer: str, global_step: int, is_main: bool, folder:
     if report is None or not is_main:
         return None
     return write_outputs(report, folder)
+
+
+class ProbeCallback:
+    """What both training-framework callbacks keep and do: the Probe, its live logger, the report."""
+
+    def __init__(self, every: int, format: str, log_every: int | None, log_modules: bool, trackers: Any,
+                 probe_options: dict[str, Any]) -> None:
+        self.every, self.format, self.probe_options = every, format, probe_options
+        self.probe: Any = None
+        self.report: Any = None  # on the main process, once training ends: the report as written
+        self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
+        self.live: Any = None
+        self.extra: dict[str, Any] = {}  # what the report records of the run (the framework's settings)
+
+    def _start(self, model: Any, scaler: Any, *, main: bool, step_offset: int, trackers: Any) -> None:
+        """Start the Probe; with ``log_every``, its live logger (``trackers()``: the framework's own)."""
+        from fp16probe.capture.probe import Probe
+        from fp16probe.integrations.live import LiveLogger
+
+        self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
+        if self.log_every:
+            self.live = LiveLogger(self.probe, (self.trackers or trackers()) if main else [], log_every=self.log_every,
+                                   step_offset=step_offset, is_main=main, format=self.format,
+                                   modules=self.log_modules, extra=self.extra)
+
+    def _step(self) -> None:
+        """Close the Probe's step (one per optimizer step) and log when it is time."""
+        if self.probe is not None:
+            self.probe.step()
+            if self.live is not None:
+                self.live.step()
+
+    def _stop(self) -> Any:
+        """Close the live logger (its last flush) and hand over the Probe, or None if none ran."""
+        live, self.live = self.live, None
+        if live is not None:
+            live.close()
+        probe, self.probe = self.probe, None
+        return probe

@@ -21,12 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp16probe.integrations import finish, require
+from fp16probe.integrations import ProbeCallback, finish, require
 
 transformers = require("transformers", "hf", "fp16probe.integrations.huggingface")
 
 from fp16probe.errors import Fp16ProbeError  # noqa: E402
-from fp16probe.capture.probe import Probe  # noqa: E402
 
 __all__ = ["Fp16ProbeCallback", "trainer_scaler"]
 
@@ -54,7 +53,7 @@ def training_arguments(args: Any) -> dict[str, Any]:
     return out
 
 
-class Fp16ProbeCallback(transformers.TrainerCallback):
+class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
     """Probe the Trainer's model and write the report and recommendation when training ends.
 
     Args:
@@ -84,17 +83,8 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         trackers: Any = None,
         **probe_options: Any,
     ) -> None:
-        self.every = every
-        self.format = format
-        self.output_dir = output_dir
-        self.trainer = trainer
-        self.scaler = scaler
-        self.probe_options = probe_options
-        self.probe: Probe | None = None
-        self.report = None  # on the main process, once training ends: the report as written
-        self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
-        self.live: Any = None
-        self.extra: dict[str, Any] = {}  # what the report records of the run: TrainingArguments, scaler
+        super().__init__(every, format, log_every, log_modules, trackers, probe_options)
+        self.output_dir, self.trainer, self.scaler = output_dir, trainer, scaler
 
     def attach(self, trainer: Any) -> "Fp16ProbeCallback":
         """Add this callback to ``trainer`` (once); ``Trainer(callbacks=[...])`` works as well."""
@@ -127,28 +117,18 @@ class Fp16ProbeCallback(transformers.TrainerCallback):
         scaler, found_at = self._scaler(args, kwargs.get("optimizer"))
         self.extra = {"training_arguments": training_arguments(args), "loss_scaled": scaler is not None,
                       "grad_scaler_found_at": found_at if scaler is not None else None}
-        self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
-        if self.log_every:
-            from fp16probe.integrations.live import LiveLogger, hf_trackers
+        from fp16probe.integrations.live import hf_trackers
 
-            main = state.is_world_process_zero
-            trackers = (self.trackers or hf_trackers(args)) if main else []
-            self.live = LiveLogger(self.probe, trackers, log_every=self.log_every, step_offset=state.global_step + 1,
-                                   is_main=main, format=self.format, modules=self.log_modules, extra=self.extra)
+        self._start(model, scaler, main=state.is_world_process_zero, step_offset=state.global_step + 1,
+                    trackers=lambda: hf_trackers(args))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Close the Probe's step: one per optimizer step (after gradient accumulation)."""
-        if self.probe is not None:
-            self.probe.step()
-            if self.live is not None:
-                self.live.step()
+        self._step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Stop probing; merge ranks, analyse and write the report on the main process."""
-        live, self.live = self.live, None
-        if live is not None:
-            live.close()
-        probe, self.probe = self.probe, None
+        probe = self._stop()
         if probe is None:
             return
         ran = str(probe.recorder.precision or "fp32")

@@ -17,11 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp16probe.integrations import finish, require
+from fp16probe.integrations import ProbeCallback, finish, require
 
 pl = require("pytorch_lightning", "lightning", "fp16probe.integrations.lightning")
 
-from fp16probe.capture.probe import Probe  # noqa: E402
 
 __all__ = ["Fp16ProbeCallback", "lightning_scaler"]
 
@@ -33,7 +32,7 @@ def lightning_scaler(trainer: Any) -> Any:
     return scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: True)() else None
 
 
-class Fp16ProbeCallback(pl.Callback):
+class Fp16ProbeCallback(ProbeCallback, pl.Callback):
     """Probe the LightningModule during ``fit``; write the report and recommendation at its end.
 
     Args:
@@ -52,16 +51,8 @@ class Fp16ProbeCallback(pl.Callback):
         self, *, every: int = 1, format: str = "fp16", dirpath: str | Path | None = None,
         log_every: int | None = None, log_modules: bool = False, trackers: Any = None, **probe_options: Any
     ) -> None:
-        super().__init__()
-        self.every = every
-        self.format = format
+        super().__init__(every, format, log_every, log_modules, trackers, probe_options)
         self.dirpath = dirpath
-        self.probe_options = probe_options
-        self.probe: Probe | None = None
-        self.report = None  # on global rank 0, once fit ends: the report as written
-        self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
-        self.live: Any = None
-        self.extra: dict[str, Any] = {}  # what the report records of the run: the Trainer's precision settings
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Start probing the LightningModule, unscaling with the precision plugin's scaler."""
@@ -70,15 +61,10 @@ class Fp16ProbeCallback(pl.Callback):
                                            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", 1),
                                            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None)},
                       "loss_scaled": scaler is not None}
-        self.probe = Probe(pl_module, every=self.every, scaler=scaler, **self.probe_options).start()
-        if self.log_every:
-            from fp16probe.integrations.live import LiveLogger, lightning_trackers
+        from fp16probe.integrations.live import lightning_trackers
 
-            main = trainer.is_global_zero
-            trackers = (self.trackers or lightning_trackers(trainer)) if main else []
-            self.live = LiveLogger(self.probe, trackers, log_every=self.log_every,
-                                   step_offset=trainer.global_step + 1, is_main=main, format=self.format,
-                                   modules=self.log_modules)
+        self._start(pl_module, scaler, main=trainer.is_global_zero, step_offset=trainer.global_step + 1,
+                    trackers=lambda: lightning_trackers(trainer))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one.
@@ -91,18 +77,11 @@ class Fp16ProbeCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """Close the Probe's step: one per optimizer step (after accumulation)."""
-        # Called once per optimizer step, after the (accumulated) backward passes of it.
-        if self.probe is not None:
-            self.probe.step()
-            if self.live is not None:
-                self.live.step()
+        self._step()  # once per optimizer step, after the (accumulated) backward passes of it
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         """Stop probing; merge ranks, analyse and write the report on global rank 0."""
-        live, self.live = self.live, None
-        if live is not None:
-            live.close()
-        probe, self.probe = self.probe, None
+        probe = self._stop()
         if probe is None:
             return
         self.report = finish(probe, trainer="lightning", global_step=trainer.global_step,
