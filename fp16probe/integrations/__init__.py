@@ -63,15 +63,17 @@ class ProbeCallback:
         self.extra: dict[str, Any] = {}  # what the report records of the run (the framework's settings)
 
     def _start(self, model: Any, scaler: Any, *, main: bool, step_offset: int, trackers: Any) -> None:
-        """Start the Probe; with ``log_every``, its live logger (``trackers()``: the framework's own)."""
+        """Start the Probe; with ``log_every``, its live logger (``trackers(live)``: the framework's own,
+        from :mod:`fp16probe.integrations.live`, imported only then)."""
         from fp16probe.capture.probe import Probe
-        from fp16probe.integrations.live import LiveLogger
 
         self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
         if self.log_every:
-            self.live = LiveLogger(self.probe, (self.trackers or trackers()) if main else [], log_every=self.log_every,
-                                   step_offset=step_offset, is_main=main, format=self.format,
-                                   modules=self.log_modules, extra=self.extra)
+            from fp16probe.integrations import live
+
+            self.live = live.LiveLogger(self.probe, (self.trackers or trackers(live)) if main else [],
+                                        log_every=self.log_every, step_offset=step_offset, is_main=main,
+                                        format=self.format, modules=self.log_modules, extra=self.extra)
 
     def _step(self) -> None:
         """Close the Probe's step (one per optimizer step) and log when it is time."""

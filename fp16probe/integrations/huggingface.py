@@ -117,10 +117,8 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
         scaler, found_at = self._scaler(args, kwargs.get("optimizer"))
         self.extra = {"training_arguments": training_arguments(args), "loss_scaled": scaler is not None,
                       "grad_scaler_found_at": found_at if scaler is not None else None}
-        from fp16probe.integrations.live import hf_trackers
-
         self._start(model, scaler, main=state.is_world_process_zero, step_offset=state.global_step + 1,
-                    trackers=lambda: hf_trackers(args))
+                    trackers=lambda live: live.hf_trackers(args))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Close the Probe's step: one per optimizer step (after gradient accumulation)."""

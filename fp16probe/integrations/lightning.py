@@ -61,10 +61,8 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
                                            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", 1),
                                            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None)},
                       "loss_scaled": scaler is not None}
-        from fp16probe.integrations.live import lightning_trackers
-
         self._start(pl_module, scaler, main=trainer.is_global_zero, step_offset=trainer.global_step + 1,
-                    trackers=lambda: lightning_trackers(trainer))
+                    trackers=lambda live: live.lightning_trackers(trainer))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one.
