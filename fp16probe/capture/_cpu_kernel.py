@@ -64,6 +64,14 @@ def available() -> bool:
 if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
+    def _largest_bits(bits):  # pragma: no cover - compiled
+        """The largest ``|bits|`` of int32 bit patterns (0 for none): one vectorised pass."""
+        largest = 0
+        for i in range(bits.shape[0]):
+            largest = max(largest, bits[i] & 0x7FFFFFFF)
+        return largest
+
+    @njit(nogil=True, cache=True, boundscheck=False)
     def _count(bits, local):  # pragma: no cover - compiled
         """Add int32 bit patterns into cells ``(|bits| + 0x7FFFFF) >> 23`` of ``local``; return max |bits|.
 
@@ -82,10 +90,7 @@ if njit is not None:
             local[1848 + (((bits[i + 7] & 0x7FFFFFFF) + 0x7FFFFF) >> 23)] += 1
         for i in range(n8, n):
             local[((bits[i] & 0x7FFFFFFF) + 0x7FFFFF) >> 23] += 1
-        largest = -1
-        for i in range(n):
-            largest = max(largest, bits[i] & 0x7FFFFFFF)
-        return largest
+        return _largest_bits(bits) if n else -1
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_small(bits, cells):  # pragma: no cover - compiled
@@ -189,13 +194,6 @@ if njit is not None:
         integers and the table's cached views only, so the call costs little more than the kernel)."""
         _count_into(carray(_int32_pointer(address), (n,)), counts, keys, row, replace)
 
-
-    @njit(nogil=True, cache=True, boundscheck=False)
-    def _largest_bits(bits):  # pragma: no cover - compiled
-        largest = 0
-        for i in range(bits.shape[0]):
-            largest = max(largest, bits[i] & 0x7FFFFFFF)
-        return largest
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def largest_many(addresses, lengths):  # pragma: no cover - compiled
