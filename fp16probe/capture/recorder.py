@@ -423,8 +423,9 @@ class Recorder:
 
         Only values that are fp16 in this run count: fp16/bf16 outputs, or any floating output
         of a run without autocast (whose outputs an fp16 run would compute in fp16). inf/NaN
-        propagate (a NaN maximum reads as overflow). Two kernels per output: the ``amax`` and
-        an in-place maximum into the module's slot.
+        propagate (a NaN maximum reads as overflow). A contiguous fp32 CPU output is one compiled
+        read into the module's slot; any other takes two kernels, the ``amax`` and an in-place
+        maximum into the slot.
         """
         try:
             dtype = t.dtype
