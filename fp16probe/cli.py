@@ -11,16 +11,14 @@ failure part-way, a partial report is written (see docs/faults.md).
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
-import math
 import os
 import sys
 import tempfile
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, get_args
 
 import typer
 import typer.core
@@ -54,14 +52,6 @@ class _Deferred:
 Report: Any = _Deferred("fp16probe.report", "Report")
 atomic_write_text: Any = _Deferred("fp16probe.report", "atomic_write_text")
 append_text: Any = _Deferred("fp16probe.report", "append_text")
-# The choices --format and --kind offer, spelled here so that --help needs no torch;
-# tests/test_cli_help.py checks them against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
-FORMAT_NAMES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-# The scaled formats only `profile` takes (their statistics are captured on the run itself);
-# tests/test_blockformats_cli.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
-BLOCK_FORMAT_NAMES = ("mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
-ACTIVATION_GRAD = "activation_grad"
-WEIGHT_GRAD = "weight_grad"
 
 __all__ = [
     "EXIT_GATE", "EXIT_HANGUP", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
@@ -145,51 +135,15 @@ def _main(
     """Measure whether FP16 training loses gradients to underflow, where, and what loss scale fixes it."""
 
 
-FormatName = enum.Enum("FormatName", {name: name for name in FORMAT_NAMES}, type=str)
-ProfileFormatName = enum.Enum("ProfileFormatName", {name: name for name in FORMAT_NAMES + BLOCK_FORMAT_NAMES}, type=str)
-
-
-class Kind(str, enum.Enum):
-    all = "all"  # every gradient the loss scale multiplies
-    activation_grad = ACTIVATION_GRAD
-    weight_grad = WEIGHT_GRAD
-
-
-class Device(str, enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Granularity(str, enum.Enum):
-    module = "module"
-    op = "op"
-
-
-class Precision(str, enum.Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-
-
-class Target(str, enum.Enum):
-    cuda = "cuda"
-    cpu = "cpu"
-
-
-class OptimizerName(str, enum.Enum):
-    none = "none"
-    sgd = "sgd"
-    adam = "adam"
-    adamw = "adamw"
-
-
-class InputDtype(str, enum.Enum):
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
-    int64 = "int64"
-    int32 = "int32"
+# The choices of the options that take one, spelled here so that --help needs no torch;
+# tests/test_cli_help.py checks the formats and kinds against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
+FormatName = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
+# The scaled formats only `profile` and `show` take (their statistics are captured on the run itself);
+# tests/test_blockformats_cli.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
+ProfileFormatName = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
+Kind = Literal["all", "activation_grad", "weight_grad"]  # all: every gradient the loss scale multiplies
+FORMAT_NAMES = get_args(FormatName)
+BLOCK_FORMAT_NAMES = get_args(ProfileFormatName)[len(FORMAT_NAMES):]
 
 
 FormatOpt = Annotated[Optional[FormatName], typer.Option(
@@ -266,7 +220,7 @@ def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
     from fp16probe.analysis.recommend import analyze, target_of
 
-    fmt, knd = target_of(report, getattr(format, "value", format), getattr(kind, "value", kind))
+    fmt, knd = target_of(report, format, kind)
     return fmt, knd, analyze(report, fmt, kind=knd)
 
 
@@ -329,26 +283,26 @@ def profile(
     trust_checkpoint: Annotated[bool, typer.Option("--trust-checkpoint", help="Allow unpickling (runs code from the file).")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a Hugging Face folder's own model code.")] = False,
     input_shape: Annotated[Optional[str], typer.Option(help="Shape of synthetic inputs, e.g. 8,64 (token models: batch,seq).")] = None,
-    input_dtype: Annotated[InputDtype, typer.Option(help="dtype of synthetic inputs.")] = InputDtype.float32,
+    input_dtype: Annotated[Literal["float32", "float16", "bfloat16", "int64", "int32"], typer.Option(help="dtype of synthetic inputs.")] = "float32",
     vocab_size: Annotated[Optional[int], typer.Option(min=1, help="Range of synthetic integer ids (default: the model config's).")] = None,
     batches: Annotated[Optional[str], typer.Option(help="package.module:function returning an iterable of real batches.")] = None,
     loss: Annotated[Optional[str], typer.Option(help="A built-in loss (cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1: against the batch's targets, else random ones) or package.module:function(output, batch) returning a scalar. Default: the model family's own loss (see the README).")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Forward+backward passes to profile.")] = 10,
-    device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
-    precision: Annotated[Precision, typer.Option(help="fp32 reference, or autocast fp16/bf16.")] = Precision.fp32,
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where to run.")] = "auto",
+    precision: Annotated[Literal["fp32", "fp16", "bf16"], typer.Option(help="fp32 reference, or autocast fp16/bf16.")] = "fp32",
     loss_scale: Annotated[Optional[float], typer.Option(help="Loss scale S for fp16/bf16 runs (GradScaler init_scale).")] = None,
-    optimizer: Annotated[OptimizerName, typer.Option(help="Train with this optimizer (default: weights unchanged).")] = OptimizerName.none,
+    optimizer: Annotated[Literal["none", "sgd", "adam", "adamw"], typer.Option(help="Train with this optimizer (default: weights unchanged).")] = "none",
     lr: Annotated[float, typer.Option(help="Learning rate for --optimizer.")] = 1e-3,
     format: Annotated[Optional[ProfileFormatName], typer.Option("--format", "-f", help="Target number format (default: fp16, or bf16 with --precision bf16). fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2 and nvfp4 also capture the scaled-format statistics and print per-layer advice (docs/block-formats.md).")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="For a scaled --format, the recipe to judge: fp8: current (default), delayed[:history_len[:margin[:max|most_recent]]], rowwise, blockwise; mxfp8: rceil (default), floor, ceil, even; nvfp4: torchao (default), cast, 16x16.")] = None,
     kind: KindOpt = None,
-    granularity: Annotated[Granularity, typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = Granularity.module,
+    granularity: Annotated[Literal["module", "op"], typer.Option(help="module: each hooked module's output gradient; op: every differentiable op's output inside them (F.gelu, residual adds, softmax).")] = "module",
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="PATTERN", help="Module name patterns to hook (repeatable), e.g. 'encoder.*'.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the report (JSON, atomically).")] = DEFAULT_OUT,
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches; .half() for a model that came in fp16) and report predicted against measured.")] = False,
-    target: Annotated[Optional[Target], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu.")] = None,
+    target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu.")] = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
     debug: DebugOpt = False,
@@ -372,12 +326,11 @@ def profile(
         _check_profile_outputs(model, weights, out, plot, batches=batches, loss=loss)
         request = ProfileRequest(
             model=model, weights=weights, trust_checkpoint=trust_checkpoint, trust_remote_code=trust_remote_code,
-            input_shape=input_shape, input_dtype=input_dtype.value, vocab_size=vocab_size, batches=batches,
-            loss=loss, steps=steps, device=device.value, precision=precision.value, loss_scale=loss_scale,
-            optimizer=None if optimizer is OptimizerName.none else optimizer.value, lr=lr,
-            format=None if format is None else format.value, kind=Kind.all.value if kind is None else kind.value,
-            granularity=granularity.value, modules=tuple(modules or ()), seed=seed, verify=verify,
-            target=None if target is None else target.value, recipe=recipe, plot=plot)
+            input_shape=input_shape, input_dtype=input_dtype, vocab_size=vocab_size, batches=batches, loss=loss,
+            steps=steps, device=device, precision=precision, loss_scale=loss_scale,
+            optimizer=None if optimizer == "none" else optimizer, lr=lr, format=format, kind=kind or "all",
+            granularity=granularity, modules=tuple(modules or ()), seed=seed, verify=verify, target=target,
+            recipe=recipe, plot=plot)
         try:
             report = profile_request(
                 request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
@@ -523,7 +476,7 @@ def show(
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        wanted = format.value if format is not None else _stored_format(r)
+        wanted = format or _stored_format(r)
         advice = _block_advice(r, wanted, recipe)
         if wanted in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
             if json_out:
@@ -531,7 +484,7 @@ def show(
             else:
                 render.print_block_advice(console, r, advice=advice)
             return
-        fmt, knd, rec = _judged(r, wanted, None if kind is None else kind.value)
+        fmt, knd, rec = _judged(r, wanted, kind)
         if json_out:
             data = _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report))
             if advice is not None:
@@ -563,12 +516,13 @@ def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[d
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:
     """What ``show`` prints, as JSON-ready data: metadata, the distribution at S = 1 and at S, worst modules, advice."""
     from fp16probe.analysis.whatif import flushed_fraction, fraction, worst_modules
+    from fp16probe.recommendation import jsonable
 
     h = report.histogram(kind)
     k = rec.log2_scale
     n = h.nonzero_finite
     modules = [report.module(w.name, w.kind) for w in worst_modules(report, fmt, kind=kind, count=top)]
-    return _finite({
+    return jsonable({
         "report": source,
         "format": fmt,
         "kind": kind,
@@ -590,17 +544,6 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
         "recommendation": rec.to_dict(),
         "verification": None if report.verification is None else report.verification.to_dict(),
     })
-
-
-def _finite(obj: Any) -> Any:
-    """Replace non-finite floats with None: JSON has no inf or NaN."""
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 @app.command()
@@ -650,8 +593,9 @@ def recommend(
             d["grad_scaler_device"] = how
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
+                from fp16probe.recommendation import jsonable
 
-                d["schedule"] = _finite(judge_schedules(r, fmt, kind=knd).to_dict())
+                d["schedule"] = jsonable(judge_schedules(r, fmt, kind=knd).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device)
@@ -674,14 +618,15 @@ def schedule(
     from fp16probe.analysis.recommend import target_of
     from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.presentation import terminal as render
+    from fp16probe.recommendation import jsonable
 
     console = render.make_console()
     with _errors(console, debug):
         r = Report.load(report)
-        fmt, knd = target_of(r, getattr(format, "value", None), getattr(kind, "value", None))
+        fmt, knd = target_of(r, format, kind)
         table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
         if json_out:
-            sys.stdout.write(json.dumps(_finite(table.to_dict()), indent=2) + "\n")
+            sys.stdout.write(json.dumps(jsonable(table.to_dict()), indent=2) + "\n")
         else:
             render.print_schedule(console, table)
 
@@ -768,19 +713,13 @@ def _write_gate_outputs(outputs: dict[str, Any], markdown: str, junit_xml: str, 
             stream.write(line + "\n")
 
 
-class Tracker(str, enum.Enum):
-    tensorboard = "tensorboard"
-    wandb = "wandb"
-    mlflow = "mlflow"
-
-
 @app.command()
 def export(
     report: ReportArg,
     dest: Annotated[Optional[str], typer.Argument(
         help="TensorBoard: the log folder. wandb: the folder for its files (WANDB_MODE=offline keeps "
              "them local). MLflow: a tracking URI or a folder (default: MLflow's own setting).")] = None,
-    to: Annotated[Tracker, typer.Option("--to", help="The tracker to write to.")] = Tracker.tensorboard,
+    to: Annotated[Literal["tensorboard", "wandb", "mlflow"], typer.Option("--to", help="The tracker to write to.")] = "tensorboard",
     modules: Annotated[bool, typer.Option("--modules", help="Also log each module's histogram.")] = False,
     name: Annotated[Optional[str], typer.Option("--name", help="Run name (wandb, MLflow).")] = None,
     project: Annotated[str, typer.Option("--project", help="wandb project / MLflow experiment.")] = "fp16probe",
@@ -794,16 +733,15 @@ def export(
 
     console = render.make_console()
     with _errors(console, debug):
-        if to is Tracker.tensorboard and dest is None:
+        if to == "tensorboard" and dest is None:
             raise InputError("export --to tensorboard needs DEST, the log folder, e.g. runs/fp16probe")
         r = Report.load(report)
         from fp16probe.analysis.recommend import target_of
 
-        fmt, _ = target_of(r, None if format is None else format.value, Kind.all.value)
-        where = export_report(r, to=to.value, dest=dest, format=fmt,
-                              kind=Kind.activation_grad.value if kind is None else kind.value,
-                              modules=modules, run_name=name, project=project)
-        console.print(f"exported {r.metadata.steps_seen} step(s) to {to.value}: {where}", markup=False)
+        fmt, _ = target_of(r, format, "all")
+        where = export_report(r, to=to, dest=dest, format=fmt, kind=kind or "activation_grad", modules=modules,
+                              run_name=name, project=project)
+        console.print(f"exported {r.metadata.steps_seen} step(s) to {to}: {where}", markup=False)
 
 
 def main() -> None:

@@ -183,7 +183,7 @@ class Caveat:
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form, ``{"code": ..., "data": {...}}``."""
-        return {"code": self.code, "data": _jsonable(self.data)}
+        return {"code": self.code, "data": jsonable(self.data)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | str) -> "Caveat":
@@ -232,10 +232,10 @@ class Recommendation:
         d["verdict"] = self.verdict.value
         d["grad_scaler_kwargs"] = dict(self.grad_scaler_kwargs)
         d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
-        d["evidence"] = _jsonable(self.evidence)
-        d["thresholds"] = _jsonable(self.thresholds)
+        d["evidence"] = jsonable(self.evidence)
+        d["thresholds"] = jsonable(self.thresholds)
         d["citations"] = list(self.citations)
-        d["growth_interval_table"] = _jsonable(self.growth_interval_table)
+        d["growth_interval_table"] = jsonable(self.growth_interval_table)
         d["caveats"] = [c.to_dict() for c in self.caveats]
         return d
 
@@ -284,13 +284,14 @@ class Recommendation:
         return recommendation_view(self)
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
+    """``obj`` as JSON-ready data: enums as their values, mappings with string keys, non-finite floats as None."""
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
