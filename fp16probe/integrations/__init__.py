@@ -19,16 +19,18 @@ RECOMMENDATION_NAME = "fp16probe-recommendation.txt"
 
 
 def write_outputs(report: Any, folder: str | Path) -> Any:
-    """Write ``report`` (REPORT_NAME) and its recommendation's text (RECOMMENDATION_NAME) into ``folder``.
+    """Write ``report`` (REPORT_NAME) and its answer (RECOMMENDATION_NAME: the short answer with its
+    findings and caveats, then the reasoning, as ``fp16probe show`` words them) into ``folder``.
 
     Returns the report as written.
     """
+    from fp16probe.presentation.answer import answer_text
     from fp16probe.report import atomic_write_text
 
     folder = Path(folder)
     report.save(folder / REPORT_NAME)
-    text = report.recommendation.text if report.recommendation is not None else ""
-    atomic_write_text(folder / RECOMMENDATION_NAME, text.rstrip("\n") + "\n")
+    rec = report.recommendation
+    atomic_write_text(folder / RECOMMENDATION_NAME, "\n" if rec is None else answer_text(report, rec))
     return report
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "KIND_WORDS",
     "VERDICT_WORDS",
     "Line",
+    "answer_text",
     "caveat_text",
     "evidence_rows",
     "findings",
@@ -379,6 +380,15 @@ def _verification_sentence(v: Verification) -> str:
 
 # -- the printed summary (str / repr) --------------------------------------------------------
 SUMMARY_WIDTH = 88
+
+
+def answer_text(report: Report | None, rec: Recommendation, width: int = 80) -> str:
+    """The short answer (findings and caveats included), then the reasoning, as plain text that fits
+    ``width``: what the framework callbacks write beside their report."""
+    lines: list[str] = []
+    for line in short_answer(report, rec, width=width):
+        lines += line.text.splitlines() if line.kind == "code" else wrap_text(line.text, width, "  ")
+    return "\n".join([*lines, "", rec.explanation(width)]) + "\n"
 
 
 def recommendation_summary(rec: Recommendation, width: int = SUMMARY_WIDTH) -> str:
