@@ -192,7 +192,7 @@ def test_fold_largest_keeps_the_larger_and_nan():
         pytest.skip("numba is not installed")
     fold = engine_module.thin_largest()
     buf = torch.zeros(3)
-    slots = buf.numpy().view(np.int32)
+    slots = buf.data_ptr()
     x = adversarial()
     finite = x[torch.isfinite(x)].contiguous()
     fold(finite.data_ptr(), finite.numel(), slots, 0)
@@ -205,3 +205,31 @@ def test_fold_largest_keeps_the_larger_and_nan():
     fold(small.data_ptr(), 2, slots, 1)  # NaN stays
     assert buf[1].item() == 0.5 or math.isnan(buf[1].item())
     assert math.isnan(buf[1].item()) and buf[2].item() == 0.0
+
+
+def test_closing_a_step_of_forward_maxima_compiled_equals_torch():
+    """The forward maxima's compiled close (run maximum, first step past fp16's max, zeroing) against the
+    torch ops it replaces on the CPU: NaN, inf, both sides of 65520, zeros, over several steps."""
+    if not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    from fp16probe.capture.recorder import _ForwardMaxima
+
+    def run(compiled: bool) -> list[str]:
+        f = _ForwardMaxima()
+        f._grow(torch.device("cpu"), 6)
+        if not compiled:
+            f.fold_at = f.slots = None  # the torch path for the fold and the close
+        out = []
+        steps = [[0.5, 7e4, math.nan, 1.0, 0.0], [2.0, 1.0, 3.0, math.inf, 0.0], [65519.99, 1e-40, 0.0, 5.0, 65520.0]]
+        for k, values in enumerate(steps):
+            for i, v in enumerate(values):
+                f.fold(f"m{i}", torch.tensor([v, -v / 2]))
+            out.append(str(f.close(k).item()))
+        out.append(str(f.collect(len(steps))))
+        out.append(str(f.step.tolist()))
+        return out
+
+    assert run(True) == run(False)
+    under = torch.tensor(65519.99).item()  # the float32 just under 65520: never past fp16's max
+    assert run(True)[-2] == str(({"m0": under, "m1": 7e4, "m2": math.nan, "m3": math.inf, "m4": 65520.0},
+                                 {"m1": 0, "m2": 0, "m3": 1, "m4": 2}))

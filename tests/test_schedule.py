@@ -226,3 +226,29 @@ def test_a_model_of_many_parameters_has_every_steps_largest_gradient():
     h = probe.report().history
     assert len(list(model.parameters())) == 60 and len(probe.history._handles) < 60
     assert list(h.grad_max) == real
+
+
+@pytest.mark.parametrize("scaler", [None, 3.0, torch.tensor(2.0**13)])
+def test_the_host_read_writes_the_rows_the_device_read_writes(monkeypatch, scaler):
+    """fp32 CPU gradients take one compiled read (engine.largest_abs_host); every row equals the torch
+    path's bit for bit: no scale, a scale that is not a power of two, a tensor scale, inf and NaN steps."""
+    from fp16probe.capture import engine
+
+    def run() -> list[tuple[float, float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        probe = Probe(model, scaler=scaler, every=3).start()
+        s = 1.0 if scaler is None else float(scaler)
+        for step, poison in enumerate([1.0, 7.0, math.inf, 0.3, math.nan, 1e-30]):
+            (model(torch.randn(4, 8)).sum() * poison * s).backward()
+            model.zero_grad()
+            probe.step()
+        probe.stop()
+        h = probe.report().history
+        return [(a, b) for a, b in zip(h.scale, h.grad_max)]
+
+    host = run()
+    monkeypatch.setattr(engine, "largest_abs_host", lambda xs: None)
+    device = run()
+    assert len(host) == 6
+    assert str(host) == str(device)  # NaN == NaN as text

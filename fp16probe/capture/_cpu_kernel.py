@@ -182,6 +182,16 @@ if njit is not None:
 
         return sig, codegen
 
+    @intrinsic
+    def _int64_pointer(typingctx, address):  # pragma: no cover - compiled
+        """An int64 address as an ``int64*`` (the caller keeps the memory alive)."""
+        sig = types.CPointer(types.int64)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+        return sig, codegen
+
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_many(addresses, lengths, rows, counts, keys, replace):  # pragma: no cover - compiled
         for t in range(addresses.shape[0]):
@@ -190,10 +200,12 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def count_at(address, n, counts, keys, row, replace):  # pragma: no cover - compiled
-        """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread (the thin per-tensor path:
-        integers and the table's cached views only, so the call costs little more than the kernel)."""
-        _count_into(carray(_int32_pointer(address), (n,)), counts, keys, row, replace)
-
+        """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread, into row ``row`` of
+        the table whose int64 counts ``[rows, NUM_BINS]`` and int32 keys ``[rows]`` are at the addresses
+        ``counts`` and ``keys`` (the thin per-tensor path: integers only, so the call costs little
+        more than the kernel; the caller keeps the table alive)."""
+        _count_into(carray(_int32_pointer(address), (n,)), carray(_int64_pointer(counts), (row + 1, NUM_BINS)),
+                    carray(_int32_pointer(keys), (row + 1,)), row, replace)
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def largest_many(addresses, lengths):  # pragma: no cover - compiled
@@ -207,11 +219,32 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def fold_largest_at(address, n, slots, i):  # pragma: no cover - compiled
-        """``slots[i] = max(slots[i], largest |bits| of n fp32 at address)``: ``slots`` is the int32 view
-        of a float32 buffer of maxima (>= 0, NaN kept: it orders above everything)."""
+        """``slots[i] = max(slots[i], largest |bits| of n fp32 at address)``: ``slots`` is the address of a
+        float32 buffer of maxima (>= 0, NaN kept: it orders above everything), read as int32."""
         largest = _largest_bits(carray(_int32_pointer(address), (n,)))
-        if largest > slots[i]:
-            slots[i] = largest
+        slot = carray(_int32_pointer(slots), (i + 1,))
+        if largest > slot[i]:
+            slot[i] = largest
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def close_maxima(step, run, first, n, over, step_index):  # pragma: no cover - compiled
+        """Close a step of forward maxima: three buffers of ``n`` at the addresses ``step`` and ``run``
+        (float32 maxima >= 0, read as int32 bits: NaN orders above inf above every finite value) and
+        ``first`` (int64, -1: none yet). ``run = max(run, step)``; ``first`` takes ``step_index`` where it
+        is -1 and the step's maximum is at least the bits ``over`` (inf and NaN too); ``step`` is zeroed.
+        Returns the step's largest bits."""
+        s = carray(_int32_pointer(step), (n,))
+        r = carray(_int32_pointer(run), (n,))
+        f = carray(_int64_pointer(first), (n,))
+        largest = 0
+        for i in range(n):
+            b = s[i] & 0x7FFFFFFF
+            largest = max(largest, b)
+            if b > (r[i] & 0x7FFFFFFF):
+                r[i] = b
+            if b >= over and f[i] < 0:
+                f[i] = step_index
+            s[i] = 0
+        return largest
 
 
 def count_many(

@@ -240,31 +240,62 @@ def largest_abs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in norms]).max()
 
 
+def largest_abs_host(xs: Sequence[torch.Tensor]) -> float | None:
+    """:func:`largest_abs` of contiguous fp32 CPU tensors as a Python float, read by the numba kernel in one
+    call (empty tensors and Nones skipped); None when the kernel is absent, there is nothing to read, or a
+    tensor is anything else (the caller then takes :func:`largest_abs`)."""
+    kernel = _numba_kernel()
+    if kernel is None:
+        return None
+    addresses, lengths = [], []
+    for x in xs:
+        if x is None:
+            continue
+        if type(x) is not torch.Tensor or not x.is_cpu or x.dtype is not torch.float32 or x.is_sparse \
+                or not x.is_contiguous():
+            return None
+        n = x.numel()
+        if n:
+            addresses.append(x.data_ptr())
+            lengths.append(n)
+    if not addresses:
+        return None
+    bits = kernel.largest_many(np.array(addresses, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    return float(np.int32(bits).view(np.float32))
+
+
 def thin_largest() -> object | None:
     """The CPU kernel's ``fold_largest_at(address, numel, slots, i)``, or None when numba does not count here:
-    ``slots[i]`` (the int32 view of a float32 buffer of maxima) becomes the larger of itself and the
-    largest |x| of ``numel`` contiguous fp32 at ``address`` (NaN kept). The recorder's forward maxima."""
+    slot ``i`` of the float32 buffer of maxima at the address ``slots`` becomes the larger of itself and
+    the largest |x| of ``numel`` contiguous fp32 at ``address`` (NaN kept). The recorder's forward maxima."""
     kernel = _numba_kernel()
     return None if kernel is None else kernel.fold_largest_at
+
+
+def close_forward_maxima(step: torch.Tensor, run: torch.Tensor, first: torch.Tensor, over: float,
+                         step_index: int) -> int:
+    """The numba kernel's close of a step of forward maxima (CPU buffers of one length: float32 ``step``
+    and ``run``, int64 ``first``): ``run`` takes the larger, ``first`` the step index where it had none
+    and the step reached ``over`` (or inf, NaN), ``step`` is zeroed. Returns the step's largest as fp32
+    bits. Only where :func:`thin_largest` is not None."""
+    kernel = _numba_kernel()
+    over_bits = int(np.array(over, dtype=np.float32).view(np.int32))
+    return int(kernel.close_maxima(step.data_ptr(), run.data_ptr(), first.data_ptr(), step.numel(), over_bits,
+                                   step_index))
 
 
 def thin_counter() -> tuple[object, int] | None:
     """The CPU kernel's raw entry and the largest size it takes, or None when numba does not count here.
 
-    ``fn(address, numel, counts_np, keys_np, row, replace)`` counts contiguous fp32 CPU data at
-    ``address`` into a table's numpy views (:func:`host_views`): the recorder's thin per-tensor path.
-    Tensors of the size limit or more go through :func:`count_into` (which may split them).
+    ``fn(address, numel, counts_address, keys_address, row, replace)`` counts contiguous fp32 CPU data
+    at ``address`` into row ``row`` of a CPU table given by its tensors' ``data_ptr()``: the recorder's
+    thin per-tensor path. Tensors of the size limit or more go through :func:`count_into` (which may
+    split them).
     """
     kernel = _numba_kernel()
     if kernel is None:
         return None
     return kernel.count_at, (kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62)
-
-
-def host_views(counts: torch.Tensor, keys: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """numpy views of a CPU table (cached), for :func:`thin_counter`'s entry."""
-    host = _host_view(counts, keys)
-    return host[1], host[3]
 
 
 def _host_view(counts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:

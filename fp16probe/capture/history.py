@@ -85,6 +85,8 @@ class History:
         rec = self.recorder
         try:
             self._queued_for = -1  # a second backward in the step (accumulation) reads again
+            if self._read_host():
+                return
             grads = [p.grad for p in self._params if p.grad is not None]
             grads = [g.to_local() if type(g) is not torch.Tensor and hasattr(g, "to_local") else g for g in grads]
             grads = [g for g in grads if g.is_floating_point() and not g.is_sparse and g.numel()]
@@ -107,6 +109,22 @@ class History:
             self._written = max(self._written, rec.step_index - self._start_step)
         except Exception as e:
             rec.note_error(e)
+
+    def _read_host(self) -> bool:
+        """:meth:`_read` for fp32 CPU gradients and a CPU (or no) scale: one compiled read of them all, the
+        row written through a numpy view of the buffer. False, having written nothing, for anything else."""
+        raw = engine.largest_abs_host([p.grad for p in self._params])
+        scale = self.recorder.scale_source.tensor() if self.recorder.scale_source is not None else None
+        if raw is None or (scale is not None and not scale.is_cpu):
+            return False
+        s = math.nan if scale is None else float(scale.float().reshape(()))
+        if s == 0.0:
+            return False  # the general path divides as torch does
+        i = self.recorder.step_index - self._start_step
+        row = self._row(i, torch.device("cpu")).numpy()
+        row[0], row[1] = s, (raw if scale is None else raw / s)  # fp32 values, divided in float64 as there
+        self._written = max(self._written, i)
+        return True
 
     def _row(self, i: int, device: torch.device) -> torch.Tensor:
         buf = self._buf

@@ -29,7 +29,6 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fp16probe.capture import distributed as _distributed
@@ -178,7 +177,7 @@ class Recorder:
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
-        self._thin: tuple[Any, int] | None = None  # engine.thin_counter() for this step, (None, 0): none
+        self._thin: tuple[Any, ...] | None = None  # _thin_path() of the open step
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
@@ -186,7 +185,7 @@ class Recorder:
         self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
         self.lock = threading.Lock()
         self.rows = {k: _Rows() for k in KINDS}
-        self._output_rows: dict[str, tuple[int | None, int | None]] = {}
+        self._output_rows: dict[str, tuple[int | None, int | None, Any]] = {}  # activation, gradient row, hook
         self._grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # one closure per row, reused
         self._node_hooks: dict[tuple[int, int], Callable[[tuple[Any, ...]], None]] = {}  # per (row, output_nr)
         self._state = _State(0, True, 0, {}, {}, {})
@@ -234,11 +233,12 @@ class Recorder:
                 self.precision = detect_precision(output)
             rows = self._output_rows.get(name)
             if rows is None:
+                grad_row = self.register(ACTIVATION_GRAD, name, type_name) if self.capture[ACTIVATION_GRAD] else None
                 rows = self._output_rows[name] = (
                     self.register(ACTIVATION, name, type_name) if self.capture[ACTIVATION] else None,
-                    self.register(ACTIVATION_GRAD, name, type_name) if self.capture[ACTIVATION_GRAD] else None,
+                    grad_row, None if grad_row is None else self._node_hook(grad_row, 0),
                 )
-            act_i, grad_i = rows
+            act_i, grad_i, first_output_hook = rows
             if type(output) is torch.Tensor:  # the common case, without the generator
                 if output.is_floating_point():
                     if self.forward:
@@ -248,7 +248,8 @@ class Recorder:
                     if grad_i is not None and output.requires_grad:
                         node = output.grad_fn
                         if node is not None:  # a pre-hook on the node: half the cost of Tensor.register_hook
-                            node.register_prehook(self._node_hook(grad_i, output.output_nr))
+                            nr = output.output_nr
+                            node.register_prehook(first_output_hook if nr == 0 else self._node_hook(grad_i, nr))
                         else:
                             output.register_hook(self._grad_hook(grad_i))
                         mark_covered(output)
@@ -297,25 +298,33 @@ class Recorder:
     def _record_grad(self, i: int, grad: torch.Tensor) -> None:
         """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
         thin = self._thin
-        if thin is None:  # asked once a step (the size limit follows torch's thread count)
-            thin = self._thin = (engine.thin_counter() if self.scaler is None else None) or (None, 0)
-        if thin[1] and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
+        if thin is None or thin[0] is not self._state:
+            thin = self._thin = self._thin_path()
+        if thin[1] is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
                 and grad.is_contiguous():
             n = grad.numel()
-            if 0 < n < thin[1]:
+            if 0 < n < thin[2]:
                 try:
                     with self.lock:
-                        st = self._state
-                        table = st.open.get(ACTIVATION_GRAD)
-                        if table is not None:
-                            counts, keys = engine.host_views(*table)
-                            thin[0](grad.data_ptr(), n, counts, keys, i, False)  # type: ignore[misc]
-                            st.dirty = True
+                        if thin[0] is self._state:  # still the step's tables (no rows were added since)
+                            thin[1](grad.data_ptr(), n, thin[3], thin[4], i, False)
+                            thin[0].dirty = True
                             return
                 except Exception as e:
                     self.note_error(e)
                     return
         self.record(ACTIVATION_GRAD, i, grad)
+
+    def _thin_path(self) -> tuple[Any, ...]:
+        """What the thin path needs for the open step: (state, kernel entry, size limit, the addresses of its
+        activation-gradient table's counts and keys); the entry is None where it does not apply (no numba,
+        a scaler to unscale by, no CPU table yet). The size limit follows torch's thread count."""
+        st = self._state
+        kernel = engine.thin_counter() if self.scaler is None else None
+        table = st.open.get(ACTIVATION_GRAD)
+        if kernel is None or table is None or not table[0].is_cpu:
+            return (st, None, 0)
+        return (st, *kernel, table[0].data_ptr(), table[1].data_ptr())
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """Note that parameter row ``i`` has its gradient; count it once backward is over.
@@ -666,7 +675,7 @@ class _ForwardMaxima:
         self.index: dict[str, int] = {}
         self.step: torch.Tensor | None = None  # [capacity] float32: this step's maxima
         self.views: list[torch.Tensor] = []  # one 0-d view of ``step`` per module
-        self.slots: np.ndarray | None = None  # ``step`` as int32 numpy, for the CPU kernel (None: torch ops)
+        self.slots: tuple[int, int] | None = None  # ``step``'s address and length, for the CPU kernel (None: torch ops)
         self.fold_at: object | None = None  # engine.thin_largest(): fp32 CPU outputs in one compiled read
         self.run: torch.Tensor | None = None  # [capacity] float32: the run's maxima over closed steps
         self.first: torch.Tensor | None = None  # [capacity] int64: first step past 65504 (-1: none yet)
@@ -676,8 +685,8 @@ class _ForwardMaxima:
         if i is None:
             i = self.index[name] = len(self.index)
         slots = self.slots  # a CPU buffer: fp32 CPU outputs fold in one compiled read
-        if slots is not None and i < slots.shape[0] and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous():
-            self.fold_at(t.data_ptr(), t.numel(), slots, i)  # type: ignore[operator]
+        if slots is not None and i < slots[1] and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous():
+            self.fold_at(t.data_ptr(), t.numel(), slots[0], i)  # type: ignore[operator]
             return
         if t.numel() == 0:
             return
@@ -704,12 +713,15 @@ class _ForwardMaxima:
         self.step, self.run, self.first = step, run, first
         self.views = [step[i] for i in range(n)]
         self.fold_at = engine.thin_largest() if step.is_cpu else None
-        self.slots = None if self.fold_at is None else step.numpy().view(np.int32)
+        self.slots = None if self.fold_at is None else (step.data_ptr(), n)
 
     def close(self, step_index: int) -> torch.Tensor | None:
         buf = self.step
         if buf is None or self.run is None or self.first is None:
             return None
+        if self.fold_at is not None:  # CPU buffers: one compiled pass instead of ten small torch ops
+            bits = engine.close_forward_maxima(buf, self.run, self.first, _FP16_OVERFLOW, step_index)
+            return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
         with torch.no_grad():
             step_max = buf.amax()
             over = (buf >= _FP16_OVERFLOW) | torch.isnan(buf)
