@@ -29,9 +29,11 @@ keeps what it measured. Parts, in order:
    GradScaler, batch 8 x 1024: plain, the one-read limit (a hook reading every gradient
    once), the Probe every step, and every=10, in interleaved rounds (median ratios).
 5. ``forward_headroom``, ``shadow_step``, ``autocast_ops``: named slots for the costs and
-   checks other issues add (forward-pass headroom capture, shadow steps, the CUDA autocast
-   op-dtype check); each runs when this checkout has the feature, else it is recorded as
-   ``not_available`` with the reason.
+   checks other issues add: the Probe with its forward maxima against without, the Probe with
+   shadow steps (an fp32 rerun every 10th sampled step, past the doubling start) against
+   without and what one shadowed step adds, both by CUDA events on the GPT-2-124M-sized model,
+   and the CUDA autocast op-dtype check; each runs when this checkout has the feature, else
+   it is recorded as ``not_available`` with the reason.
 6. Slow, with ``--slow`` only: ``verify`` (``fp16probe profile --verify`` on the demo),
    ``pytest`` (the suite's CUDA-marked tests), ``bench`` (``bench/run.py --device cuda``).
 
@@ -51,6 +53,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -363,6 +366,29 @@ def _gpt2_124m(device: str, dry_run: bool) -> tuple[nn.Module, torch.Tensor, str
     return model, tokens, f"GPT-2 config: {layers} layers, {heads} heads, d={dim}, vocab {vocab}, batch {batch} x {seq}"
 
 
+def _gpt2_workload(device: str, dry_run: bool) -> tuple[nn.Module, str, Any, Callable[[], None], Callable[[], Any]]:
+    """The GPT-2-124M-sized model, its description, a GradScaler, its fp16-autocast SGD step, and the
+    step's loss computed without autocast (what ``Probe.shadow`` reruns in fp32)."""
+    import torch.nn.functional as F
+
+    model, tokens, what = _gpt2_124m(device, dry_run)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device)
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.float16):
+            value = loss()
+        scaler.scale(value).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return model, what, scaler, step, loss
+
+
 def _timer(device: str) -> Callable[[Callable[[], None], int], float]:
     """Seconds per call of ``fn`` over ``reps`` calls: CUDA events on a GPU (device time), else wall time."""
 
@@ -387,22 +413,9 @@ def check_overhead(device: str, dry_run: bool = False) -> dict:
     """Wall-time ratios (CUDA events) of the Probe every step, every=10 and the one-read limit to a plain step."""
     import statistics
 
-    import torch.nn.functional as F
-
     from bench.run import TensorHooks, one_read
 
-    model, tokens, what = _gpt2_124m(device, dry_run)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler(device)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.float16):
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    model, what, scaler, step, _ = _gpt2_workload(device, dry_run)
 
     def with_probe(every: int):
         def attach():
@@ -478,8 +491,7 @@ def check_slot(name: str, device: str, dry_run: bool) -> dict:
         if importlib.util.find_spec("fp16probe.capture.shadow") is None:
             return {"status": "not_available", "why": "shadow steps (issue #20, fp16probe.capture.shadow) are not in"
                     " this checkout"}
-        return {"status": "not_available", "why": "shadow steps (fp16probe.capture.shadow) are in this checkout,"
-                " but this check does not measure their cost yet"}
+        return _shadow_step_cost(device, dry_run)
     raise ValueError(name)
 
 
@@ -487,20 +499,7 @@ def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
     """The Probe with its forward maxima against the Probe without, on the GPT-2-124M-sized model (CUDA events)."""
     import statistics
 
-    import torch.nn.functional as F
-
-    model, tokens, what = _gpt2_124m(device, dry_run)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler(device)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.float16):
-            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
+    model, what, scaler, step, _ = _gpt2_workload(device, dry_run)
     timed = _timer(device)
     times: dict[bool, list[float]] = {True: [], False: []}
     rounds, warm = (1, 0) if dry_run else (3, 1)
@@ -524,6 +523,52 @@ def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
         "probe_with_forward_over_without": statistics.median(a / b for a, b in zip(times[True], times[False])),
         "step_ms": {"probe_without_forward": statistics.median(times[False]) * 1e3,
                     "probe_with_forward": statistics.median(times[True]) * 1e3},
+    }
+
+
+def _shadow_step_cost(device: str, dry_run: bool) -> dict:
+    """The Probe with shadow steps (an fp32 rerun every ``every``-th sampled step, ``Probe.shadow``) against
+    the Probe without, on the GPT-2-124M-sized model (CUDA events), in rounds of ``every`` steps that
+    each hold one shadowed step; also what one shadowed step adds, against the plain probed step."""
+    import statistics
+
+    model, what, scaler, step, loss = _gpt2_workload(device, dry_run)
+    every = 2 if dry_run else 10
+    timed = _timer(device)
+    probes = {0: Probe(model, scaler=scaler, shadow_every=0), every: Probe(model, scaler=scaler, shadow_every=every)}
+    shadowed = 0
+    with probes[every]:  # past the doubling start (sampled steps 1, 2, 3, 5, ..., 33) to the steady schedule
+        for _ in range(4 if dry_run else 34):
+            shadowed += probes[every].shadow(loss)
+            step()
+            probes[every].step()
+    times: dict[int, list[float]] = {0: [], every: []}
+    reran = {0: 0, every: 0}  # shadowed steps in the timed rounds: one a round with shadows, none without
+    rounds = 1 if dry_run else 3
+    for _ in range(rounds):
+        for n, p in probes.items():
+            p.start()
+
+            def run(p: Probe = p, n: int = n) -> None:
+                reran[n] += p.shadow(loss)
+                step()
+                p.step()
+
+            times[n].append(timed(run, every))
+            p.stop()
+    ratio = statistics.median(a / b for a, b in zip(times[every], times[0]))
+    return {
+        "status": "ok" if reran == {0: 0, every: rounds} else "failed",
+        "model": what,
+        "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
+        "shadow_every": every,
+        "probe_with_shadow_over_without": ratio,
+        "one_shadow_step_over_a_probed_step": (ratio - 1) * every,
+        "step_ms": {"probe_without_shadow": statistics.median(times[0]) * 1e3,
+                    "probe_with_shadow": statistics.median(times[every]) * 1e3},
+        "warmup_shadowed_steps": shadowed,
+        "timed_shadowed_steps": reran[every],
+        "status_why": None if reran == {0: 0, every: rounds} else f"expected {rounds} shadowed step(s), saw {reran}",
     }
 
 
@@ -578,7 +623,7 @@ PARTS: dict[str, tuple[float, bool]] = {
     "amp": (30, False),
     "overhead": (120, False),
     "forward_headroom": (30, False),
-    "shadow_step": (30, False),
+    "shadow_step": (45, False),  # 34 warm-up steps past the doubling start, then 3 x 2 rounds of 10
     "autocast_ops": (30, False),
     "verify": (150, True),
     "pytest": (300, True),

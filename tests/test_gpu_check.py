@@ -20,9 +20,7 @@ def test_dry_run_with_the_300_s_budget_writes_figures_and_skips_only_the_cuda_pa
     assert gpu_check.main(["--dry-run", "--budget", "300", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
     status = {name: part["status"] for name, part in got["parts"].items()}
-    shadow = status.pop("shadow_step")  # a slot for shadow steps (issue #20): runs once they are here
-    assert shadow in ("ok", "not_available")
-    assert status == {"sync": "skipped", "engine": "ok", "amp": "ok", "overhead": "ok", "forward_headroom": "ok",
+    assert status == {"sync": "skipped", "engine": "ok", "amp": "ok", "overhead": "ok", "forward_headroom": "ok", "shadow_step": "ok",
                       "autocast_ops": "ok", "verify": "skipped", "pytest": "skipped", "bench": "skipped"}
     assert got["dry_run"] is True and "cpu" in got["device"] and got["budget_s"] == 300
     parts = got["parts"]
@@ -37,6 +35,8 @@ def test_dry_run_with_the_300_s_budget_writes_figures_and_skips_only_the_cuda_pa
     assert all(r > 0 for r in over["ratio_to_plain"].values()) and over["clock"] == "wall time (dry run)"
     assert all("budget_s" in p for p in parts.values() if p["status"] != "skipped")
     assert parts["forward_headroom"]["probe_with_forward_over_without"] > 0
+    shadow = parts["shadow_step"]  # one fp32 rerun in each timed round with shadows, none without
+    assert shadow["timed_shadowed_steps"] == 1 and shadow["probe_with_shadow_over_without"] > 0
     assert parts["autocast_ops"]["device"] == "cpu" and parts["autocast_ops"]["checked"] > 0
 
 
