@@ -172,25 +172,20 @@ if njit is not None:
             _cells(local, cells)
         _finish(bits, cells, largest, counts, keys, row, replace)
 
-    @intrinsic
-    def _int32_pointer(typingctx, address):  # pragma: no cover - compiled
-        """An int64 address as an ``int32*`` (the caller keeps the memory alive)."""
-        sig = types.CPointer(types.int32)(types.int64)
+    def _pointer_to(item):  # pragma: no cover - compiled
+        """An intrinsic that reads an int64 address as an ``item*`` (the caller keeps the memory alive)."""
 
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
+        @intrinsic
+        def pointer(typingctx, address):
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
 
-        return sig, codegen
+            return types.CPointer(item)(types.int64), codegen
 
-    @intrinsic
-    def _int64_pointer(typingctx, address):  # pragma: no cover - compiled
-        """An int64 address as an ``int64*`` (the caller keeps the memory alive)."""
-        sig = types.CPointer(types.int64)(types.int64)
+        return pointer
 
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
-
-        return sig, codegen
+    _int32_pointer = _pointer_to(types.int32)
+    _int64_pointer = _pointer_to(types.int64)
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_many(addresses, lengths, rows, counts, keys, replace):  # pragma: no cover - compiled
