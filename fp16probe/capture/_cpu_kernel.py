@@ -220,6 +220,7 @@ if njit is not None:
         slot = carray(_int32_pointer(slots), (i + 1,))
         if largest > slot[i]:
             slot[i] = largest
+
     @njit(nogil=True, cache=True, boundscheck=False)
     def close_maxima(step, run, first, n, over, step_index):  # pragma: no cover - compiled
         """Close a step of forward maxima: three buffers of ``n`` at the addresses ``step`` and ``run``

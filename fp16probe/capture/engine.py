@@ -230,20 +230,24 @@ def largest_abs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     (torch's inf-norm is a scalar loop there, ten times a read); elsewhere one fused
     ``torch._foreach_norm(xs, inf)``.
     """
-    kernel = _numba_kernel()
-    if kernel is not None and all(type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32
-                                  and x.is_contiguous() for x in xs):
-        bits = kernel.largest_many(np.array([x.data_ptr() for x in xs], dtype=np.int64),
-                                   np.array([x.numel() for x in xs], dtype=np.int64))
-        return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    bits = _largest_bits_host(xs)
+    if bits is not None:
+        return torch.tensor(max(bits, 0), dtype=torch.int32).view(torch.float32)
     norms = torch._foreach_norm(list(xs), math.inf)  # one fused pass (per device and dtype)
     return torch.stack([n.float() for n in norms]).max()
 
 
-def largest_abs_host(xs: Sequence[torch.Tensor]) -> float | None:
+def largest_abs_host(xs: Sequence[torch.Tensor | None]) -> float | None:
     """:func:`largest_abs` of contiguous fp32 CPU tensors as a Python float, read by the numba kernel in one
     call (empty tensors and Nones skipped); None when the kernel is absent, there is nothing to read, or a
     tensor is anything else (the caller then takes :func:`largest_abs`)."""
+    bits = _largest_bits_host(xs)
+    return None if bits is None or bits < 0 else float(np.int32(bits).view(np.float32))
+
+
+def _largest_bits_host(xs: Sequence[torch.Tensor | None]) -> int | None:
+    """The largest ``|bits|`` over contiguous fp32 CPU tensors in one compiled call (Nones and empty tensors
+    skipped; -1 when nothing is left to read); None when the kernel is absent or a tensor is anything else."""
     kernel = _numba_kernel()
     if kernel is None:
         return None
@@ -259,9 +263,8 @@ def largest_abs_host(xs: Sequence[torch.Tensor]) -> float | None:
             addresses.append(x.data_ptr())
             lengths.append(n)
     if not addresses:
-        return None
-    bits = kernel.largest_many(np.array(addresses, dtype=np.int64), np.array(lengths, dtype=np.int64))
-    return float(np.int32(bits).view(np.float32))
+        return -1
+    return int(kernel.largest_many(np.array(addresses, dtype=np.int64), np.array(lengths, dtype=np.int64)))
 
 
 def thin_largest() -> object | None:

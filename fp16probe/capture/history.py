@@ -113,13 +113,15 @@ class History:
     def _read_host(self) -> bool:
         """:meth:`_read` for fp32 CPU gradients and a CPU (or no) scale: one compiled read of them all, the
         row written through a numpy view of the buffer. False, having written nothing, for anything else."""
-        raw = engine.largest_abs_host([p.grad for p in self._params])
         scale = self.recorder.scale_source.tensor() if self.recorder.scale_source is not None else None
-        if raw is None or (scale is not None and not scale.is_cpu):
+        if scale is not None and not scale.is_cpu:
             return False
         s = math.nan if scale is None else float(scale.float().reshape(()))
         if s == 0.0:
             return False  # the general path divides as torch does
+        raw = engine.largest_abs_host([p.grad for p in self._params])
+        if raw is None:
+            return False
         i = self.recorder.step_index - self._start_step
         row = self._row(i, torch.device("cpu")).numpy()
         row[0], row[1] = s, (raw if scale is None else raw / s)  # fp32 values, divided in float64 as there
