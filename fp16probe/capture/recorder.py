@@ -177,7 +177,7 @@ class Recorder:
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
         self.precision = precision
-        self._thin: tuple[Any, ...] | None = None  # _thin_path() of the open step
+        self._thin: tuple[Any, ...] | None = None  # _thin_path() of the state it was made for (every step has a new one)
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
@@ -525,7 +525,6 @@ class Recorder:
         Everything is computed out of place first; the last statement commits. An
         exception or KeyboardInterrupt before it leaves the step open and intact.
         """
-        self._thin = None
         with self.lock:
             st = self._state
             index = st.step_index + 1
