@@ -139,8 +139,8 @@ def _main(
 # tests/test_cli_help.py checks the formats and kinds against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
 FormatName = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
 # The scaled formats only `profile` and `show` take (their statistics are captured on the run itself);
-# tests/test_blockformats_cli.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
-ProfileFormatName = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
+# tests/test_blockformats.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
+ProfileFormatName = Literal[FormatName, "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
 Kind = Literal["all", "activation_grad", "weight_grad"]  # all: every gradient the loss scale multiplies
 FORMAT_NAMES = get_args(FormatName)
 BLOCK_FORMAT_NAMES = get_args(ProfileFormatName)[len(FORMAT_NAMES):]
