@@ -409,6 +409,32 @@ def _timer(device: str) -> Callable[[Callable[[], None], int], float]:
     return timed
 
 
+def _interleaved(variants: dict[Any, Callable[[], tuple[Callable[[], None], Callable[[], None]]]],
+                 reps: dict[Any, int], rounds: int, warm: int, device: str, untimed: bool = True) -> dict[Any, list]:
+    """Seconds per step of each variant over interleaved rounds (A, B, ..., A, B, ...). ``attach()`` gives
+    (run, detach); each round attaches every variant, runs it once untimed (unless ``untimed`` is False),
+    times ``reps`` runs and detaches it; the first ``warm`` rounds (compiles, the allocator) are not kept."""
+    timed = _timer(device)
+    times: dict[Any, list[float]] = {k: [] for k in variants}
+    for r in range(rounds + warm):
+        for name, attach in variants.items():
+            run, detach = attach()
+            if untimed:
+                run()
+            t = timed(run, reps[name])
+            detach()
+            if r >= warm:
+                times[name].append(t)
+    return times
+
+
+def _ratio(times: dict[Any, list[float]], a: Any, b: Any) -> float:
+    """The median over rounds of ``a``'s time over ``b``'s."""
+    import statistics
+
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
 def check_overhead(device: str, dry_run: bool = False) -> dict:
     """Wall-time ratios (CUDA events) of the Probe every step, every=10 and the one-read limit to a plain step."""
     import statistics
@@ -439,21 +465,7 @@ def check_overhead(device: str, dry_run: bool = False) -> dict:
     if dry_run:
         reps = dict.fromkeys(reps, 1) | {"probe_every10": 10}
     rounds = 1 if dry_run else 5
-    timed = _timer(device)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    warm = 0 if dry_run else 1
-    for r in range(rounds + warm):  # round 0 warms up (Triton compiles, allocator settles) and is not counted
-        for name, attach in variants.items():
-            run, detach = attach()
-            run()
-            t = timed(run, reps[name])
-            detach()
-            if r >= warm:
-                times[name].append(t)
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
+    times = _interleaved(variants, reps, rounds, 0 if dry_run else 1, device)
     return {
         "status": "ok",
         "model": what,
@@ -461,8 +473,8 @@ def check_overhead(device: str, dry_run: bool = False) -> dict:
         "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
         "rounds": rounds,
         "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
-        "ratio_to_plain": {k: ratio(k, "plain") for k in variants if k != "plain"},
-        "probe_over_limit": ratio("probe_every1", "one_read_limit"),
+        "ratio_to_plain": {k: _ratio(times, k, "plain") for k in variants if k != "plain"},
+        "probe_over_limit": _ratio(times, "probe_every1", "one_read_limit"),
         "accelerator_engine": ("triton" if engine._triton_available() else "torch index_add_")
         if device == "cuda" else "cpu",
     }
@@ -500,27 +512,27 @@ def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
     import statistics
 
     model, what, scaler, step, _ = _gpt2_workload(device, dry_run)
-    timed = _timer(device)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    rounds, warm = (1, 0) if dry_run else (3, 1)
-    for r in range(rounds + warm):
-        for forward in (False, True):
+
+    def with_forward(forward: bool):
+        def attach():
             p = Probe(model, scaler=scaler, forward=forward).start()  # type: ignore[call-arg]
 
-            def run(p: Probe = p) -> None:
+            def run() -> None:
                 step()
                 p.step()
 
-            run()
-            t = timed(run, 1 if dry_run else 3)
-            p.stop()
-            if r >= warm:
-                times[forward].append(t)
+            return run, p.stop
+
+        return attach
+
+    rounds, warm = (1, 0) if dry_run else (3, 1)
+    times = _interleaved({False: with_forward(False), True: with_forward(True)},
+                         dict.fromkeys((False, True), 1 if dry_run else 3), rounds, warm, device)
     return {
         "status": "ok",
         "model": what,
         "clock": "CUDA events" if device == "cuda" else "wall time (dry run)",
-        "probe_with_forward_over_without": statistics.median(a / b for a, b in zip(times[True], times[False])),
+        "probe_with_forward_over_without": _ratio(times, True, False),
         "step_ms": {"probe_without_forward": statistics.median(times[False]) * 1e3,
                     "probe_with_forward": statistics.median(times[True]) * 1e3},
     }
@@ -534,7 +546,6 @@ def _shadow_step_cost(device: str, dry_run: bool) -> dict:
 
     model, what, scaler, step, loss = _gpt2_workload(device, dry_run)
     every = 2 if dry_run else 10
-    timed = _timer(device)
     probes = {0: Probe(model, scaler=scaler, shadow_every=0), every: Probe(model, scaler=scaler, shadow_every=every)}
     shadowed = 0
     with probes[every]:  # past the doubling start (sampled steps 1, 2, 3, 5, ..., 33) to the steady schedule
@@ -542,21 +553,26 @@ def _shadow_step_cost(device: str, dry_run: bool) -> dict:
             shadowed += probes[every].shadow(loss)
             step()
             probes[every].step()
-    times: dict[int, list[float]] = {0: [], every: []}
     reran = {0: 0, every: 0}  # shadowed steps in the timed rounds: one a round with shadows, none without
-    rounds = 1 if dry_run else 3
-    for _ in range(rounds):
-        for n, p in probes.items():
-            p.start()
 
-            def run(p: Probe = p, n: int = n) -> None:
+    def restart(n: int):
+        def attach():
+            p = probes[n].start()
+
+            def run() -> None:
                 reran[n] += p.shadow(loss)
                 step()
                 p.step()
 
-            times[n].append(timed(run, every))
-            p.stop()
-    ratio = statistics.median(a / b for a, b in zip(times[every], times[0]))
+            return run, p.stop
+
+        return attach
+
+    rounds = 1 if dry_run else 3
+    # No untimed step: each timed round is ``every`` steps, so it holds exactly one shadowed step.
+    times = _interleaved({0: restart(0), every: restart(every)}, dict.fromkeys((0, every), every), rounds, 0, device,
+                         untimed=False)
+    ratio = _ratio(times, every, 0)
     return {
         "status": "ok" if reran == {0: 0, every: rounds} else "failed",
         "model": what,
