@@ -230,8 +230,9 @@ def test_a_model_of_many_parameters_has_every_steps_largest_gradient():
 
 @pytest.mark.parametrize("scaler", [None, 3.0, torch.tensor(2.0**13)])
 def test_the_host_read_writes_the_rows_the_device_read_writes(monkeypatch, scaler):
-    """fp32 CPU gradients take one compiled read (engine.largest_abs_host); every row equals the torch
-    path's bit for bit: no scale, a scale that is not a power of two, a tensor scale, inf and NaN steps."""
+    """fp32 CPU gradients of an unscaled run take one compiled read (engine.largest_abs_host); every row
+    equals the torch path's bit for bit, inf and NaN steps included. Scaled runs (a scale that is not a
+    power of two, a tensor scale) keep the device path, which divides without a host read of the scale."""
     from fp16probe.capture import engine
 
     def run() -> list[tuple[float, float]]:

@@ -111,20 +111,17 @@ class History:
             rec.note_error(e)
 
     def _read_host(self) -> bool:
-        """:meth:`_read` for fp32 CPU gradients and a CPU (or no) scale: one compiled read of them all, the
-        row written through a numpy view of the buffer. False, having written nothing, for anything else."""
-        scale = self.recorder.scale_source.tensor() if self.recorder.scale_source is not None else None
-        if scale is not None and not scale.is_cpu:
+        """:meth:`_read` for fp32 CPU gradients of an unscaled run: one compiled read of them all, the row
+        written through a numpy view of the buffer. False, having written nothing, for anything else (a
+        scaled run's row divides by the scale on the device: reading it here would be a host read)."""
+        if self.recorder.scale_source is not None:
             return False
-        s = math.nan if scale is None else float(scale.float().reshape(()))
-        if s == 0.0:
-            return False  # the general path divides as torch does
         raw = engine.largest_abs_host([p.grad for p in self._params])
         if raw is None:
             return False
         i = self.recorder.step_index - self._start_step
         row = self._row(i, torch.device("cpu")).numpy()
-        row[0], row[1] = s, (raw if scale is None else raw / s)  # fp32 values, divided in float64 as there
+        row[0], row[1] = math.nan, raw
         self._written = max(self._written, i)
         return True
 
