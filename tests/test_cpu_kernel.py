@@ -111,12 +111,14 @@ def test_adversarial_bit_patterns_count_as_the_previous_kernel(name, monkeypatch
 @pytest.mark.parametrize("name", ENGINES)
 def test_each_mixed_cell_alone_and_in_a_crowd(name, monkeypatch):
     """The two cells the second pass splits, at every position of an 8-lane group and in the tail,
-    in short tensors (one lane) and long ones (eight)."""
+    in short tensors (one lane) and long ones (eight), and on both sides of a block edge (the max
+    pass and the counting loop go block by block)."""
     mixed = [2.0**-126, 2.0**-130, 2.0**-149, 2.0**127 * 1.5, math.inf, -math.inf, math.nan, 2.0**127]
     long = getattr(_cpu_kernel, "_SMALL", 1024)
-    for n in (1, 7, 8, 9, 17, 64, long - 1, long, long + 9):
+    block = getattr(_cpu_kernel, "_BLOCK", 8192)
+    for n in (1, 7, 8, 9, 17, 64, long - 1, long, long + 9, block + 1, 2 * block + 9):
         for v in mixed:
-            for pos in {0, n // 2, n - 1}:
+            for pos in {0, n // 2, n - 1} | ({block - 1, block} if n > block else set()):
                 x = torch.full((n,), 0.5)
                 x[pos] = v
                 assert counted(x, name, monkeypatch) == previous_kernel(x), (n, v, pos)
