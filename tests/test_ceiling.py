@@ -394,10 +394,12 @@ def test_gradient_accumulation_keeps_each_backward_in_the_ceiling():
     second does (its AccumulateGrad node is hooked, also when both forwards ran first).
     """
     torch.manual_seed(0)
-    x = torch.randn(16, 8) * 2.0**10  # large inputs: the weight gradients dominate
-    cases = [(model, factor, first) for model in (nn.Linear(8, 4), _Gain(8)) for factor in (-0.5, -2.0)
-             for first in (False, True)]
+    # 64 x 64: a weight counted in its accumulate hook rather than at the end of backward (recorder._HOT_FROM)
+    models = (nn.Linear(8, 4), _Gain(8), nn.Linear(64, 64), _Gain(4096))
+    cases = [(model, factor, first) for model in models for factor in (-0.5, -2.0) for first in (False, True)]
     for model, factor, both_forwards_first in cases:
+        width = model.in_features if isinstance(model, nn.Linear) else model.w.numel()
+        x = torch.randn(16, width) * 2.0**10  # large inputs: the weight gradients dominate
         y = torch.randn(16, model(x).shape[1])
         with Probe(model) as probe:
             model.zero_grad(set_to_none=True)

@@ -116,9 +116,10 @@ def test_probe_cleans_up_when_the_loop_raises(name):
     assert [p.requires_grad for p in model.parameters()] == before[3]
 
 
-def test_histograms_equal_direct_measurement():
+@pytest.mark.parametrize("width", [5, 80])  # 80: a weight counted in its accumulate hook (recorder._HOT_FROM)
+def test_histograms_equal_direct_measurement(width):
     # The activation gradient of a module equals what a plain tensor hook sees.
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3 * width))
     seen = {}
 
     def keep(name):
@@ -142,17 +143,21 @@ def test_histograms_equal_direct_measurement():
         assert report.module(pname, WEIGHT_GRAD).histogram == histogram_of(p.grad)
 
 
-def test_weight_grads_count_the_accumulated_gradient_once_per_step():
-    model = nn.Linear(4, 2)
-    with Probe(model, activation_grads=False) as probe:
-        for _ in range(3):  # gradient accumulation over three micro-batches
-            model(torch.randn(2, 4)).sum().backward()
-        probe.step()
-    h = probe.report().module("weight", WEIGHT_GRAD).histogram
-    assert h.total == model.weight.numel()
+@pytest.mark.parametrize("width", [4, 128])  # 128: the weight is counted in its accumulate hook, the bias at the end
+def test_weight_grads_count_the_accumulated_gradient_once_per_step(width):
+    from fp16probe.capture.recorder import _HOT_FROM
     from tests.test_histogram import histogram_of
 
-    assert h == histogram_of(model.weight.grad)
+    model = nn.Linear(width, width // 2)
+    assert (model.weight.numel() >= _HOT_FROM) is (width == 128)
+    with Probe(model, activation_grads=False) as probe:
+        for _ in range(3):  # gradient accumulation over three micro-batches
+            model(torch.randn(2, width)).sum().backward()
+        probe.step()
+    for name, p in model.named_parameters():
+        h = probe.report().module(name, WEIGHT_GRAD).histogram
+        assert h.total == p.numel()
+        assert h == histogram_of(p.grad)
 
 
 def test_every_n_samples_only_those_steps():

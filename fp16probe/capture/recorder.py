@@ -7,7 +7,7 @@ one method of its counter:
 * :meth:`Recorder.capture_output` -- a module or op produced ``output``: count it as an
   activation and/or hook its gradient, as the capture settings say;
 * :meth:`Recorder.param_grad_ready` -- a parameter's gradient was accumulated: count it
-  once backward is over;
+  in this backward (a large one now, the others together once backward is over);
 * :meth:`Recorder.note_max` -- fold a device scalar into a named per-step maximum
   (the overflow ceiling);
 * :meth:`Recorder.note_error` -- a hook failed for a bookkeeping reason.
@@ -191,6 +191,7 @@ class Recorder:
         self._state = _State(0, True, 0, {}, {}, {})
         self._trace: list[_StepRecord] = []
         self._pending_params: list[tuple[int, torch.Tensor]] = []
+        self._weights_open = False  # a backward's weight counting has begun (its end-of-backward count is queued)
         self._params_counted_in: _State | None = None  # the step state weight rows were last counted in
         self._device: str | None = None
         self.errors = 0
@@ -300,7 +301,7 @@ class Recorder:
         thin = self._thin
         if thin is None or thin[0] is not self._state:
             thin = self._thin = self._thin_path()
-        if thin[1] is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
+        if thin[3] is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
                 and grad.is_contiguous():
             n = grad.numel()
             if 0 < n < thin[2]:
@@ -316,42 +317,74 @@ class Recorder:
         self.record(ACTIVATION_GRAD, i, grad)
 
     def _thin_path(self) -> tuple[Any, ...]:
-        """What the thin path needs for the open step: (state, kernel entry, size limit, the addresses of its
-        activation-gradient table's counts and keys); the entry is None where it does not apply (no numba,
-        a scaler to unscale by, no CPU table yet). The size limit follows torch's thread count."""
+        """What the thin paths need for the open step: (state, kernel entry, size limit, then the addresses of
+        the counts and keys of its activation-gradient table and of its weight-gradient table, each None
+        without a CPU table of that kind yet); the entry is None where it does not apply (no numba, a scaler
+        to unscale by). The size limit follows torch's thread count."""
         st = self._state
         kernel = engine.thin_counter() if self.scaler is None else None
-        table = st.open.get(ACTIVATION_GRAD)
-        if kernel is None or table is None or not table[0].is_cpu:
-            return (st, None, 0)
-        return (st, *kernel, table[0].data_ptr(), table[1].data_ptr())
+        if kernel is None:
+            return (st, None, 0, None, None, None, None)
+        addresses: list[int | None] = []
+        for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):
+            table = st.open.get(kind)
+            on_cpu = table is not None and table[0].is_cpu
+            addresses += [table[0].data_ptr(), table[1].data_ptr()] if on_cpu else [None, None]  # type: ignore[index]
+        return (st, *kernel, *addresses)
 
     def param_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        """Note that parameter row ``i`` has its gradient; count it once backward is over.
+        """Note that parameter row ``i`` has its gradient, now accumulated; count it in this backward.
 
-        Counted at the end of backward, not at :meth:`close_step`: clipping,
-        ``GradScaler.unscale_`` and ``zero_grad`` change ``.grad`` in place after backward.
-        Under DDP it waits for the all-reduce, so it counts what the optimizer steps with.
+        A plain fp32 CPU gradient of ``_HOT_FROM`` values or more is counted here, while backward
+        has just written it (at the end of backward it has left the caches: 1.4 against about 0.7 ns
+        a value on a GPT-style model); the rest are counted together at the end of backward, in one
+        compiled call (a Python call per small parameter would cost more than its count). Both see
+        the values the optimizer steps with: nothing but DDP's all-reduce changes ``.grad`` between
+        its accumulation and the end of backward, and under DDP every gradient waits for that. Not
+        at :meth:`close_step`: clipping, ``GradScaler.unscale_`` and ``zero_grad`` change ``.grad``
+        in place after backward. A later backward in the step (gradient accumulation) replaces
+        the rows: the last accumulated value wins.
         """
         if not (self.enabled and self._state.sampling):
             return
         try:
-            pending = self._pending_params
-            pending.append((i, param))
-            if len(pending) == 1:
+            if not self._weights_open:  # the first parameter of this backward
+                self._weights_open = True
+                self._keep_replaced_maximum()
                 _distributed.after_backward(self._count_params, ddp=self.defer_to_ddp)
+            g = param.grad
+            if not (type(g) is torch.Tensor and g.numel() >= _HOT_FROM and g.dtype is torch.float32 and g.is_cpu
+                    and not self.defer_to_ddp and g.is_contiguous() and self._count_hot(i, g)):
+                self._pending_params.append((i, param))
         except Exception as e:
             self.note_error(e)
 
+    def _keep_replaced_maximum(self) -> None:
+        """Before a second backward in the step (gradient accumulation) replaces the weight rows, keep the
+        maximum of what the last one counted for the overflow ceiling (which leaves parameters'
+        AccumulateGrad nodes to these counts)."""
+        table = self._state.open.get(WEIGHT_GRAD)
+        if table is not None and self._params_counted_in is self._state:
+            self.note_max(CHANNEL, engine.max_abs_of_keys(table[1]))
+
+    def _count_hot(self, i: int, g: torch.Tensor) -> bool:
+        """Count the contiguous fp32 CPU gradient ``g`` into weight row ``i`` (replacing it) by one kernel call;
+        False, having counted nothing, where the thin path does not apply (the caller defers it)."""
+        thin = self._thin
+        if thin is None or thin[0] is not self._state:
+            thin = self._thin = self._thin_path()
+        if thin[5] is None or g.numel() >= thin[2]:
+            return False
+        with self.lock:
+            if thin[0] is not self._state:  # rows were added since
+                return False
+            thin[1](g.data_ptr(), g.numel(), thin[5], thin[6], i, True)
+            thin[0].dirty = True
+        return True
+
     def _count_params(self) -> None:
         pending, self._pending_params = self._pending_params, []
-        st = self._state
-        table = st.open.get(WEIGHT_GRAD)
-        if table is not None and self._params_counted_in is st:
-            # A second backward in the step (gradient accumulation) replaces the rows: keep
-            # the maximum of what the last one counted for the overflow ceiling (which leaves
-            # parameters' AccumulateGrad nodes to these counts).
-            self.note_max(CHANNEL, engine.max_abs_of_keys(table[1]))
+        self._weights_open = False
         plain: list[tuple[int, torch.Tensor]] = []
         for i, p in pending:
             g = p.grad
@@ -533,6 +566,8 @@ class Recorder:
                 new = _State(index, sampling, st.closed, st.open, st.spare, st.totals)
                 new.dirty = st.dirty  # values that arrived in an unsampled step wait for a sampled one
                 self._state = new  # commit
+                self._pending_params = []  # a backward that never ended (it raised): its weights go with it
+                self._weights_open = False
                 return
             for counts, keys in st.spare.values():  # not read by anyone: safe to redo
                 counts.zero_()
@@ -544,6 +579,7 @@ class Recorder:
             self._trace.append(record)
             self._state = new  # commit
         self._pending_params = []
+        self._weights_open = False
 
     def discard_step(self) -> None:
         """Drop what the open step recorded (a step cut short), keeping every closed step."""
@@ -558,6 +594,7 @@ class Recorder:
             del self._trace[st.closed :]
             self._state = new  # commit: not dirty, no scale or maxima of the dropped step
         self._pending_params = []
+        self._weights_open = False
 
     def _record_of(self, st: _State) -> _StepRecord:
         """The trace record of ``st``'s open step, built out of place."""
@@ -661,6 +698,7 @@ class Recorder:
             )
 
 
+_HOT_FROM = 1 << 12  # parameter gradients this long are counted in their accumulate hook (param_grad_ready)
 _FP16_OVERFLOW = get_format("fp16").overflow_threshold  # 65520: the first magnitude that rounds to inf
 _AMINMAX_FROM = 1 << 16  # elements from which one aminmax pass beats |t| then amax
 
