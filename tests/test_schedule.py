@@ -253,3 +253,32 @@ def test_the_host_read_writes_the_rows_the_device_read_writes(monkeypatch, scale
     device = run()
     assert len(host) == 6
     assert str(host) == str(device)  # NaN == NaN as text
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_weight_counts_hand_the_history_each_steps_largest_gradient(monkeypatch, every):
+    """In a sampled step the history takes its largest |g| from the weight counts (a large parameter
+    counted in its accumulate hook, the small ones at the end of backward) instead of reading every
+    gradient again. Every row still equals torch's own max |g|: inf and NaN steps, and steps that
+    accumulate two micro-batches (the row is the last backward's, over the accumulated gradients)."""
+    from fp16probe.capture.recorder import _HOT_FROM, Recorder
+
+    taken: list[float | None] = []
+    real_take = Recorder.take_weight_largest
+    monkeypatch.setattr(Recorder, "take_weight_largest", lambda self, n: taken.append(real_take(self, n)) or taken[-1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 640), nn.Tanh(), nn.Linear(640, 1))
+    assert model[0].weight.numel() >= _HOT_FROM > model[2].weight.numel()
+    probe = Probe(model, every=every).start()
+    real = []
+    poisons = [1.0, 7.0, math.inf, 0.3, math.nan, 1e-30]
+    for step, poison in enumerate(poisons):
+        for _ in range(1 + step % 2):  # odd steps accumulate two micro-batches
+            (model(torch.randn(4, 8)).sum() * poison).backward()
+        real.append(torch.stack([p.grad.abs().max() for p in model.parameters()]).max().item())
+        model.zero_grad()
+        probe.step()
+    probe.stop()
+    assert str(list(probe.report().history.grad_max)) == str(real)  # NaN == NaN as text
+    sampled_backwards = sum(1 + step % 2 for step in range(len(poisons)) if step % every == 0)
+    assert sum(t is not None for t in taken) == sampled_backwards

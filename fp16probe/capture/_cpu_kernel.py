@@ -174,11 +174,14 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_into(bits, counts, keys, row, replace):  # pragma: no cover - compiled
+        """Count ``bits`` into ``counts[row]`` / ``keys[row]``; return their largest ``|bits|``, inf and NaN
+        included (-1 for none): the weight counts hand it to the per-step history."""
         cells = np.zeros(257, dtype=np.int64)
         n = bits.shape[0]
         if n < _SMALL:
-            _finish(bits, cells, _count_small(bits, cells), counts, keys, row, replace)
-            return
+            largest = _count_small(bits, cells)
+            _finish(bits, cells, largest, counts, keys, row, replace)
+            return largest
         local = np.zeros(_LANES * _CELLS, dtype=np.uint32)
         largest = -1
         for start in range(0, n, _CHUNK):
@@ -187,6 +190,7 @@ if njit is not None:
             largest = max(largest, _count(bits[start : start + _CHUNK], local))
             _cells(local, cells)
         _finish(bits, cells, largest, counts, keys, row, replace)
+        return largest
 
     def _pointer_to(item):  # pragma: no cover - compiled
         """An intrinsic that reads an int64 address as an ``item*`` (the caller keeps the memory alive)."""
@@ -205,8 +209,11 @@ if njit is not None:
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def _count_many(addresses, lengths, rows, counts, keys, replace):  # pragma: no cover - compiled
+        largest = -1
         for t in range(addresses.shape[0]):
-            _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys, rows[t], replace)
+            largest = max(largest, _count_into(carray(_int32_pointer(addresses[t]), (lengths[t],)), counts, keys,
+                                               rows[t], replace))
+        return largest
 
 
     @njit(nogil=True, cache=True, boundscheck=False)
@@ -214,9 +221,10 @@ if njit is not None:
         """:func:`count_into` for ``n`` contiguous fp32 at ``address``, on this thread, into row ``row`` of
         the table whose int64 counts ``[rows, NUM_BINS]`` and int32 keys ``[rows]`` are at the addresses
         ``counts`` and ``keys`` (the thin per-tensor path: integers only, so the call costs little
-        more than the kernel; the caller keeps the table alive)."""
-        _count_into(carray(_int32_pointer(address), (n,)), carray(_int64_pointer(counts), (row + 1, NUM_BINS)),
-                    carray(_int32_pointer(keys), (row + 1,)), row, replace)
+        more than the kernel; the caller keeps the table alive). Returns their largest ``|bits|``, inf and
+        NaN included."""
+        return _count_into(carray(_int32_pointer(address), (n,)), carray(_int64_pointer(counts), (row + 1, NUM_BINS)),
+                           carray(_int32_pointer(keys), (row + 1,)), row, replace)
 
     @njit(nogil=True, cache=True, boundscheck=False)
     def largest_many(addresses, lengths):  # pragma: no cover - compiled
@@ -261,10 +269,11 @@ if njit is not None:
 
 def count_many(
     addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
-) -> None:
+) -> int:
     """:func:`count_into` for several buffers in one call: contiguous fp32 at ``addresses[t]``, ``lengths[t]``
-    elements, into ``rows[t]``, on this thread. The caller keeps the buffers alive."""
-    _count_many(addresses, lengths, rows, counts, keys, replace)
+    elements, into ``rows[t]``, on this thread. The caller keeps the buffers alive. Returns the largest
+    ``|bits|`` of them all, inf and NaN included (-1 for none)."""
+    return int(_count_many(addresses, lengths, rows, counts, keys, replace))
 
 
 def count_into(bits: np.ndarray, counts: np.ndarray, keys: np.ndarray, row: int, replace: bool,

@@ -181,13 +181,16 @@ def count_many(
     *,
     replace: bool = False,
     inv: torch.Tensor | None = None,
-) -> None:
+) -> int | None:
     """:func:`count_into` for ``xs[t]`` into ``rows[t]``; the same counts.
 
     On the CPU with the numba engine, contiguous fp32 tensors (not unscaled) go to the
     kernel in one call, so a model of many small parameters pays the Python and dispatch
     cost once per backward instead of once per tensor; on CUDA with Triton, one launch per
     element type counts them all. Everything else goes one by one.
+
+    Returns the largest ``|bits|`` of the fp32 values, inf and NaN included (-1 for none), when
+    that one compiled call counted them all; None otherwise.
     """
     if counts.device.type == "cuda" and _triton_available() and all(
         type(x) is torch.Tensor and x.device == counts.device and x.is_floating_point() and not x.is_sparse for x in xs
@@ -195,12 +198,12 @@ def count_many(
         from fp16probe.capture import _triton_kernel
 
         _triton_kernel.count_many(xs, counts, keys, rows, replace, inv)  # one launch per dtype
-        return
+        return None
     kernel = _numba_kernel() if counts.is_cpu and inv is None else None
     if kernel is None:
         for x, row in zip(xs, rows):
             count_into(x, counts, keys, row, replace=replace, inv=inv)
-        return
+        return None
     batch: list[torch.Tensor] = []
     batch_rows: list[int] = []
     # Tensors the kernel would split across threads go one by one (one thread: never).
@@ -212,14 +215,16 @@ def count_many(
             batch_rows.append(row)
         else:
             count_into(x, counts, keys, row, replace=replace)
-    if batch:
-        host = _host_view(counts, keys)
-        kernel.count_many(
-            np.array([x.data_ptr() for x in batch], dtype=np.int64),
-            np.array([x.numel() for x in batch], dtype=np.int64),
-            np.array(batch_rows, dtype=np.int64),
-            host[1], host[3], replace,
-        )  # ``batch`` keeps the tensors alive until the kernel returns
+    if not batch:
+        return None if xs else -1
+    host = _host_view(counts, keys)
+    largest = kernel.count_many(
+        np.array([x.data_ptr() for x in batch], dtype=np.int64),
+        np.array([x.numel() for x in batch], dtype=np.int64),
+        np.array(batch_rows, dtype=np.int64),
+        host[1], host[3], replace,
+    )  # ``batch`` keeps the tensors alive until the kernel returns
+    return largest if len(batch) == len(xs) else None
 
 
 def largest_abs(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -242,7 +247,12 @@ def largest_abs_host(xs: Sequence[torch.Tensor | None]) -> float | None:
     call (empty tensors and Nones skipped); None when the kernel is absent, there is nothing to read, or a
     tensor is anything else (the caller then takes :func:`largest_abs`)."""
     bits = _largest_bits_host(xs)
-    return None if bits is None or bits < 0 else float(np.int32(bits).view(np.float32))
+    return None if bits is None or bits < 0 else float_of_bits(bits)
+
+
+def float_of_bits(bits: int) -> float:
+    """The fp32 value whose bit pattern is ``bits`` (a largest ``|bits|``: inf and NaN read as themselves)."""
+    return float(np.int32(bits).view(np.float32))
 
 
 def _largest_bits_host(xs: Sequence[torch.Tensor | None]) -> int | None:

@@ -111,12 +111,18 @@ class History:
             rec.note_error(e)
 
     def _read_host(self) -> bool:
-        """:meth:`_read` for fp32 CPU gradients of an unscaled run: one compiled read of them all, the row
-        written through a numpy view of the buffer. False, having written nothing, for anything else (a
-        scaled run's row divides by the scale on the device: reading it here would be a host read)."""
+        """:meth:`_read` for fp32 CPU gradients of an unscaled run: the row written through a numpy view of
+        the buffer. False, having written nothing, for anything else (a scaled run's row divides by the
+        scale on the device: reading it here would be a host read).
+
+        In a sampled step whose weight counts read every gradient (``Recorder.take_weight_largest``), their
+        largest is the row's; otherwise one compiled read of them all."""
         if self.recorder.scale_source is not None:
             return False
-        raw = engine.largest_abs_host([p.grad for p in self._params])
+        grads = [p.grad for p in self._params]
+        raw = self.recorder.take_weight_largest(sum(g is not None for g in grads))
+        if raw is None:
+            raw = engine.largest_abs_host(grads)
         if raw is None:
             return False
         i = self.recorder.step_index - self._start_step

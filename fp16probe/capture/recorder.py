@@ -192,6 +192,11 @@ class Recorder:
         self._trace: list[_StepRecord] = []
         self._pending_params: list[tuple[int, torch.Tensor]] = []
         self._weights_open = False  # a backward's weight counting has begun (its end-of-backward count is queued)
+        # What this backward's weight counts read, for the history (take_weight_largest): the parameters
+        # counted, their largest |bits| (None: some went another way), and whether the count is done.
+        self._weights_counted = 0
+        self._weight_bits: int | None = -1
+        self._weights_done = False
         self._params_counted_in: _State | None = None  # the step state weight rows were last counted in
         self._device: str | None = None
         self.errors = 0
@@ -350,6 +355,7 @@ class Recorder:
         try:
             if not self._weights_open:  # the first parameter of this backward
                 self._weights_open = True
+                self._weights_counted, self._weight_bits, self._weights_done = 0, -1, False
                 self._keep_replaced_maximum()
                 _distributed.after_backward(self._count_params, ddp=self.defer_to_ddp)
             g = param.grad
@@ -378,11 +384,29 @@ class Recorder:
         with self.lock:
             if thin[0] is not self._state:  # rows were added since
                 return False
-            thin[1](g.data_ptr(), g.numel(), thin[5], thin[6], i, True)
+            bits = thin[1](g.data_ptr(), g.numel(), thin[5], thin[6], i, True)
             thin[0].dirty = True
+        self._weights_counted += 1
+        if self._weight_bits is not None:
+            self._weight_bits = max(self._weight_bits, bits)
         return True
 
+    def take_weight_largest(self, with_grad: int) -> float | None:
+        """The largest |g| (inf or NaN when one was) over the weight gradients this backward counted, once,
+        when it counted ``with_grad`` of them (the number of parameters that have a gradient) through the
+        compiled kernel; None otherwise. Called at the end of backward by the per-step history, which then
+        need not read every gradient again; the weight count still queued is done first."""
+        if self._weights_open:
+            self._count_params()
+        bits, done = self._weight_bits, self._weights_done
+        self._weights_done = False
+        if not done or bits is None or bits < 0 or self._weights_counted != with_grad:
+            return None
+        return engine.float_of_bits(bits)
+
     def _count_params(self) -> None:
+        if not self._weights_open:  # counted already (the history asked first: take_weight_largest)
+            return
         pending, self._pending_params = self._pending_params, []
         self._weights_open = False
         plain: list[tuple[int, torch.Tensor]] = []
@@ -396,20 +420,27 @@ class Recorder:
                 plain.append((i, g))
             else:  # a DTensor, a sparse or non-float gradient, another device: one by one
                 self.record(WEIGHT_GRAD, i, g, replace=True)
+                self._weight_bits = None
+            self._weights_counted += 1
         if plain:
-            self._record_many(WEIGHT_GRAD, plain, replace=True)
+            bits = self._record_many(WEIGHT_GRAD, plain, replace=True)
+            self._weight_bits = None if bits is None or self._weight_bits is None else max(self._weight_bits, bits)
         self._params_counted_in = self._state  # recording may have committed a new state (first rows)
+        self._weights_done = True
 
-    def _record_many(self, kind: str, items: Sequence[tuple[int, torch.Tensor]], *, replace: bool) -> None:
-        """:meth:`record` for plain tensors on one device, counted by one engine call; never raises."""
+    def _record_many(self, kind: str, items: Sequence[tuple[int, torch.Tensor]], *, replace: bool) -> int | None:
+        """:meth:`record` for plain tensors on one device, counted by one engine call; never raises. Returns
+        what :func:`~fp16probe.capture.engine.count_many` does (None also when it failed)."""
         try:
             with self.lock:
                 st, table, inv = self._open_table(kind, items[0][1].device)
-                engine.count_many([t for _, t in items], table[0], table[1], [i for i, _ in items],
-                                  replace=replace, inv=inv)
+                bits = engine.count_many([t for _, t in items], table[0], table[1], [i for i, _ in items],
+                                         replace=replace, inv=inv)
                 st.dirty = True
+                return bits
         except Exception as e:
             self.note_error(e)
+            return None
 
     def _open_table(self, kind: str, device: torch.device) -> tuple[_State, Table, torch.Tensor | None]:
         """The open step's state, its table of ``kind`` (allocated on first use) and the
