@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -373,6 +374,48 @@ def test_a_view_over_a_covered_node_counts_itself_once_that_node_has_another_con
         probe.step()
     assert probe.report().trace.ceiling == (max(float(m) for m in seen),) == (2.0**10,)
     assert probe._ceiling.nodes_mirrored == 2  # the view, and lin.weight's transpose over its counted gradient
+
+
+class _Splits(nn.Module):
+    """One projection split three ways, as attention splits its qkv (chunk, split or unbind)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.lin(x)
+        self.side = h
+        if self.how == "chunk":
+            return h.chunk(3, dim=-1)
+        if self.how == "split":
+            return h.split([8, 8, 8], dim=-1)
+        return h.view(-1, 3, 8).unbind(1)
+
+
+@pytest.mark.parametrize("how", ["chunk", "split", "unbind"])
+def test_a_split_over_a_covered_node_reads_nothing_unless_that_node_has_another_consumer(how):
+    """A split's input gradient is its outputs' gradients side by side: over the histogram of lin's output
+    it reads nothing, until the loss also reaches lin's output another way (here cancelling the split's
+    gradients there, so that only the split's own gradients hold 2^10)."""
+    torch.manual_seed(0)
+    for side in (0.0, 1.0):
+        model = _Splits(how)
+        with Probe(model) as probe:
+            q, k, v = model(torch.randn(4, 8) * 2.0**-10)  # small: the weight gradients are small
+            loss = (q.sum() + k.sum() * (2.0 - side) + v.sum()) * 2.0**10 - (model.side * 2.0**10).sum() * side
+            if side:
+                probe.watch(loss)  # the walk that finds lin's output's other consumer
+            seen = _brute_force_max(loss)
+            loss.backward()
+            probe.step()
+        expected = max(float(m) for m in seen)
+        assert probe.report().trace.ceiling == (expected,), (how, side)
+        if side:
+            assert expected == 2.0**10 > 2.0**5 * max(probe.report().trace.global_max("activation_grad"))
+        else:
+            assert probe._ceiling.nodes_hooked == 0, how  # the split, the view and lin.weight's transpose mirror
 
 
 class _Gain(nn.Module):

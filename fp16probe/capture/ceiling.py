@@ -79,13 +79,16 @@ def mark_covered(t: torch.Tensor) -> None:
         got.add(t.output_nr)
 
 
-# Backward nodes of ops that only rearrange their one input's elements (same count): the
-# gradient into the input is the output's gradient, rearranged, with the same maximum.
+# Backward nodes of ops that only rearrange their one input's elements (same count), or split
+# them into outputs that partition them (``unbind``, ``split``, ``chunk``: the qkv of attention):
+# the gradient into the input is the outputs' gradients, rearranged (zeros where an output got
+# none), with the same maximum.
 _LAYOUT_NODES = frozenset(
     {
-        "AliasBackward0", "CloneBackward0", "PermuteBackward0", "ReshapeAliasBackward0", "SqueezeBackward0",
-        "SqueezeBackward1", "SqueezeBackward2", "TBackward0", "TransposeBackward0", "TransposeBackward1",
-        "UnsafeViewBackward0", "UnsqueezeBackward0", "ViewBackward0",
+        "AliasBackward0", "CloneBackward0", "PermuteBackward0", "ReshapeAliasBackward0", "SplitBackward0",
+        "SplitWithSizesBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "TBackward0",
+        "TransposeBackward0", "TransposeBackward1", "UnbindBackward0", "UnsafeViewBackward0",
+        "UnsqueezeBackward0", "ViewBackward0",
     }
 )
 
