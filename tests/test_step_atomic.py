@@ -129,3 +129,25 @@ def test_step_can_be_retried_after_an_interrupt_without_counting_twice():
         probe.step()
         got = probe.report()
     assert _content(got) == expected
+
+
+@pytest.mark.parametrize("granularity", ["module", "op"])
+def test_the_compiled_close_keeps_what_the_torch_close_keeps(monkeypatch, granularity):
+    """On the CPU a step closes in one compiled pass (engine.close_table) into the totals buffer it
+    replaced the step before; the report equals the torch close's, module totals and every step's
+    trace, also while op capture adds rows as it finds ops."""
+    from fp16probe.capture import engine
+
+    if not engine.compiled_close(engine.new_table(1)):
+        pytest.skip("the compiled close is the numba engine's")
+
+    def run() -> dict:
+        model = _model()
+        with Probe(model, granularity=granularity) as probe:
+            _train(model, probe, 6)
+        return _content(probe.report())
+
+    compiled = run()
+    monkeypatch.setattr(engine, "compiled_close", lambda table: False)
+    assert run() == compiled
+    assert len(compiled["trace"]["steps"]) == 6

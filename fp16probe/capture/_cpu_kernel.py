@@ -267,6 +267,31 @@ if njit is not None:
         return largest
 
 
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def _close_table(counts, keys, totals, total_keys, out, out_keys, spare, spare_keys, step):  # pragma: no cover
+        """One pass over a closing step's table (int64 counts ``[rows, NUM_BINS]``, int32 keys ``[rows]``):
+        ``out = totals + counts`` (keys: the larger), ``step`` += the counts summed over rows, and the
+        spare table zeroed (keys -1) for the next step."""
+        for r in range(counts.shape[0]):
+            for j in range(counts.shape[1]):
+                c = counts[r, j]
+                out[r, j] = totals[r, j] + c
+                step[j] += c
+                spare[r, j] = 0
+            out_keys[r] = max(total_keys[r], keys[r])
+            spare_keys[r] = -1
+
+
+def close_table(counts: np.ndarray, keys: np.ndarray, totals: np.ndarray, total_keys: np.ndarray, out: np.ndarray,
+                out_keys: np.ndarray, spare: np.ndarray, spare_keys: np.ndarray) -> np.ndarray:
+    """Close a step of a CPU table in one compiled pass: ``out``/``out_keys`` take the totals with the step
+    added, ``spare``/``spare_keys`` are zeroed (-1) for the next step; returns the step's counts summed
+    over rows. Nothing but ``out``, ``spare`` and the result is written."""
+    step = np.zeros(counts.shape[1], dtype=np.int64)
+    _close_table(counts, keys, totals, total_keys, out, out_keys, spare, spare_keys, step)
+    return step
+
+
 def count_many(
     addresses: np.ndarray, lengths: np.ndarray, rows: np.ndarray, counts: np.ndarray, keys: np.ndarray, replace: bool
 ) -> int:

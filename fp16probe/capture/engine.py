@@ -311,6 +311,22 @@ def thin_counter() -> tuple[object, int] | None:
     return kernel.count_at, (kernel.SPLIT_AT if torch.get_num_threads() > 1 else 1 << 62)
 
 
+def compiled_close(table: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether :func:`close_table` can close a step of ``table``: a CPU table where numba counts."""
+    return table[0].is_cpu and _numba_kernel() is not None
+
+
+def close_table(table: tuple[torch.Tensor, torch.Tensor], totals: tuple[torch.Tensor, torch.Tensor],
+                out: tuple[torch.Tensor, torch.Tensor], spare: tuple[torch.Tensor, torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Close a step of a CPU table (counts and keys) in one compiled pass (where :func:`compiled_close`):
+    ``out`` takes ``totals`` with the step added, ``spare`` is zeroed (keys -1) for the next step, and
+    the step's record comes back: its counts summed over rows and a copy of its keys. The recorder's
+    step close, which takes torch ops, out of place, elsewhere."""
+    step = _numba_kernel().close_table(*(t.numpy() for pair in (table, totals, out, spare) for t in pair))
+    return torch.from_numpy(step), table[1].clone()
+
+
 def _host_view(counts: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray]:
     """numpy views of a CPU table, cached (no torch dispatch on the hot path)."""
     host = _host_views.get(id(counts))

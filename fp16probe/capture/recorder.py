@@ -190,6 +190,7 @@ class Recorder:
         self._node_hooks: dict[tuple[int, int], Callable[[tuple[Any, ...]], None]] = {}  # per (row, output_nr)
         self._state = _State(0, True, 0, {}, {}, {})
         self._trace: list[_StepRecord] = []
+        self._next_totals: dict[str, Table] = {}  # CPU: the buffers the next close writes its totals into
         self._pending_params: list[tuple[int, torch.Tensor]] = []
         self._weights_open = False  # a backward's weight counting has begun (its end-of-backward count is queued)
         # What this backward's weight counts read, for the history (take_weight_largest): the parameters
@@ -600,17 +601,34 @@ class Recorder:
                 self._pending_params = []  # a backward that never ended (it raised): its weights go with it
                 self._weights_open = False
                 return
-            for counts, keys in st.spare.values():  # not read by anyone: safe to redo
-                counts.zero_()
-                keys.fill_(-1)
-            totals = {k: (c + st.open[k][0], torch.maximum(key, st.open[k][1])) for k, (c, key) in st.totals.items()}
-            record = self._record_of(st)
+            totals: dict[str, Table] = {}
+            kinds: dict[str, Table] = {}
+            for kind, table in st.open.items():  # spares and next totals are read by no one: safe to redo
+                if engine.compiled_close(table):  # one compiled pass
+                    totals[kind] = self._totals_buffer(kind, st)
+                    kinds[kind] = engine.close_table(table, st.totals[kind], totals[kind], st.spare[kind])
+                    continue
+                st.spare[kind][0].zero_()
+                st.spare[kind][1].fill_(-1)
+                totals[kind] = (st.totals[kind][0] + table[0], torch.maximum(st.totals[kind][1], table[1]))
+                kinds[kind] = (table[0].sum(0), table[1].clone())
+            record = _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima))
             new = _State(index, sampling, st.closed + 1, st.spare, st.open, totals)
             del self._trace[st.closed :]  # a record left by an interrupted close
             self._trace.append(record)
             self._state = new  # commit
+            self._next_totals = {k: t for k, t in st.totals.items() if t[0].is_cpu}  # the old totals, now unread
         self._pending_params = []
         self._weights_open = False
+
+    def _totals_buffer(self, kind: str, st: _State) -> Table:
+        """Where the close of ``st`` writes ``kind``'s new totals: the totals it replaced last time (CPU), or
+        a new table of the right size; never the totals in force."""
+        out = self._next_totals.get(kind)
+        now = st.totals[kind]
+        if out is None or out[0] is now[0] or out[0].shape != now[0].shape or out[0].device != now[0].device:
+            out = engine.new_table(now[0].shape[0], now[0].device)
+        return out
 
     def discard_step(self) -> None:
         """Drop what the open step recorded (a step cut short), keeping every closed step."""
