@@ -67,16 +67,20 @@ def mark_covered(t: torch.Tensor) -> None:
 
     The overflow ceiling takes the histograms' maximum too, so a node whose every output is
     covered needs no hook of its own: it would read the same numbers a second time.
+    (:meth:`CeilingHooks.cover` notes it only for a walk that needs it.)
     """
     node = t.grad_fn
-    if node is None:
-        return
+    if node is not None:
+        _mark_covered(node, t.output_nr)
+
+
+def _mark_covered(node: Any, output_nr: int) -> None:
     meta = node.metadata
     got = meta.get(COVERED)
     if got is None:
-        meta[COVERED] = {t.output_nr}
+        meta[COVERED] = {output_nr}
     else:
-        got.add(t.output_nr)
+        got.add(output_nr)
 
 
 # Backward nodes of ops that only rearrange their one input's elements (same count), or split
@@ -284,6 +288,14 @@ class CeilingHooks:
         self._multi_walk_last = False  # the last step had
         self._replayed: tuple[list[Any], list[Any]] | None = None  # (root nodes, handles) of this step's replay
         self.forwards_replayed = 0
+        self._covers: list[tuple[Any, int]] = []  # (node, output_nr) the histograms count, not marked yet
+
+    def cover(self, t: torch.Tensor) -> None:
+        """:func:`mark_covered`, written on the node only when a full walk needs it: a replayed step reads no
+        marks, and reading ``node.metadata`` makes a dict (a microsecond an output, in every forward hook)."""
+        node = t.grad_fn
+        if node is not None:
+            self._covers.append((node, t.output_nr))
 
     # -- dtype marks -------------------------------------------------------------------
     def begin_forward(self) -> bool:
@@ -346,6 +358,9 @@ class CeilingHooks:
 
     def _full_walk(self, roots: list[Any], model_output: bool, token: object) -> list[Any]:
         """Walk the graph behind ``roots`` with every rule of :meth:`watch`; return the nodes given a plain hook."""
+        covers, self._covers = self._covers, []
+        for node, output_nr in covers:
+            _mark_covered(node, output_nr)
         order, walk = self._walk(roots, model_output, token)
         hook = self._hook(token)
         if self.counted_params:
@@ -549,6 +564,7 @@ class CeilingHooks:
                 self._fold()
             self._scale_read = False
             self._token = object()
+            self._covers = []
             self._unhook_lasting()
             self._multi_walk_last, self._multi_walk = self._multi_walk, False
             self._replayed = None

@@ -177,6 +177,7 @@ class Probe:
             if activation_grads or weight_grads
             else None
         )
+        rec.cover = self._ceiling.cover if self._ceiling is not None else _uncounted
         self._handles: list[Any] = []
         self._params: list[tuple[str, str, nn.Parameter]] = []  # set by start()
         self._output_hooks: list[tuple[nn.Module, Any]] = []
@@ -560,6 +561,10 @@ def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delaye
 
     return BlockCapture(model, families, modules=patterns, delayed=tuple(delayed or (DelayedRecipe(),)),
                         sampling=lambda: rec.enabled and rec.sampling, inv_scale=rec.inv_scale)
+
+
+def _uncounted(t: torch.Tensor) -> None:
+    """No overflow ceiling to tell (activation_grads and weight_grads off)."""
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):

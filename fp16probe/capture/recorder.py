@@ -179,6 +179,8 @@ class Recorder:
         self.precision = precision
         self._thin: tuple[Any, ...] | None = None  # _thin_path() of the state it was made for (every step has a new one)
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
+        # Tells the overflow ceiling a histogram counts an output's gradient (the Probe's ceiling.cover).
+        self.cover: Callable[[torch.Tensor], None] = mark_covered
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
         self.enabled = False
@@ -259,7 +261,7 @@ class Recorder:
                             node.register_prehook(first_output_hook if nr == 0 else self._node_hook(grad_i, nr))
                         else:
                             output.register_hook(self._grad_hook(grad_i))
-                        mark_covered(output)
+                        self.cover(output)
                 return
             seen: set[int] = set()
             for t in iter_tensors(output):
@@ -274,7 +276,7 @@ class Recorder:
                     self.record(ACTIVATION, act_i, t)
                 if grad_i is not None and t.requires_grad:
                     t.register_hook(self._grad_hook(grad_i))
-                    mark_covered(t)
+                    self.cover(t)
         except Exception as e:  # bookkeeping must never break training
             self.note_error(e)
 
