@@ -265,20 +265,25 @@ def test_the_weight_counts_hand_the_history_each_steps_largest_gradient(monkeypa
 
     taken: list[float | None] = []
     real_take = Recorder.take_weight_largest
-    monkeypatch.setattr(Recorder, "take_weight_largest", lambda self, n: taken.append(real_take(self, n)) or taken[-1])
+    monkeypatch.setattr(Recorder, "take_weight_largest", lambda self, g: taken.append(real_take(self, g)) or taken[-1])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 640), nn.Tanh(), nn.Linear(640, 1))
     assert model[0].weight.numel() >= _HOT_FROM > model[2].weight.numel()
+    with torch.no_grad():
+        model[0].weight *= 0.01  # large inputs, unsaturated: the hot-counted weight's gradient is the largest
     probe = Probe(model, every=every).start()
-    real = []
+    real, largest_is_hot = [], []
     poisons = [1.0, 7.0, math.inf, 0.3, math.nan, 1e-30]
     for step, poison in enumerate(poisons):
         for _ in range(1 + step % 2):  # odd steps accumulate two micro-batches
-            (model(torch.randn(4, 8)).sum() * poison).backward()
-        real.append(torch.stack([p.grad.abs().max() for p in model.parameters()]).max().item())
+            (model(torch.randn(4, 8) * 100).sum() * poison).backward()
+        largest = [p.grad.abs().max() for p in model.parameters()]
+        real.append(torch.stack(largest).max().item())
+        largest_is_hot.append(bool(largest[0] == max(largest)))
         model.zero_grad()
         probe.step()
     probe.stop()
     assert str(list(probe.report().history.grad_max)) == str(real)  # NaN == NaN as text
+    assert sum(largest_is_hot) >= 3
     sampled_backwards = sum(1 + step % 2 for step in range(len(poisons)) if step % every == 0)
     assert sum(t is not None for t in taken) == sampled_backwards

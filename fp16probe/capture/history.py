@@ -120,7 +120,7 @@ class History:
         if self.recorder.scale_source is not None:
             return False
         grads = [p.grad for p in self._params]
-        raw = self.recorder.take_weight_largest(sum(g is not None for g in grads))
+        raw = self.recorder.take_weight_largest(grads)
         if raw is None:
             raw = engine.largest_abs_host(grads)
         if raw is None:

@@ -394,16 +394,16 @@ class Recorder:
             self._weight_bits = max(self._weight_bits, bits)
         return True
 
-    def take_weight_largest(self, with_grad: int) -> float | None:
+    def take_weight_largest(self, grads: Sequence[torch.Tensor | None]) -> float | None:
         """The largest |g| (inf or NaN when one was) over the weight gradients this backward counted, once,
-        when it counted ``with_grad`` of them (the number of parameters that have a gradient) through the
-        compiled kernel; None otherwise. Called at the end of backward by the per-step history, which then
+        when it counted as many through the compiled kernel as ``grads`` (every parameter's ``.grad``) has
+        gradients; None otherwise. Called at the end of backward by the per-step history, which then
         need not read every gradient again; the weight count still queued is done first."""
         if self._weights_open:
             self._count_params()
         bits, done = self._weight_bits, self._weights_done
         self._weights_done = False
-        if not done or bits is None or bits < 0 or self._weights_counted != with_grad:
+        if not done or bits is None or bits < 0 or self._weights_counted != sum(g is not None for g in grads):
             return None
         return engine.float_of_bits(bits)
 
