@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "CeilingHooks", "mark_covered", "step_ceilings"]
+__all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "CeilingHooks", "mark_covered", "mark_node_covered",
+           "step_ceilings"]
 
 CHANNEL = "ceiling"  # the Recorder's per-step maximum this feeds
 FP32_ONLY = "fp16probe.fp32_only"  # node.metadata mark (op capture): its gradient stays fp32 under autocast
@@ -71,10 +72,11 @@ def mark_covered(t: torch.Tensor) -> None:
     """
     node = t.grad_fn
     if node is not None:
-        _mark_covered(node, t.output_nr)
+        mark_node_covered(node, t.output_nr)
 
 
-def _mark_covered(node: Any, output_nr: int) -> None:
+def mark_node_covered(node: Any, output_nr: int) -> None:
+    """:func:`mark_covered` of output ``output_nr`` of the autograd node ``node``."""
     meta = node.metadata
     got = meta.get(COVERED)
     if got is None:
@@ -290,12 +292,10 @@ class CeilingHooks:
         self.forwards_replayed = 0
         self._covers: list[tuple[Any, int]] = []  # (node, output_nr) the histograms count, not marked yet
 
-    def cover(self, t: torch.Tensor) -> None:
-        """:func:`mark_covered`, written on the node only when a full walk needs it: a replayed step reads no
-        marks, and reading ``node.metadata`` makes a dict (a microsecond an output, in every forward hook)."""
-        node = t.grad_fn
-        if node is not None:
-            self._covers.append((node, t.output_nr))
+    def cover(self, node: Any, output_nr: int) -> None:
+        """:func:`mark_node_covered`, written on the node only when a full walk needs it: a replayed step reads
+        no marks, and reading ``node.metadata`` makes a dict (a microsecond an output, in every forward hook)."""
+        self._covers.append((node, output_nr))
 
     # -- dtype marks -------------------------------------------------------------------
     def begin_forward(self) -> bool:
@@ -360,7 +360,7 @@ class CeilingHooks:
         """Walk the graph behind ``roots`` with every rule of :meth:`watch`; return the nodes given a plain hook."""
         covers, self._covers = self._covers, []
         for node, output_nr in covers:
-            _mark_covered(node, output_nr)
+            mark_node_covered(node, output_nr)
         order, walk = self._walk(roots, model_output, token)
         hook = self._hook(token)
         if self.counted_params:

@@ -563,7 +563,7 @@ def _block_capture(model: nn.Module, formats: Sequence[str] | str | None, delaye
                         sampling=lambda: rec.enabled and rec.sampling, inv_scale=rec.inv_scale)
 
 
-def _uncounted(t: torch.Tensor) -> None:
+def _uncounted(node: Any, output_nr: int) -> None:
     """No overflow ceiling to tell (activation_grads and weight_grads off)."""
 
 

@@ -33,7 +33,7 @@ import torch
 
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture import engine
-from fp16probe.capture.ceiling import CHANNEL, mark_covered
+from fp16probe.capture.ceiling import CHANNEL, mark_node_covered
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
 from fp16probe.capture.scale import scale_source
 from fp16probe.formats import get_format
@@ -179,8 +179,8 @@ class Recorder:
         self.precision = precision
         self._thin: tuple[Any, ...] | None = None  # _thin_path() of the state it was made for (every step has a new one)
         self.forward = False  # note_forward: each floating output's max |x| (the Probe's forward=)
-        # Tells the overflow ceiling a histogram counts an output's gradient (the Probe's ceiling.cover).
-        self.cover: Callable[[torch.Tensor], None] = mark_covered
+        # Tells the overflow ceiling a histogram counts output ``output_nr`` of a node (the Probe's ceiling.cover).
+        self.cover: Callable[[Any, int], None] = mark_node_covered
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
         self.enabled = False
@@ -259,9 +259,9 @@ class Recorder:
                         if node is not None:  # a pre-hook on the node: half the cost of Tensor.register_hook
                             nr = output.output_nr
                             node.register_prehook(first_output_hook if nr == 0 else self._node_hook(grad_i, nr))
-                        else:
+                            self.cover(node, nr)
+                        else:  # a leaf: no node for the ceiling to leave out
                             output.register_hook(self._grad_hook(grad_i))
-                        self.cover(output)
                 return
             seen: set[int] = set()
             for t in iter_tensors(output):
@@ -276,7 +276,8 @@ class Recorder:
                     self.record(ACTIVATION, act_i, t)
                 if grad_i is not None and t.requires_grad:
                     t.register_hook(self._grad_hook(grad_i))
-                    self.cover(t)
+                    if t.grad_fn is not None:
+                        self.cover(t.grad_fn, t.output_nr)
         except Exception as e:  # bookkeeping must never break training
             self.note_error(e)
 
