@@ -307,35 +307,45 @@ class Recorder:
 
     def _record_grad(self, i: int, grad: torch.Tensor) -> None:
         """Count an output's gradient into row ``i``: one kernel call into the row when it is plain CPU fp32."""
+        if type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu and grad.is_contiguous():
+            try:
+                if self._count_thin(ACTIVATION_GRAD, i, grad, replace=False) is not None:
+                    return
+            except Exception as e:
+                self.note_error(e)
+                return
+        self.record(ACTIVATION_GRAD, i, grad)
+
+    def _count_thin(self, kind: str, i: int, t: torch.Tensor, *, replace: bool) -> int | None:
+        """Count the contiguous fp32 CPU tensor ``t`` into row ``i`` of ``kind`` (one of ``_THIN_KINDS``) by one
+        kernel call and return its largest ``|bits|`` (inf and NaN included); None, having counted nothing,
+        where the thin path does not apply (no kernel, a scaler, no CPU table yet, an empty or a large tensor,
+        rows added since: the caller takes the general path)."""
         thin = self._thin
         if thin is None or thin[0] is not self._state:
             thin = self._thin = self._thin_path()
-        if thin[3] is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu \
-                and grad.is_contiguous():
-            n = grad.numel()
-            if 0 < n < thin[2]:
-                try:
-                    with self.lock:
-                        if thin[0] is self._state:  # still the step's tables (no rows were added since)
-                            thin[1](grad.data_ptr(), n, thin[3], thin[4], i, False)
-                            thin[0].dirty = True
-                            return
-                except Exception as e:
-                    self.note_error(e)
-                    return
-        self.record(ACTIVATION_GRAD, i, grad)
+        at = 3 + 2 * _THIN_KINDS.index(kind)
+        n = t.numel()
+        if thin[at] is None or not 0 < n < thin[2]:
+            return None
+        with self.lock:
+            if thin[0] is not self._state:  # no longer the step's tables: rows were added since
+                return None
+            bits = thin[1](t.data_ptr(), n, thin[at], thin[at + 1], i, replace)
+            thin[0].dirty = True
+        return bits
 
     def _thin_path(self) -> tuple[Any, ...]:
-        """What the thin paths need for the open step: (state, kernel entry, size limit, then the addresses of
-        the counts and keys of its activation-gradient table and of its weight-gradient table, each None
-        without a CPU table of that kind yet); the entry is None where it does not apply (no numba, a scaler
-        to unscale by). The size limit follows torch's thread count."""
+        """What the thin path needs for the open step: (state, kernel entry, size limit, then for each of
+        ``_THIN_KINDS`` the addresses of its table's counts and keys, None without a CPU table of that kind
+        yet); the entry is None where it does not apply (no numba, a scaler to unscale by). The size limit
+        follows torch's thread count."""
         st = self._state
         kernel = engine.thin_counter() if self.scaler is None else None
         if kernel is None:
-            return (st, None, 0, None, None, None, None)
+            return (st, None, 0, *[None] * (2 * len(_THIN_KINDS)))
         addresses: list[int | None] = []
-        for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):
+        for kind in _THIN_KINDS:
             table = st.open.get(kind)
             on_cpu = table is not None and table[0].is_cpu
             addresses += [table[0].data_ptr(), table[1].data_ptr()] if on_cpu else [None, None]  # type: ignore[index]
@@ -378,18 +388,11 @@ class Recorder:
             self.note_max(CHANNEL, engine.max_abs_of_keys(table[1]))
 
     def _count_hot(self, i: int, g: torch.Tensor) -> bool:
-        """Count the contiguous fp32 CPU gradient ``g`` into weight row ``i`` (replacing it) by one kernel call;
-        False, having counted nothing, where the thin path does not apply (the caller defers it)."""
-        thin = self._thin
-        if thin is None or thin[0] is not self._state:
-            thin = self._thin = self._thin_path()
-        if thin[5] is None or g.numel() >= thin[2]:
+        """Count the contiguous fp32 CPU gradient ``g`` into weight row ``i`` (replacing it) by the thin path;
+        False, having counted nothing, where it does not apply (the caller defers it)."""
+        bits = self._count_thin(WEIGHT_GRAD, i, g, replace=True)
+        if bits is None:
             return False
-        with self.lock:
-            if thin[0] is not self._state:  # rows were added since
-                return False
-            bits = thin[1](g.data_ptr(), g.numel(), thin[5], thin[6], i, True)
-            thin[0].dirty = True
         self._weights_counted += 1
         if self._weight_bits is not None:
             self._weight_bits = max(self._weight_bits, bits)
@@ -614,7 +617,7 @@ class Recorder:
                 st.spare[kind][0].zero_()
                 st.spare[kind][1].fill_(-1)
                 totals[kind] = (st.totals[kind][0] + table[0], torch.maximum(st.totals[kind][1], table[1]))
-                kinds[kind] = (table[0].sum(0), table[1].clone())
+                kinds[kind] = _step_of(table)
             record = _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima))
             new = _State(index, sampling, st.closed + 1, st.spare, st.open, totals)
             del self._trace[st.closed :]  # a record left by an interrupted close
@@ -650,8 +653,7 @@ class Recorder:
 
     def _record_of(self, st: _State) -> _StepRecord:
         """The trace record of ``st``'s open step, built out of place."""
-        kinds = {k: (c.sum(0), keys.clone()) for k, (c, keys) in st.open.items()}
-        return _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima))
+        return _StepRecord(st.step_index, st.scale, {k: _step_of(t) for k, t in st.open.items()}, dict(st.maxima))
 
     def memory(self) -> dict[str, int]:
         """Bytes of device memory held: the fixed tables and the per-step trace."""
@@ -751,6 +753,7 @@ class Recorder:
 
 
 _HOT_FROM = 1 << 12  # parameter gradients this long are counted in their accumulate hook (param_grad_ready)
+_THIN_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)  # the kinds the thin path counts into (Recorder._thin_path)
 _FP16_OVERFLOW = get_format("fp16").overflow_threshold  # 65520: the first magnitude that rounds to inf
 _AMINMAX_FROM = 1 << 16  # elements from which one aminmax pass beats |t| then amax
 
@@ -840,6 +843,12 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:  # a device type autocast does not know
         return False
+
+
+def _step_of(table: Table) -> Table:
+    """A step's record of one kind, out of place: its counts summed over rows and a copy of its keys (what
+    ``engine.close_table`` returns on the CPU)."""
+    return table[0].sum(0), table[1].clone()
 
 
 def _copy_state(st: _State) -> _State:
