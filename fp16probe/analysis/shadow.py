@@ -19,7 +19,7 @@ from fp16probe.histogram import Histogram
 from fp16probe.recommendation import Caveat, Recommendation
 from fp16probe.report import Report
 
-__all__ = ["pending_words", "reference", "with_reference", "zero_split"]
+__all__ = ["discarded_reruns", "pending_words", "reference", "with_reference", "zero_split"]
 
 
 def reference(report: Report) -> Report | None:
@@ -91,10 +91,20 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
                   f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
                   f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
     caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": meta.get("next_step")}),)
+    discarded = discarded_reruns(report)
+    if discarded:
+        caveats += (Caveat("reruns_discarded", {"count": len(discarded), "first": discarded[0]}),)
     if rec.growth_interval_table and report.history is not None and len(report.history):
         caveats += (Caveat("projected_schedule", {"horizon": int(rec.growth_interval_table.get("horizon", 0)),
                                                   "history_steps": len(report.history)}),)
     return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
+
+
+def discarded_reruns(report: Report) -> list[dict[str, Any]]:
+    """The reruns thrown away because they did not run in fp32 (step, module, dtype each)."""
+    meta = report.metadata.extra.get("shadow")
+    found = meta.get("discarded") if isinstance(meta, dict) else None
+    return [d for d in found if isinstance(d, dict)] if isinstance(found, list) else []
 
 
 def pending_words(report: Report) -> str:
@@ -104,6 +114,13 @@ def pending_words(report: Report) -> str:
         return ""
     if meta.get("off"):
         return f" No fp32 shadow rerun could run: {meta['off']}."
+    discarded = discarded_reruns(report)
+    if discarded:
+        d = discarded[0]
+        return (f" {len(discarded)} shadow rerun(s) were discarded, none judged: they did not run in fp32 (at step "
+                f"{d['step']}, {d['module']} returned {d['dtype']} with every autocast disabled; something in the "
+                "forward casts to low precision itself), so there is no fp32 reference for this run; profile it in "
+                "fp32 with fp16probe.profile.")
     nxt = meta.get("next_step")
     when = f"the first comes at step {nxt}" if nxt is not None else "none is scheduled"
     return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={meta.get('every')}); the report after "

@@ -226,6 +226,9 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
         "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
                     else f"the next rerun comes at step {d['next_step']}.")),
+    "reruns_discarded": lambda d: (f"{d['count']} fp32 rerun(s) were discarded and not judged: with every autocast "
+        f"disabled, {d['first']['module']} still returned {d['first']['dtype']} at step {d['first']['step']}, so "
+        "they were not fp32."),
     "projected_schedule": lambda d: ("The growth_interval above is a projection: the profiled steps resampled over "
         f"{num.count(d['horizon'])} simulated steps. This report records every one of its "
         f"{num.count(d['history_steps'])} steps: `fp16probe schedule` judges loss-scale rules on the run's own "

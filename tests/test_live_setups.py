@@ -1,0 +1,185 @@
+"""The live verdict in the set-ups that carry fp16 training, each against an fp32 profile (issue 31).
+
+Each set-up trains a tiny GPT-2 for a few real fp16 steps on the CPU, set up the way it runs
+on a GPU: CPU fp16 autocast and a real ``torch.amp.GradScaler("cpu")``. accelerate and the
+Hugging Face Trainer are given ``native_amp=True`` and a GradScaler before ``prepare()`` (on
+a CUDA device they set up exactly that; on a CPU they would run fp32). Each must give a
+verdict from its fp32 reruns at the first rerun step, S within one power of two of an fp32
+``fp16probe.profile`` of the same model and batches, and every rerun must have run in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp16probe
+from fp16probe import Probe
+from fp16probe.analysis.recommend import analyze
+from fp16probe.capture import shadow as shadow_mod
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+STEPS = 3  # rerun steps 0, 1 and 2 (the early schedule)
+AUTOCAST = {"device_type": "cpu", "dtype": torch.float16}
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp32_scale() -> int:
+    """log2 S from an fp32 fp16probe.profile of the same model and batches."""
+    report = fp16probe.profile(_gpt2(), _batches(), steps=STEPS, precision="fp32", optimizer="adamw")
+    rec = report.recommendation
+    assert rec.verdict in ("constant", "dynamic"), rec.text
+    return rec.log2_scale
+
+
+def _loop(model, forward, scaler, probe, *, outer_autocast: bool) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in _batches():
+        with torch.autocast(**AUTOCAST, enabled=outer_autocast):
+            loss = forward(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        probe.step()
+
+
+class _EntersAutocast(nn.Module):
+    """A model whose forward enters fp16 autocast itself (trained inside an autocast loop too)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kw):
+        with torch.autocast(**AUTOCAST):
+            return self.inner(**kw)
+
+
+def _plain():
+    model, scaler = _gpt2(), torch.amp.GradScaler("cpu")
+    probe = Probe(model, scaler=scaler).start()
+    _loop(model, model, scaler, probe, outer_autocast=True)
+    return probe.report()
+
+
+def _decorated_forward():
+    """``model.forward = torch.autocast(...)(model.forward)``: autocast on only inside the call."""
+    model, scaler = _gpt2(), torch.amp.GradScaler("cpu")
+    model.forward = torch.autocast(**AUTOCAST)(model.forward)
+    probe = Probe(model, scaler=scaler).start()
+    _loop(model, model, scaler, probe, outer_autocast=False)
+    return probe.report()
+
+
+def _nested():
+    model, scaler = _EntersAutocast(_gpt2()), torch.amp.GradScaler("cpu")
+    probe = Probe(model, scaler=scaler).start()
+    _loop(model, model, scaler, probe, outer_autocast=True)
+    return probe.report()
+
+
+def _accelerator():
+    """``Accelerator(mixed_precision="fp16")`` as it sets up CUDA: autocast wrapped around forward, a GradScaler."""
+    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    probe = Probe(model, scaler=acc.scaler).start()
+    for batch in _batches():
+        acc.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    return probe.report()
+
+
+SETUPS = {"plain GradScaler loop": _plain, "autocast(...)(forward)": _decorated_forward,
+          "model enters autocast inside an autocast loop": _nested, "Accelerator fp16": _accelerator}
+
+
+def _check(report, fp32_scale: int) -> None:
+    meta = report.metadata.extra["shadow"]
+    assert report.metadata.precision == "fp16-autocast"
+    assert meta["steps"] == [0, 1, 2] and "discarded" not in meta, meta
+    assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
+    rec = analyze(report)
+    assert rec.verdict in ("constant", "dynamic"), rec.text
+    assert abs(rec.log2_scale - fp32_scale) <= 1, (rec.log2_scale, fp32_scale)
+    # a verdict already from the first rerun step alone
+    first = shadow_mod_first_step(report)
+    assert analyze(first).verdict in ("constant", "dynamic")
+    assert abs(analyze(first).log2_scale - fp32_scale) <= 1
+
+
+def shadow_mod_first_step(report):
+    """The report as it stood after step 0: its first rerun and its first live step only."""
+    import dataclasses
+
+    from fp16probe.report import Report
+
+    def cut(r):
+        t = r.trace
+        trace = dataclasses.replace(
+            t, steps=t.steps[:1], histograms={k: v[:1] for k, v in t.histograms.items()},
+            module_max={k: {n: v[:1] for n, v in m.items()} for k, m in t.module_max.items()},
+            scale=t.scale[:1], found_inf=t.found_inf[:1], ceiling=t.ceiling[:1] if t.ceiling else t.ceiling)
+        return Report(r.metadata, r.modules, trace)
+
+    first = cut(report)
+    return dataclasses.replace(first, shadow=cut(report.shadow))
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_each_setup_gives_the_fp32_profiles_scale_from_fp32_reruns(setup, fp32_scale):
+    _check(SETUPS[setup](), fp32_scale)
+
+
+def test_an_accelerate_wrapped_forward_is_found():
+    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc.native_amp = True
+    model = acc.prepare(nn.Linear(2, 2))
+    found = shadow_mod.forward_autocast(model.forward)
+    assert found is not None and found.fast_dtype == torch.float16
+    assert shadow_mod.forward_autocast(nn.Linear(2, 2).forward) is None
+    assert shadow_mod.forward_autocast(torch.autocast("cpu", enabled=False)(nn.Linear(2, 2).forward)) is None
+
+
+def test_a_rerun_that_is_not_fp32_is_discarded_and_never_judged(monkeypatch):
+    """Plant a rerun that runs in fp16 (the model's own autocast left on): it is discarded, named, not judged."""
+    monkeypatch.setattr(shadow_mod, "autocast_off", _no_change)
+    report = _nested()
+    meta = report.metadata.extra["shadow"]
+    assert meta["steps"] == [] and report.shadow is None
+    assert [d["step"] for d in meta["discarded"]] == [0, 1, 2]
+    assert meta["discarded"][0]["dtype"] == "float16"
+    rec = analyze(report)
+    assert rec.verdict == "insufficient_evidence"
+    assert "discarded" in rec.text and "float16" in rec.text
+
+
+class _no_change:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
