@@ -183,3 +183,60 @@ class _no_change:
 
     def __exit__(self, *exc):
         return False
+
+
+class _Data(torch.utils.data.Dataset):
+    """The same batches as _batches(), one row at a time (batch size 4, no shuffling)."""
+
+    def __init__(self) -> None:
+        self.rows = [{k: v[i] for k, v in b.items()} for b in _batches() for i in range(4)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+@pytest.mark.slow
+def test_hf_trainer_in_its_gpu_set_up_gives_the_fp32_profiles_scale(tmp_path, fp32_scale):
+    """Trainer(fp16=True) as it runs on a GPU: accelerate's autocast-wrapped forward and its GradScaler."""
+    from fp16probe.integrations.huggingface import Fp16ProbeCallback
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, fp16=True, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-3)
+    trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=_Data())
+    trainer.accelerator.native_amp, trainer.accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    callback = Fp16ProbeCallback(every=1)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert callback.report.metadata.extra["grad_scaler_found_at"] == "optimizer.scaler"
+    _check(callback.report, fp32_scale)
+
+
+@pytest.mark.slow
+def test_lightning_fp16_plugin_gives_the_fp32_profiles_scale(tmp_path, fp32_scale):
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    from fp16probe.integrations.lightning import Fp16ProbeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt2 = _gpt2()
+
+        def training_step(self, batch, batch_idx):
+            return self.gpt2(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    callback = Fp16ProbeCallback(every=1)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[callback], plugins=[MixedPrecision("16-mixed", "cpu",
+                                                                       scaler=torch.amp.GradScaler("cpu"))])
+    trainer.fit(Module(), torch.utils.data.DataLoader(_Data(), batch_size=4))
+    _check(callback.report, fp32_scale)
