@@ -10,6 +10,8 @@ verdict from its fp32 reruns at the first rerun step, S within one power of two 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -125,6 +127,8 @@ def _check(report, fp32_scale: int) -> None:
     rec = analyze(report)
     assert rec.verdict in ("constant", "dynamic"), rec.text
     assert abs(rec.log2_scale - fp32_scale) <= 1, (rec.log2_scale, fp32_scale)
+    check = rec.evidence["scale_check"]  # the gradients carry the scale the scaler reports
+    assert check["carried"] and abs(check["log2_ratio"]) < 0.1 and check["steps"] == [0, 1, 2], check
     # a verdict already from the first rerun step alone
     first = shadow_mod_first_step(report)
     assert analyze(first).verdict in ("constant", "dynamic")
@@ -240,3 +244,33 @@ def test_lightning_fp16_plugin_gives_the_fp32_profiles_scale(tmp_path, fp32_scal
                                                                        scaler=torch.amp.GradScaler("cpu"))])
     trainer.fit(Module(), torch.utils.data.DataLoader(_Data(), batch_size=4))
     _check(callback.report, fp32_scale)
+
+
+@pytest.mark.parametrize("applied, reported", [(2.0**10, 2.0**24), (2.0**10, 2.0**10)])
+def test_a_scale_the_gradients_do_not_carry_gives_no_verdict_and_the_measured_ratio(applied, reported, fp32_scale):
+    """The loss is scaled by ``applied`` and the scaler reports ``reported`` (an engine that did not apply its scale)."""
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probe = Probe(model, scaler=reported).start()
+    for batch in _batches():
+        with torch.autocast(**AUTOCAST):
+            loss = model(**batch).loss
+        (loss * applied).backward()
+        for p in model.parameters():
+            p.grad.div_(applied)
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    rec = analyze(probe.report())
+    check = rec.evidence["scale_check"]
+    measured = math.log2(applied / reported)
+    assert abs(check["log2_ratio"] - measured) < 0.1, check
+    if applied == reported:
+        assert check["carried"] and abs(rec.log2_scale - fp32_scale) <= 1
+        return
+    assert not check["carried"]
+    assert rec.verdict == "insufficient_evidence" and rec.log2_scale is None and rec.grad_scaler_kwargs == {}
+    assert rec.evidence["insufficient_reason"] == "scale_not_carried"
+    assert abs(rec.evidence["fp32_reference_log2_scale"] - fp32_scale) <= 1
+    assert [c.code for c in rec.caveats if c.code == "scale_not_carried"] == ["scale_not_carried"]
+    assert "2^-14.0" in rec.text

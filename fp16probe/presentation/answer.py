@@ -226,6 +226,9 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
         "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
                     else f"the next rerun comes at step {d['next_step']}.")),
+    "scale_not_carried": lambda d: (f"The live gradients carry about 2^{d['log2_ratio']:.1f} times the loss scale "
+        f"the scaler reports ({num.scales_in_force(d['claimed_scales'])}), measured against fp32 reruns of steps "
+        f"{', '.join(map(str, d['steps'][:8]))}: no live figure was judged."),
     "reruns_discarded": lambda d: (f"{d['count']} fp32 rerun(s) were discarded and not judged: with every autocast "
         f"disabled, {d['first']['module']} still returned {d['first']['dtype']} at step {d['first']['step']}, so "
         "they were not fp32."),
