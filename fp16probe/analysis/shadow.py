@@ -105,7 +105,26 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
     if rec.growth_interval_table and report.history is not None and len(report.history):
         caveats += (Caveat("projected_schedule", {"horizon": int(rec.growth_interval_table.get("horizon", 0)),
                                                   "history_steps": len(report.history)}),)
+    one = _one_answer(report, rec, kind)
+    if one is not None:  # fp16probe schedule advises other moves: say why, and which to paste
+        ev["one_answer"] = one
+        caveats += (Caveat("schedule_differs", one),)
     return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
+
+
+def _one_answer(report: Report, rec: Recommendation, kind: str) -> dict[str, Any] | None:
+    """Where ``fp16probe schedule`` on this run's history advises other moves than the verdict: the one paste."""
+    from fp16probe.analysis.one_answer import reconcile
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.errors import AnalysisError
+
+    if report.history is None or not len(report.history):
+        return None
+    try:
+        table = judge_schedules(report, rec.format, kind=kind, with_verdict=False)
+    except AnalysisError:
+        return None
+    return reconcile(rec, table)
 
 
 def discarded_reruns(report: Report) -> list[dict[str, Any]]:
