@@ -276,10 +276,13 @@ def test_a_scale_the_gradients_do_not_carry_gives_no_verdict_and_the_measured_ra
     assert "2^-14.0" in rec.text
 
 
-def test_the_verdict_and_the_schedule_name_one_gradscaler():
+def test_the_verdict_and_the_schedule_name_one_gradscaler(tmp_path, monkeypatch):
     """After a live run, fp16probe analyze and fp16probe schedule paste the same GradScaler, and say why they differ."""
+    import json
+
     from fp16probe.analysis.one_answer import schedule_choice
     from fp16probe.analysis.schedule import judge_schedules
+    from tests.fixtures.cli import prepare_cli_env, run
 
     report = _plain()
     rec = analyze(report)
@@ -287,12 +290,14 @@ def test_the_verdict_and_the_schedule_name_one_gradscaler():
     name, rule = schedule_choice(table)
     moves = {k: rule[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
     verdict_moves = {k: rec.grad_scaler_kwargs[k] for k in moves}
-    differ = moves != verdict_moves
-    assert differ, (moves, verdict_moves)  # 3 steps: the verdict holds S (longest interval), the defaults are fine
+    assert moves != verdict_moves  # 3 steps: the verdict holds S (longest interval), the defaults are fine
     one = rec.evidence["one_answer"]
     assert one["schedule_choice"] == name and one["paste"] == dict(rec.grad_scaler_kwargs)
     assert "schedule_differs" in [c.code for c in rec.caveats]
+    prepare_cli_env(monkeypatch, tmp_path)
+    out = run("schedule", report.save(tmp_path / "live.json"), "--json")
+    assert out.exit_code == 0, out.output
+    notes = json.loads(out.stdout)["notes"]
     paste = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.grad_scaler_kwargs.items())
-    assert [n for n in table.notes if f"pastes GradScaler({paste})" in n and "Paste the verdict's" in n], table.notes
-    # the schedule's own figures are untouched by the note
-    assert judge_schedules(report, "fp16", with_verdict=False).rows == table.rows
+    assert [n for n in notes if f"pastes GradScaler({paste})" in n and "Paste the verdict's" in n], notes
+    assert json.loads(out.stdout)["rows"] == json.loads(json.dumps(table.to_dict()))["rows"]

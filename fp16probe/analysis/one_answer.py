@@ -10,12 +10,13 @@ gradients, and the schedule's table stays there for tuning how the scale moves.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fp16probe.analysis.schedule import ScheduleTable
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation, Verdict
 
-__all__ = ["MOVES", "reconcile", "schedule_choice"]
+__all__ = ["MOVES", "reconcile", "schedule_choice", "schedule_note", "with_verdict_note"]
 
 MOVES = ("growth_factor", "backoff_factor", "growth_interval")  # what the schedule decides
 
@@ -44,3 +45,22 @@ def reconcile(rec: Recommendation, table: ScheduleTable) -> dict[str, Any] | Non
     paste = dict(rec.grad_scaler_kwargs)
     return {"schedule_choice": name, "defaults_fine": table.defaults_fine, "history_steps": table.steps,
             "schedule_moves": theirs, "paste": paste, "hysteresis_rule": hysteresis}
+
+
+def schedule_note(rec: Recommendation) -> str:
+    """The line ``fp16probe schedule`` adds for a live run: the verdict's GradScaler, and whether its moves differ."""
+    if not rec.grad_scaler_kwargs:
+        return (f"The loss-scale verdict for this run (fp16probe analyze) is {rec.verdict.value}: it advises no "
+                "GradScaler; this table judges only how a scale would have moved over the recorded steps.")
+    paste = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.grad_scaler_kwargs.items())
+    if rec.evidence.get("one_answer") is None:
+        return (f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which moves the scale as "
+                "this table advises: paste that one.")
+    return (f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which this table's choice "
+            "moves differently: the verdict judges underflow at the scale in force against fp32 reruns, this table "
+            "skipped steps over the run's history. Paste the verdict's; use this table to tune how the scale moves.")
+
+
+def with_verdict_note(table: ScheduleTable, rec: Recommendation) -> ScheduleTable:
+    """``table`` with :func:`schedule_note` for ``rec``, the live run's verdict, added to its notes."""
+    return replace(table, notes=(*table.notes, schedule_note(rec)))

@@ -258,7 +258,6 @@ def judge_schedules(
     max_flushed_fraction: float = 1e-3,
     kind: str = "all",
     rules: Sequence[tuple[str, ScalerRule]] | None = None,
-    with_verdict: bool = True,
 ) -> ScheduleTable:
     """Replay loss-scale rules over ``report``'s per-step history and tabulate their cost.
 
@@ -268,8 +267,6 @@ def judge_schedules(
         max_flushed_fraction: the flushed share above which a step counts as flushing too much.
         kind: whose flushing counts, as for :func:`fp16probe.analysis.recommend.analyze`.
         rules: ``(name, ScalerRule)`` pairs to judge; default :func:`candidate_rules`.
-        with_verdict: for a live run judged by fp32 reruns, note the one GradScaler to paste
-            (:mod:`fp16probe.analysis.one_answer`), as the loss-scale verdict names it.
     """
     history = report.history
     if history is None or not len(history):
@@ -303,8 +300,6 @@ def judge_schedules(
                      f"{', '.join(map(str, mismatched))}: the Probe may have started after the scaler's first "
                      "step (its growth tracker was not 0), or the scaler was changed during the run.")
     best, fine, answer = _answer(rows, len(history), max_flushed_fraction, ref_words)
-    if with_verdict and report.shadow is not None and rules is None:
-        notes.extend(_verdict_note(report, fmt, kind))
     return ScheduleTable(tuple(rows), len(history), history.first_step, fmt.name, max_flushed_fraction,
                          reproduced, mismatched, ref_words, answer, best, fine, tuple(notes))
 
@@ -347,20 +342,3 @@ def _answer(rows: Sequence[ScheduleRow], n: int, tau: float, ref: str | None) ->
                  "later checkpoints.")
     return best.name, fine, " ".join(parts)
 
-
-def _verdict_note(report: Report, fmt: Format, kind: str) -> list[str]:
-    """What the loss-scale verdict of this live run pastes, and why it may differ from this table's choice."""
-    from fp16probe.analysis.recommend import analyze
-
-    rec = analyze(report, fmt, kind=kind)
-    if not rec.grad_scaler_kwargs:
-        return [f"The loss-scale verdict for this run (fp16probe analyze) is {rec.verdict.value}: it advises no "
-                "GradScaler; this table judges only how a scale would have moved over the recorded steps."]
-    paste = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.grad_scaler_kwargs.items())
-    if rec.evidence.get("one_answer") is None:
-        return [f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which moves the scale as "
-                "this table advises: paste that one."]
-    return [f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which this table's choice "
-            "moves differently: the verdict judges underflow at the scale in force against fp32 reruns, this "
-            "table skipped steps over the run's history. Paste the verdict's; use this table to tune how the scale "
-            "moves."]

@@ -121,7 +121,7 @@ def _one_answer(report: Report, rec: Recommendation, kind: str) -> dict[str, Any
     if report.history is None or not len(report.history):
         return None
     try:
-        table = judge_schedules(report, rec.format, kind=kind, with_verdict=False)
+        table = judge_schedules(report, rec.format, kind=kind)
     except AnalysisError:
         return None
     return reconcile(rec, table)
