@@ -574,10 +574,10 @@ def recommend(
     kind: KindOpt = None,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
-    explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also the caveats, reasoning, evidence and sources, and the loss-scale rules replayed over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Print the recommendation alone, with GradScaler arguments ready to paste."""
+    """Print the recommendation alone, with GradScaler arguments ready to paste (--explain: the evidence)."""
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
@@ -598,7 +598,7 @@ def recommend(
                 d["schedule"] = jsonable(judge_schedules(r, fmt, kind=knd).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
-            render.print_recommendation(console, rec, r, device)
+            render.print_recommendation(console, rec, r, device, explain=explain)
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
 
