@@ -549,7 +549,9 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
 @app.command()
 def plot(
     report: ReportArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", hidden=True, dir_okay=False,
+                                                   help="The old name of --out, still taken.")] = None,
     format: FormatOpt = None,
     kind: KindOpt = None,
     debug: DebugOpt = False,
@@ -559,10 +561,16 @@ def plot(
 
     console = render.make_console()
     with _errors(console, debug):
-        _check_output(output, "--output", [report], figure=True)
+        if out is not None and output is not None and out != output:
+            raise InputError(f"--out {out} and --output {output} name two files; --output is the old name of "
+                             "--out: give one")
+        output = out or output
+        if output is None:
+            raise InputError("plot needs --out FILE, the figure file (.png, .svg or .pdf), e.g. --out report.png")
+        _check_output(output, "--out", [report], figure=True)
         r = Report.load(report)
         fmt, knd, rec = _judged(r, format, kind)
-        with _writing(output, "--output"):
+        with _writing(output, "--out"):
             _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
         console.print(f"figures written to {output}", markup=False)
 

@@ -49,7 +49,7 @@ def outputs(tmp_path_factory):
         "recommend scaled --explain": ["recommend", scaled, "--explain"],
         "schedule": ["schedule", fp32], "schedule scaled": ["schedule", scaled],
         "compare same": ["compare", fp32, fp32], "compare other": ["compare", fp32, scaled],
-        "plot": ["plot", fp32, "--output", str(d / "fig.png")],
+        "plot": ["plot", fp32, "--out", str(d / "fig.png")],
     }
     for name, args in runs.items():
         out[name] = _run(args, code=None)
