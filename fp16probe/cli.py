@@ -316,6 +316,7 @@ def profile(
     from fp16probe.running.profile import profile_request
     from fp16probe.running.request import ProfileRequest
     from fp16probe.running.signals import stop_signals
+    from fp16probe.running.thirdparty import held_back
 
     console = render.make_console()
     # stop_signals: a second Ctrl-C never aborts the partial report; one before the first step leaves none
@@ -331,16 +332,22 @@ def profile(
             optimizer=None if optimizer == "none" else optimizer, lr=lr, format=format, kind=kind or "all",
             granularity=granularity, modules=tuple(modules or ()), seed=seed, verify=verify, target=target,
             recipe=recipe, plot=plot)
-        try:
-            report = profile_request(
-                request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
-                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
-        except Fp16ProbeError as e:
-            if e.report is None:
-                raise
-            raise _with_partial_report(e, out) from e
+        # What torch, transformers and torchao write while they load and run the model is held back
+        # and counted in one line (--debug lets it through): a right answer or a refusal stands alone.
+        with held_back(enabled=not debug) as held:
+            try:
+                report = profile_request(
+                    request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
+                    progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
+            except Fp16ProbeError as e:
+                if e.report is None:
+                    raise
+                raise _with_partial_report(e, out) from e
         if report is None:  # a rank other than 0: rank 0 writes and prints
             raise typer.Exit(shield.exit_code or EXIT_OK)
+        if held.lines and not json_out:
+            _print_notes(console, [f"{held.lines} line(s) of third-party warnings and logs held back "
+                                   f"({', '.join(held.sources) or 'printed'}); --debug shows them"])
         _report_out(console, report, request, out, json_out=json_out, explain=explain)
     # A signal that came after the loop (while the report was made and written) still says so.
     raise typer.Exit(_exit_code(report) or shield.exit_code or EXIT_OK)

@@ -54,10 +54,16 @@ _STYLES = {"verdict": "bold", "todo": "bold", "caveat": "yellow", "invented": "y
 
 
 def make_console(stderr: bool = True) -> Any:
-    """Return a rich Console on stderr (human output never goes to stdout)."""
+    """Return a rich Console on stderr (human output never goes to stdout).
+
+    The stream is the one in place now, bound: while third-party output is held back
+    (:func:`fp16probe.running.thirdparty.held_back` swaps ``sys.stderr``), ours still shows.
+    """
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=False)
 
 
 def print_error(console: Any, message: str) -> None:
