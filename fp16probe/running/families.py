@@ -8,8 +8,9 @@ are chosen to be the ones the model's task trains with, and always recorded as i
   cross-entropy (labels = input_ids), a masked LM on 15% masked tokens, a seq2seq model
   on target ids it is teacher-forced on, sequence and token classifiers, question
   answering and image classifiers on labels drawn the way the task draws them (classes
-  uniform in ``[0, num_labels)``; regression targets standard normal). Each uses the
-  model's own loss. Image models get ``pixel_values`` shaped from the config's
+  uniform in ``[0, num_labels)``; regression targets standard normal); semantic
+  segmentation on a per-pixel mask of patch-sized regions, object detection on drawn boxes
+  and classes. Each uses the model's own loss. Image models get ``pixel_values`` shaped from the config's
   ``num_channels`` and ``image_size``. A base model without a head (``BertModel``,
   ``ViTModel``) keeps the documented default loss below.
 - Any other ``nn.Module``: inputs shaped from its first layer (``Linear``: features;
