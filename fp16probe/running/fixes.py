@@ -19,7 +19,9 @@ _MARK = "_fp16probe_keep_fp32"
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    # .float() on fp32 too (it returns the tensor itself): an fp32 profile's forward audit sees the
+    # cast, and knows the input the fp16 run would hand this module is fp32 here.
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
 
 
 def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cuda") -> nn.Module:
