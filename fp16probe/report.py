@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence, TypedDict
 from fp16probe import validation
 from fp16probe.errors import InputError, ReportError
 from fp16probe.histogram import Histogram
+from fp16probe.reading import read_report_text
 from fp16probe.recommendation import Recommendation
 from fp16probe.verification import Verification
 
@@ -432,14 +433,9 @@ class Report:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Report":
-        """Read a report file; a bad file raises ReportError naming the problem."""
+        """Read a report file; a bad file (not a regular file, over the size cap, malformed) raises ReportError naming the problem."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError as e:
-            raise ReportError(f"{path}: no such report file") from e
-        except (OSError, UnicodeDecodeError) as e:
-            raise ReportError(f"{path}: cannot read report: {e}") from e
+        text = read_report_text(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB
         if not text.strip():
             raise ReportError(f"{path}: the report file is empty")
         try:

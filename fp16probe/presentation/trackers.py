@@ -29,7 +29,6 @@ gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
 from __future__ import annotations
 
 import contextlib
-import html
 import math
 import os
 import tempfile
@@ -41,6 +40,7 @@ from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError, require
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.presentation import escape
 from fp16probe.presentation.answer import recommendation_for
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
@@ -223,7 +223,7 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
         for m in report.modules:
             lh = log_histogram(m.histogram, axis)
             if lh is not None:
-                histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
+                histograms.append((f"{PREFIX}/{m.kind}/{escape.text(m.name)}", last_step, lh))
     texts = []
     if rec is not None:
         caveats = rec.caveats
@@ -231,7 +231,8 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
         if caveats:
             body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
         if body.strip():
-            texts.append((f"{PREFIX}/recommendation", body.strip()))
+            # The stored text and caveats are report data: each line escaped, the line breaks kept.
+            texts.append((f"{PREFIX}/recommendation", "\n".join(escape.text(line) for line in body.strip().split("\n"))))
     return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
 
 
@@ -348,7 +349,7 @@ class _MlflowSink:
             page = report_html(report, fmt, kind=kind, recommendation=recommendation)
             (folder / "fp16probe-report.html").write_text(
                 "<!doctype html>\n<html><head><meta charset='utf-8'><title>fp16probe report: "
-                f"{html.escape(report.metadata.model_class)}</title></head><body>{page}</body></html>\n",
+                f"{escape.xml(report.metadata.model_class)}</title></head><body>{page}</body></html>\n",
                 encoding="utf-8",
             )
             self.client.log_artifacts(self.run_id, str(folder), artifact_path="fp16probe")
