@@ -73,11 +73,12 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
     shadow = report.shadow
     assert shadow is not None
     steps = list(shadow.trace.steps)
-    meta = dict(report.metadata.extra.get("shadow") or {})
+    runs = report.shadow_runs
+    next_step = None if runs is None else runs.next_step
     ev = dict(rec.evidence)
     ev["reference"] = "fp32 shadow reruns of the live run"
     ev["shadow_steps"] = steps
-    ev["shadow_next_step"] = meta.get("next_step")
+    ev["shadow_next_step"] = next_step
     split = zero_split(report, kind)
     words = (f"Judged on {len(steps)} fp32 rerun(s) of this run's own steps ({_steps_words(steps)}): the same "
              f"batch, weights and random state in fp32, the reference for the live {report.metadata.precision} "
@@ -90,7 +91,7 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
                   f"{count(split['structural_zero_values'])} are zero in fp32 too (structural) and "
                   f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
                   f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
-    caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": meta.get("next_step")}),)
+    caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": next_step}),)
     if rec.growth_interval_table and report.history is not None and len(report.history):
         caveats += (Caveat("projected_schedule", {"horizon": int(rec.growth_interval_table.get("horizon", 0)),
                                                   "history_steps": len(report.history)}),)
@@ -99,14 +100,14 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
 
 def pending_words(report: Report) -> str:
     """For a live fp16/bf16 report with no shadow yet: why, and when one comes ("" when not applicable)."""
-    meta = report.metadata.extra.get("shadow")
-    if not isinstance(meta, dict) or report.shadow is not None or run_format(str(report.metadata.precision)) is None:
+    runs = report.shadow_runs
+    if runs is None or report.shadow is not None or run_format(str(report.metadata.precision)) is None:
         return ""
-    if meta.get("off"):
-        return f" No fp32 shadow rerun could run: {meta['off']}."
-    nxt = meta.get("next_step")
+    if runs.off:
+        return f" No fp32 shadow rerun could run: {runs.off}."
+    nxt = runs.next_step
     when = f"the first comes at step {nxt}" if nxt is not None else "none is scheduled"
-    return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={meta.get('every')}); the report after "
+    return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={runs.every}); the report after "
             "it carries a verdict.")
 
 

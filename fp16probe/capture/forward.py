@@ -30,6 +30,7 @@ opaque to the overflow ceiling (only what flows in and out of them is seen).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,9 +40,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.formats import get_format
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
+from fp16probe.sections import ForwardSection
 
 __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
 
@@ -88,8 +91,12 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-class ForwardAudit:
+class ForwardAudit(Collector):
     """Measure what the target fp16 run computes in forward; see the module docstring.
+
+    A collector (:meth:`fp16probe.capture.probe.Probe.add`): its result joins the report's
+    ``forward`` section as ``audit``. The caller enters :meth:`step` around each step's forward
+    and loss, and hands it the loss (:meth:`note_loss`).
 
     Args:
         model: the module whose forward is audited (names come from its ``named_modules``).
@@ -97,6 +104,8 @@ class ForwardAudit:
             converted with ``.half()``: every tensor fp16 unless explicitly cast up).
         targets: the devices whose autocast rules to apply (``"cuda"``, ``"cpu"``).
     """
+
+    key = "forward_audit"
 
     def __init__(self, model: nn.Module, *, regime: str = "autocast", targets: Sequence[str] = TARGETS) -> None:
         if regime not in REGIMES:
@@ -269,6 +278,11 @@ class ForwardAudit:
         entry.steps[self.step_index] = (amax, stats)
 
     # -- results ----------------------------------------------------------------------------
+    def collect(self, got: Collected) -> dict[str, Any]:
+        """The ``forward`` section with this audit in it."""
+        forward = got.sections.get("forward") or ForwardSection()
+        return {"forward": dataclasses.replace(forward, audit=self.result())}
+
     def result(self) -> dict[str, Any]:
         """Bring everything to the host (one transfer) as the JSON of ``metadata.extra["forward"]``."""
         entries = sorted(self.entries.values(), key=lambda e: e.order)

@@ -20,6 +20,7 @@ from fp16probe.analysis.whatif import numerically_zero, worst_modules
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
+    section_lines,
     evidence_rows,
     KIND_WORDS,
     fit_name,
@@ -148,6 +149,8 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
         judged = rec is None or rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE
         if top and report.modules_of(kind) and judged:
             yield from _worst_table(report, kind, fmt, k, top, width)
+        for line in section_lines(report):
+            yield from _para(line, width)
         if explain and report.verification is not None:
             yield from _verification(report.verification, width)
         if explain and rec is not None:
