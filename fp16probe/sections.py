@@ -112,7 +112,8 @@ class ShadowRuns:
 
     ``every``: the schedule's period in sampled steps; ``steps``: the live steps rerun;
     ``count``/``seconds``/``clock``: how many ran and their time; ``next_step``: the next one due;
-    ``off``: why none could run (None when they ran or were due).
+    ``off``: why none could run (None when they ran or were due); ``discarded``: reruns thrown away
+    because they did not run in fp32 (``step``, ``module``, ``dtype`` each).
     """
 
     every: int
@@ -122,11 +123,13 @@ class ShadowRuns:
     clock: str = "host wall time"
     next_step: int | None = None
     off: str | None = None
+    discarded: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         return {"every": self.every, "steps": list(self.steps), "count": self.count, "seconds": self.seconds,
-                "clock": self.clock, "next_step": self.next_step, **({} if self.off is None else {"off": self.off})}
+                "clock": self.clock, "next_step": self.next_step, **({} if self.off is None else {"off": self.off}),
+                **({"discarded": [dict(x) for x in self.discarded]} if self.discarded else {})}
 
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "shadow_runs") -> "ShadowRuns":
@@ -142,7 +145,9 @@ class ShadowRuns:
                    seconds=float(_typed(d, "seconds", path, (int, float), "seconds", 0.0, low=0)),
                    clock=_typed(d, "clock", path, (str,), "a string", "host wall time"),
                    next_step=_typed(d, "next_step", path, (int, type(None)), "a step number or null"),
-                   off=_typed(d, "off", path, (str,), "a string"))
+                   off=_typed(d, "off", path, (str,), "a string"),
+                   discarded=tuple(dict(_mapping(x, f"{path}.discarded[{i}]"))
+                                   for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))))
 
 
 @dataclass(frozen=True)

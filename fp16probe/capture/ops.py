@@ -25,7 +25,7 @@ out means autocast lowers it), and dtypes flow through the other ops by type pro
 and explicit casts. An op whose output would be fp32 and whose every consumer computes in
 fp32 (no lowered op, no cast) never holds an fp16 gradient: it is left out of the
 histograms and the overflow ceiling, and named in the report
-(``metadata.extra["autocast_fp32_ops"]``). When the profile itself runs under autocast the
+(the report's ``capture.autocast_fp32_ops``). When the profile itself runs under autocast the
 real dtypes are used.
 
 This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``):
