@@ -42,7 +42,7 @@ FP32_MAX = 2.0**128 * (1 - 2.0**-24)
 
 _KINDS = ("activation_grad", "weight_grad", "activation")
 _METADATA_STRINGS = ("fp16probe_version", "torch_version", "device", "model_class")
-_METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created")
+_METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created", "regime")
 _METADATA_COUNTS = {"steps_seen": 0, "steps_total": 0, "every": 1, "world_size": 1}
 _METADATA_BOOLS = ("grad_scaler", "partial")
 # metadata.extra is free-form, but these keys are read by every summary as they are typed here.
@@ -288,6 +288,10 @@ def check_metadata(d: Any, path: str = "metadata") -> None:
     for key in _METADATA_OPTIONAL_STRINGS:
         if key in d:
             _str(d[key], f"{path}.{key}")
+    if d.get("target") is not None and d["target"] not in ("cuda", "cpu"):
+        raise _fail(f"{path}.target", "cuda, cpu or null", d["target"])
+    if "regime" in d and d["regime"] not in ("autocast", "pure_fp16"):
+        raise _fail(f"{path}.regime", "autocast or pure_fp16", d["regime"])
     for key, lo in _METADATA_COUNTS.items():
         if key in d:
             _int(d[key], f"{path}.{key}", lo)

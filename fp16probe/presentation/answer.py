@@ -408,6 +408,26 @@ def findings(report: Report) -> list[str]:
     return out
 
 
+# How each registered section that is not a field of the Report is told (one line; the default lists its
+# fields). A collector that wants its own words registers them here, beside its section.
+SECTION_WORDS: dict[str, Callable[[Any], str]] = {}
+
+
+def section_lines(report: Report) -> list[str]:
+    """One line per registered section the report carries beyond the built-in ones, in key order."""
+    out = []
+    for key in sorted(report.sections):
+        value = report.sections[key]
+        words = SECTION_WORDS.get(key)
+        if words is not None:
+            out.append(f"{key}: {words(value)}")
+            continue
+        data = value.to_dict() if hasattr(value, "to_dict") else value
+        shown = ", ".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, Mapping) else str(data)
+        out.append(f"{key}: {shown}")
+    return out
+
+
 def numerically_zero_sentence(cancelled: Mapping[str, int]) -> str:
     """Say why a bias whose gradient cancels to rounding ranks among the worst (name -> log2 ratio)."""
     names = ", ".join(f"{n} (2^{b})" for n, b in list(cancelled.items())[:3])

@@ -22,6 +22,7 @@ from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.answer import (
+    section_lines,
     brief_answer,
     evidence_rows,
     KIND_WORDS,
@@ -178,6 +179,8 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
         judged = rec is None or rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE
         if top and report.modules_of(kind) and judged:
             yield from _worst_table(report, kind, fmt, k, top, width)
+        for line in section_lines(report):
+            yield from _para(line, width)
         if explain and report.verification is not None:
             yield from _verification(report.verification, width)
         if explain and rec is not None:

@@ -34,7 +34,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError, require
@@ -170,8 +170,7 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
     scalars: list[tuple[str, int, float]] = []
     skipped = skipped_before
     last_step = step_offset
-    fwd = report.metadata.extra.get("forward_max")
-    forward_steps = list(fwd.get("step_max") or ()) if isinstance(fwd, Mapping) else []
+    forward_steps = list(report.forward.step_max) if report.forward is not None else []
     for i, raw_step in enumerate(trace.steps):
         step = int(raw_step) + step_offset
         last_step = max(last_step, step)
@@ -550,7 +549,7 @@ class TrackerLog:
         rec = _recommendation(report, recommendation, self.format, self.kind) if self.recommend else recommendation
         # A windowed report (Probe.report(since_step=...)) starts where the last one ended: carry
         # the skipped-step count over, less the steps it sends again.
-        windowed = report.metadata.extra.get("trace_since_step") is not None
+        windowed = report.capture is not None and report.capture.trace_since_step is not None
         prev = self.last_step
         trace = report.trace
         again = sum(1 for st, f in zip(trace.steps, trace.found_inf)
