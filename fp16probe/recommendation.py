@@ -113,7 +113,7 @@ class Evidence(TypedDict, total=False):
     nonfinite_steps: int  # steps whose gradients held inf/NaN at the scale in force
     max_abs: float  # the overflow ceiling: the largest |g| the loss scale multiplies
     log2_max_abs: float | None
-    ceiling_source: str  # where max_abs comes from (the trace's ceiling or the histograms)
+    ceiling_source: str  # where max_abs comes from: "measured" (the trace's ceiling) or "hooked" (the histograms)
     largest_safe_log2_scale: int | None  # largest k with max_abs * 2^k below the overflow threshold
     lowest_log2: int | None
     highest_log2: int | None
@@ -143,7 +143,10 @@ class Evidence(TypedDict, total=False):
     # the breakdown by kind and the judgement of weak evidence (issue 11)
     by_kind: dict[str, dict[str, Any]]  # per gradient kind: nonzero values, flushed fractions, max |g|
     scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1
-    insufficient_reason: str
+    insufficient_reason: str  # a code: nothing_captured, autocast_zeros, all_zero, all_nonfinite, scale_not_carried
+    insufficient_data: dict[str, Any]  # the numbers the reason is worded from (precision, scales, counts, shadow_pending)
+    fp32_capped_from_log2_scale: int  # S was capped below this (the largest safe scale less the margin) to stay in fp32
+    before_loss_cap: dict[str, Any]  # the figures at log2_scale_without_loss_cap, before the fp16 loss capped S
     # fp8 e4m3: per-tensor scaling from the measured maxima
     per_tensor_scale_log2: int  # one scale for every gradient, from the ceiling
     per_tensor_scales: list[list[Any]]  # [tensor name, log2 scale, flushed fraction] per captured tensor
@@ -151,9 +154,10 @@ class Evidence(TypedDict, total=False):
     saturated_fraction_at_scale: float  # saturated with one scale per tensor
     single_scale_saturated_fraction: float
     # a live fp16/bf16 run judged on its fp32 shadow reruns (analysis.shadow)
-    reference: str  # what the verdict was judged on ("fp32 shadow reruns of the live run")
+    reference: str  # what the verdict was judged on: "fp32_shadow_reruns" (older reports: "fp32 shadow reruns of the live run")
     shadow_steps: list[int]  # the live steps rerun in fp32
     shadow_next_step: int | None  # when the next rerun comes
+    live_precision: str  # the precision the live run computed in
     live_zero_values: int  # exact zeros in the live run on the shadowed steps (judged kinds)
     structural_zero_values: int  # of those, zero in the fp32 rerun too
     flushed_in_live_run: int  # zero in the live run, nonzero in fp32: flushed at the scale in force
@@ -170,6 +174,10 @@ class Evidence(TypedDict, total=False):
     custom_functions: list[str]  # custom autograd.Function nodes: their backward is opaque to the ceiling
     fix_code: str  # the code to paste for a forward verdict
     fix_modules: list[str]  # the modules that code keeps in fp32
+    fix_top_level: list[str]  # up to 3 ops that run in the model's own forward, outside any submodule
+    forward_overflow_count: int  # fp16 forward tensors that pass fp16's max (forward_overflow lists the first 20)
+    forward_flushing_count: int  # fp16 forward tensors that flush more than the threshold
+    forward_tensors: int  # fp16 forward tensors measured
     backward_verdict: str  # the loss-scale verdict the gradients alone give, once the forward is fixed
     backward_log2_scale: int | None
 
@@ -205,7 +213,9 @@ class Recommendation:
     (per_tensor_scaling), 0 (none_needed) or None (insufficient_evidence).
     ``grad_scaler_kwargs`` go straight to ``torch.amp.GradScaler``; empty where no
     GradScaler is advised. ``caveats`` are the limits of this evidence (:class:`Caveat`
-    records); every presentation shows them in the same words.
+    records); every presentation shows them in the same words. :attr:`text`, the reasoning
+    in words, is rendered from this data (``presentation.verdict``); ``stored_text`` holds
+    the words a report file stored (an older file's are shown as they were), else is empty.
     """
 
     verdict: Verdict
@@ -221,14 +231,15 @@ class Recommendation:
     evidence: Evidence
     thresholds: Thresholds
     citations: tuple[str, ...]
-    text: str
+    stored_text: str = field(default="", compare=False)  # words, derived from the data: not part of equality
     kind: str = "activation_grad"
     growth_interval_table: Mapping[str, Any] | None = None
     caveats: tuple[Caveat, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (the first version's keys, plus ``caveats``)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stored_text"}
+        d["text"] = self.text  # rendered here, at the edge, so the file and the JSON output carry the words
         d["verdict"] = self.verdict.value
         d["grad_scaler_kwargs"] = dict(self.grad_scaler_kwargs)
         d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
@@ -250,6 +261,7 @@ class Recommendation:
                 f"{[v.value for v in Verdict]}"
             ) from e
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["stored_text"] = str(d.get("text") or "")
         kw["verdict"] = verdict
         kw["worst_modules"] = tuple((str(n), float(f)) for n, f in d.get("worst_modules", ()))
         kw["citations"] = tuple(str(c) for c in d.get("citations", ()))
@@ -260,6 +272,13 @@ class Recommendation:
         return cls(**kw)
 
     # -- presentation (rich loads only when these are called) -------------------------
+    @property
+    def text(self) -> str:
+        """The reasoning in words: the stored text of a report file, else rendered from the data."""
+        from fp16probe.presentation.verdict import verdict_text
+
+        return verdict_text(self)
+
     def __repr__(self) -> str:
         from fp16probe.presentation.answer import recommendation_summary
 

@@ -38,6 +38,7 @@ SHIMS = {
     ("fp16probe.recommendation", "Recommendation.__rich__"),
     ("fp16probe.recommendation", "Recommendation._repr_html_"),
     ("fp16probe.recommendation", "Recommendation.explanation"),
+    ("fp16probe.recommendation", "Recommendation.text"),
     ("fp16probe.report", "Report.__repr__"),
     ("fp16probe.report", "Report.__rich__"),
     ("fp16probe.report", "Report._repr_html_"),

@@ -67,7 +67,7 @@ def test_live_fp16_run_gives_a_scale_verdict_near_the_fp32_profile(live_gpt2):
     assert fp32.verdict in ("constant", "dynamic")
     assert abs(rec.log2_scale - fp32.log2_scale) <= 1, (rec.log2_scale, fp32.log2_scale)
     # the reruns are named, with their cost
-    assert rec.evidence["reference"] == "fp32 shadow reruns of the live run"
+    assert rec.evidence["reference"] == "fp32_shadow_reruns"
     assert rec.evidence["shadow_steps"] == [0, 1, 2, 4, 8, 16] == list(report.shadow.trace.steps)
     meta = report.shadow_runs
     assert meta.count == 6 and meta.seconds > 0 and meta.next_step == 32

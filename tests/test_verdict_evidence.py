@@ -13,6 +13,7 @@ import torch
 from fp16probe.analysis.ceiling import Ceiling
 from fp16probe.analysis.recommend import analyze
 from fp16probe.analysis.whatif import what_if, worst_modules
+from fp16probe.presentation.verdict import CEILING_SOURCE_WORDS
 from fp16probe.formats import get_format
 from fp16probe.formatting import count, magnitude, percent, power_of_two, scale
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Recommendation, Verdict
@@ -70,7 +71,8 @@ def test_the_trace_ceiling_sets_the_limit_and_the_what_if_table_agrees():
     report = report_of(steps, ceiling=(1024.0, 3.0, 2.0))
     rec = analyze(report, **FAST)
     fmt = get_format("fp16")
-    assert rec.evidence["max_abs"] == 1024.0 and "every gradient in backward" in rec.evidence["ceiling_source"]
+    assert rec.evidence["max_abs"] == 1024.0 and rec.evidence["ceiling_source"] == "measured"
+    assert "every gradient in backward" in CEILING_SOURCE_WORDS[rec.evidence["ceiling_source"]]
     assert rec.evidence["largest_safe_log2_scale"] == 5  # 1024 * 2^6 = 65536 overflows fp16
     assert rec.log2_scale == 4 and rec.overflow_steps_at_scale == 0
     table = what_if(report, "fp16", log2_scales=range(0, 20))

@@ -1,10 +1,10 @@
-"""From a Report to a loss-scale Recommendation, with its evidence, caveats and sources.
+"""From a Report to a loss-scale Recommendation: verdict, numbers, evidence, caveats (codes) and sources.
 
 Pure functions over report data: nothing here touches a model, hooks or a device.
 :func:`analyze` reads as its steps: check the parameters, measure what the profile holds,
 judge whether that evidence can carry a verdict, then decide (per-tensor scaling for
 formats whose casts saturate; no scaling; one scale; a schedule; no single scale), replay
-the schedule, and write the words.
+the schedule. The words are rendered from the result in :mod:`fp16probe.presentation.verdict`.
 
 Everything rests on one exact fact: multiplying by S = 2^k moves a value from bin ``e`` to
 bin ``e + k`` without rounding, so the histograms answer "what flushes / overflows at S"
@@ -27,16 +27,10 @@ from fp16probe.analysis.ceiling import (
     run_format,
 )
 from fp16probe.analysis.provenance import (
-    PAPER,
-    BF16_NO_SCALER,
     CITATION_GRADSCALER,
     CITATION_NVIDIA_GUIDE,
     CITATION_PAPER,
     CITATION_TRANSFORMER_ENGINE,
-    CONSTANT_RULE,
-    DEFAULTS_STANDING,
-    SIMULATION_CAVEAT,
-    UNDERFLOW_MECHANISM,
 )
 from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
 from fp16probe.analysis import shadow
@@ -44,7 +38,6 @@ from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTa
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
 from fp16probe.histogram import Histogram
 from fp16probe.sections import CaptureNotes
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
@@ -178,7 +171,7 @@ def _gradient_verdict(report: Report, m: "_Measured", fmt: Format, thresholds: T
     reason = _weak_evidence(report, m, fmt, tau)
     if reason is not None:
         if reason[0] == "autocast_zeros":
-            reason = (reason[0], reason[1] + shadow.pending_words(report))
+            reason[1]["shadow_pending"] = shadow.pending(report)
         return _insufficient(m, fmt, evidence, thresholds, caveats, reason)
     if not fmt.has_inf or fmt.name.startswith("fp8"):
         # FP8 training scales each tensor from its own amax (Transformer Engine, torchao), e5m2's
@@ -280,9 +273,8 @@ def _kind_evidence(h: Histogram, fmt: Format, k: int) -> dict[str, Any]:
 
 
 def _ceiling_source(ceiling: Ceiling) -> str:
-    if ceiling.measured:
-        return "measured over every gradient in backward"
-    return "seen in the hooked modules and parameters only"
+    """"measured" (over every gradient in backward) or "hooked" (the hooked modules and parameters only)."""
+    return "measured" if ceiling.measured else "hooked"
 
 
 # -- step 3: the limits of this evidence ------------------------------------------------------
@@ -326,38 +318,23 @@ def _hidden_flush_matters(report: Report, fmt: Format) -> bool:
     return run is not None and run.name != "bf16" and fmt.name != "bf16"
 
 
-def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tuple[str, str] | None:
-    """Return (reason, what to do) when the profile cannot carry a verdict, else None."""
+def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tuple[str, dict[str, Any]] | None:
+    """Return (reason code, the numbers it is worded from) when the profile cannot carry a verdict, else None."""
     h = m.hist
-    what = KIND_WORDS.get(m.kind, "gradient values") if m.kind != ALL_GRADS else "gradient values"
     if h.total == 0:
-        return ("nothing_captured",
-                f"the report holds no {what} (captured: {', '.join(report.metadata.captured) or 'nothing'}). "
-                "Profile with the Probe capturing activation and weight gradients over at least one backward pass.")
+        return ("nothing_captured", {"captured": list(report.metadata.captured)})
     if _hidden_flush_matters(report, fmt):
         hidden = flushed_hidden_bound([h])
         if hidden > tau:
-            return ("autocast_zeros",
-                    f"this profile was computed in {report.metadata.precision} at {scales_in_force(m.scale_in_force)}, "
-                    f"where gradients that flushed became exact zeros; {percent(hidden)} of the judged values are "
-                    f"zeros (threshold {percent(tau)}), and a flushed value cannot be told from a true zero. Profile "
-                    "in fp32 (the default precision) to measure what flushes.")
+            return ("autocast_zeros", {"precision": str(report.metadata.precision), "scales": list(m.scale_in_force),
+                                       "zero_fraction": hidden})
     if h.nonzero_finite == 0 and h.nonfinite == 0:
-        return ("all_zero",
-                f"all {count(h.total)} captured {what} are exactly zero: a zero-initialised output "
-                "layer, a loss that does not depend on the parameters, or a graph cut by detach() gives this. "
-                "Train a step or a few first (or load trained weights), use the real loss, and profile again.")
+        return ("all_zero", {"values": h.total})
     every_step_broken = bool(m.ceiling.steps) and m.ceiling.intrinsic_steps == len(m.ceiling.steps)
     if h.nonzero_finite == 0 or every_step_broken:
         if m.ceiling.scale_induced_steps and not every_step_broken:
-            return ("all_nonfinite",
-                    f"the captured {what} are all zero, inf or NaN at {scales_in_force(m.scale_in_force)}: the "
-                    "run overflowed before anything could be measured. Profile in fp32 (the default precision), "
-                    "or at a lower loss scale.")
-        return ("all_nonfinite",
-                f"the captured {what} are all zero, inf or NaN ({count(h.nonfinite)} inf/NaN values): the run "
-                "diverged before any cast. Loss scaling cannot fix that: find the divergence (learning rate, "
-                "loss, inputs) and profile again.")
+            return ("all_nonfinite", {"overflowed_at_scale": True, "scales": list(m.scale_in_force)})
+        return ("all_nonfinite", {"overflowed_at_scale": False, "nonfinite_values": h.nonfinite})
     return None
 
 
@@ -376,16 +353,13 @@ def _worst(report: Report, m: _Measured, fmt: Format, k: int, n: int) -> tuple[t
 
 
 def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, caveats: tuple[Caveat, ...],
-                  reason: tuple[str, str]) -> Recommendation:
-    ev["insufficient_reason"] = reason[0]
-    text = f"No verdict for {fmt.name}: {reason[1]}"
-    if "flush" in text:
-        text += " " + UNDERFLOW_MECHANISM
+                  reason: tuple[str, dict[str, Any]]) -> Recommendation:
+    ev["insufficient_reason"], ev["insufficient_data"] = reason
     return Recommendation(
         verdict=Verdict.INSUFFICIENT_EVIDENCE, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
         flushed_fraction_at_1=ev["flushed_fraction_at_1"] if m.hist.nonzero_finite else None,
         flushed_fraction_at_scale=None, overflow_steps_at_scale=None, headroom_bits=None, worst_modules=(),
-        evidence=ev, thresholds=th, citations=_citations(Verdict.INSUFFICIENT_EVIDENCE), text=text,
+        evidence=ev, thresholds=th, citations=_citations(Verdict.INSUFFICIENT_EVIDENCE),
         kind=m.kind, caveats=caveats,
     )
 
@@ -393,23 +367,12 @@ def _insufficient(m: _Measured, fmt: Format, ev: Evidence, th: Thresholds, cavea
 def _none_needed(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresholds,
                  caveats: tuple[Caveat, ...], k_max: int | None) -> Recommendation:
     ev.update(_at_scale(m, fmt, 0))
-    tau = th["max_flushed_fraction"]
-    parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {percent(ev['flushed_fraction_at_1'])} of the "
-             f"nonzero gradient values flush to zero (threshold {percent(tau)}{_by_kind_words(ev, 0, '; ', ')')}"]
-    if k_max is None:
-        parts[0] += " and there are no nonzero gradient values to overflow."
-    else:
-        parts[0] += (f" and the largest gradient ({magnitude(ev['max_abs'])}) sits {k_max} bit(s) below where "
-                     f"values would {_overflow_words(fmt)}.")
-    if fmt.name == "bf16":
-        parts.append(BF16_NO_SCALER + " This was measured on the profile, not assumed.")
-    parts.append(UNDERFLOW_MECHANISM)
     return Recommendation(
         verdict=Verdict.NONE_NEEDED, format=fmt.name, log2_scale=0, scale=1.0, grad_scaler_kwargs={},
         flushed_fraction_at_1=ev["flushed_fraction_at_1"], flushed_fraction_at_scale=ev["flushed_fraction_at_1"],
         overflow_steps_at_scale=ev["overflow_steps_at_1"], headroom_bits=k_max,
         worst_modules=_worst(report, m, fmt, 0, th["worst"]), evidence=ev, thresholds=th,
-        citations=_citations(Verdict.NONE_NEEDED), text=" ".join(parts), kind=m.kind, caveats=caveats,
+        citations=_citations(Verdict.NONE_NEEDED), kind=m.kind, caveats=caveats,
     )
 
 
@@ -465,17 +428,14 @@ def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresho
         growth_interval = GRADSCALER_DEFAULTS["growth_interval"]
     kwargs = {"init_scale": math.ldexp(1.0, k), "growth_factor": float(th["growth_factor"]),
               "backoff_factor": float(th["backoff_factor"]), "growth_interval": int(growth_interval)}
-    text = _TEXTS[verdict](fmt, k, margin, ev, kwargs, table, tau)
     if capped:
-        text += (f" S is capped at 2^{k}, below the largest safe scale for {fmt.name} (2^{k_max - margin} with "
-                 "the margin), so that GradScaler accepts it (its scale is an fp32 number) and the scaled loss "
-                 "and gradients stay finite in fp32.")
+        ev["fp32_capped_from_log2_scale"] = k_max - margin
     return Recommendation(
         verdict=verdict, format=fmt.name, log2_scale=k, scale=math.ldexp(1.0, k), grad_scaler_kwargs=kwargs,
         flushed_fraction_at_1=ev["flushed_fraction_at_1"], flushed_fraction_at_scale=ev["flushed_fraction_at_scale"],
         overflow_steps_at_scale=ev["overflow_steps_at_scale"], headroom_bits=k_max - k,
         worst_modules=_worst(report, m, fmt, 0, th["worst"]), evidence=ev, thresholds=th,
-        citations=_citations(verdict), text=text, kind=m.kind,
+        citations=_citations(verdict), kind=m.kind,
         growth_interval_table=None if table is None else table.to_dict(), caveats=caveats,
     )
 
@@ -563,32 +523,12 @@ def _per_tensor(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thr
     ev["per_tensor_flushed_fraction"] = fraction(flushed, nonzero)
     ev["saturated_fraction_at_scale"] = fraction(saturated, nonzero)
     ev["single_scale_saturated_fraction"] = fraction(_saturated(m.hist, fmt, k), m.hist.nonzero_finite)
-    max_words = magnitude(fmt.max)
-    why = (f"its casts saturate (a value past {max_words}, inf included, becomes {max_words} or NaN depending on "
-           "the cast), so a GradScaler never sees an overflow there and cannot back off"
-           if not fmt.has_inf else
-           f"its {bits(math.log2(fmt.overflow_threshold) - fmt.log2_flush_threshold)} bits of range are too few for "
-           "one scale over every tensor, and FP8 recipes (Transformer Engine, torchao) scale each tensor from its "
-           "own amax instead of scaling the loss")
-    text = (
-        f"Use per-tensor scaling for {fmt.name}, not a loss scaler: {why}. Scale each tensor from its measured "
-        f"maximum, "
-        f"scale = {max_words} / amax / 2^{margin} (a margin of {margin} bit(s)), as NVIDIA Transformer Engine's "
-        f"DelayedScaling recipe does. With one such scale per captured tensor, from its largest |g| over the "
-        f"{ev['profiled_steps']} profiled step(s), {percent(ev['per_tensor_flushed_fraction'])} of the nonzero "
-        f"gradient values flush to zero and {percent(ev['saturated_fraction_at_scale'])} saturate (threshold "
-        f"{percent(th['max_flushed_fraction'])}); the per-tensor scales are in the evidence. One scale for every "
-        f"gradient, S = 2^{k} from the largest gradient ({magnitude(ev['max_abs'])}), would leave "
-        f"{percent(ev['flushed_fraction_at_scale'])} flushed; at S = 1, {percent(ev['flushed_fraction_at_1'])} "
-        f"flush. A later step whose amax exceeds the profiled one saturates: take amax from a rolling history "
-        f"of recent steps, as the recipe does. {UNDERFLOW_MECHANISM}"
-    )
     return Recommendation(
         verdict=Verdict.PER_TENSOR_SCALING, format=fmt.name, log2_scale=k, scale=math.ldexp(1.0, k),
         grad_scaler_kwargs={}, flushed_fraction_at_1=ev["flushed_fraction_at_1"],
         flushed_fraction_at_scale=ev["flushed_fraction_at_scale"], overflow_steps_at_scale=ev["overflow_steps_at_scale"],
         headroom_bits=None if k_max is None else k_max - k, worst_modules=_worst(report, m, fmt, 0, th["worst"]),
-        evidence=ev, thresholds=th, citations=_citations(Verdict.PER_TENSOR_SCALING), text=text, kind=m.kind,
+        evidence=ev, thresholds=th, citations=_citations(Verdict.PER_TENSOR_SCALING), kind=m.kind,
         caveats=caveats,
     )
 
@@ -598,31 +538,6 @@ def _saturated(h: Histogram, fmt: Format, k: int) -> int:
     if h.max_abs == 0.0 or not fmt.overflows(math.ldexp(h.max_abs, k)):
         return 0
     return h.nonzero_finite - h.at_most(math.floor(math.log2(fmt.overflow_threshold)) - k - 1)
-
-
-# -- step 5: the words ----------------------------------------------------------------------
-
-def _overflow_words(fmt: Format) -> str:
-    if fmt.has_inf:
-        return "overflow to inf"
-    return "land beyond the max finite value (saturated or NaN, depending on the cast)"
-
-
-def _by_kind_words(ev: Mapping[str, Any], k: int, lead: str = " (", close: str = ")") -> str:
-    """Return the flushed share per gradient kind at S = 2^k, wrapped in lead/close ("" for one kind)."""
-    by_kind = ev.get("by_kind", {})
-    if len(by_kind) < 2:
-        return "" if close == ")" else close
-    key = "flushed_fraction_at_1" if k == 0 else "flushed_fraction_at_scale"
-    parts = [f"{KIND_WORDS.get(name, name)} {percent(d[key])}" for name, d in by_kind.items()]
-    return lead + ", ".join(parts) + close
-
-
-def _bf16_surprise(fmt: Format) -> str:
-    if fmt.name != "bf16":
-        return ""
-    return (" Unexpected for bf16, which has fp32's exponent range: values this small are near "
-            "fp32's own limits, so look for a bug or a loss that is far too small.")
 
 
 def _candidates_tied(table: GrowthIntervalTable) -> bool:
@@ -641,103 +556,6 @@ def _candidates_tied(table: GrowthIntervalTable) -> bool:
         return False
     skipped = [r.skipped_steps for r in rows]
     return len(set(skipped)) == 1 or (table.chosen is rows[-1] and skipped == sorted(skipped, reverse=True))
-
-
-def _schedule_words(kwargs: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
-    if table is None:
-        return (f" growth_interval={kwargs['growth_interval']} is GradScaler's default, not chosen from "
-                "data: this report has no per-step trace to replay.")
-    c = table.chosen
-    if _candidates_tied(table):
-        return (f" The replay cannot tell the growth_interval candidates {[r.growth_interval for r in table.rows]} "
-                f"apart on underflow: over {table.horizon} simulated steps they left "
-                f"{percent(min(r.mean_flushed_fraction or 0.0 for r in table.rows))} to "
-                f"{percent(max(r.mean_flushed_fraction or 0.0 for r in table.rows))} of values flushed, and the only skipped steps are growth "
-                f"probes that overflow ({c.skipped_steps} at growth_interval={c.growth_interval}, the longest "
-                "candidate, which probes least often). So the profile says: hold S; growth_interval is not a "
-                "measured optimum, and the profiled steps do not drift enough to choose a schedule (profile more "
-                f"steps of real training to see drift). {SIMULATION_CAVEAT}")
-    return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
-            f"{[r.growth_interval for r in table.rows]} over {table.horizon} simulated steps: it skipped "
-            f"{c.skipped_steps} step(s) ({percent(c.skipped_fraction)}) and left {percent(c.mean_flushed_fraction)} "
-            f"of values flushed, the fewest skipped steps among candidates within the threshold (or the "
-            f"least underflow when none is). {SIMULATION_CAVEAT}")
-
-
-def _kwargs_words(kwargs: Mapping[str, Any]) -> str:
-    k = int(math.log2(kwargs["init_scale"]))
-    return (f"GradScaler(init_scale=2.0**{k}, growth_factor={kwargs['growth_factor']}, "
-            f"backoff_factor={kwargs['backoff_factor']}, growth_interval={kwargs['growth_interval']})")
-
-
-_BACKOFF = ("If a later step overflows anyway, the scaler skips that one step and halves S, so training "
-            "cannot stall at a scale that overflows; do not hold S fixed by skipping steps without backing off.")
-
-
-def _limit_words(fmt: Format, ev: Mapping[str, Any], margin: int) -> str:
-    return (f"The largest gradient the loss scale multiplies ({magnitude(ev['max_abs'])}, "
-            f"{ev['ceiling_source']}) allows up to S = {power_of_two(ev['largest_safe_log2_scale'])}; S keeps "
-            f"{margin} bit(s) of headroom below that.")
-
-
-def _text_constant(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
-                   table: GrowthIntervalTable | None, tau: float) -> str:
-    return (
-        f"Use a loss scale of S = 2^{k} for {fmt.name}, applied through a scaler that backs off: "
-        f"{_kwargs_words(kwargs)}. At S = 1, {percent(ev['flushed_fraction_at_1'])} of the nonzero gradient "
-        f"values flush to zero{_by_kind_words(ev, 0)}; at S = 2^{k}, {percent(ev['flushed_fraction_at_scale'])} "
-        f"do (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')} and {ev['overflow_steps_at_scale']} of "
-        f"{ev['profiled_steps']} profiled steps {_overflow_words(fmt)}. {_limit_words(fmt, ev, margin)} "
-        f"{_BACKOFF} GradScaler starts at S and probes upward only every growth_interval steps."
-        f"{_schedule_words(kwargs, table)} {CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} "
-        f"{DEFAULTS_STANDING}"
-    )
-
-
-def _text_dynamic(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
-                  table: GrowthIntervalTable | None, tau: float) -> str:
-    caveat = ""
-    if ev.get("simulated_meets_threshold") is False:
-        caveat = (f" In the replay no candidate schedule got the flushed share down to {percent(tau)}: "
-                  "with the profiled steps in random order, a scale that follows the range only "
-                  "catches slow drift, not jumps from one step to the next; if your range jumps "
-                  "like this, per-tensor scaling or bf16 is the sturdier fix.")
-    return (
-        f"Use a dynamic loss-scale schedule for {fmt.name}: {_kwargs_words(kwargs)}. The largest "
-        f"gradient moves over the profile by {bits(ev.get('per_step_max_range_bits', 0.0))} bits from step to "
-        f"step, more than one constant scale absorbs: the constant S = 2^{k} that no profiled step "
-        f"overflows at (with {margin} bit(s) of margin) leaves {percent(ev['flushed_fraction_at_scale'])} of "
-        f"the nonzero values flushed (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')}, while a scale fitted to "
-        f"each step leaves {percent(ev['per_step_scale_flushed_fraction'])}. At S = 1, "
-        f"{percent(ev['flushed_fraction_at_1'])} flush. init_scale = 2^{k} comes from the data: the largest power "
-        f"of two, less the margin, at which no profiled step overflows, so the schedule starts without skipped "
-        f"steps. {_BACKOFF}{_schedule_words(kwargs, table)}{caveat} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM}{_bf16_surprise(fmt)} {DEFAULTS_STANDING}"
-    )
-
-
-def _text_no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kwargs: Mapping[str, Any],
-                          table: GrowthIntervalTable | None, tau: float) -> str:
-    limiting = ", ".join(f"{n} (max 2^{lg:.1f})" for n, lg, _ in ev.get("limiting_modules", [])) or "none"
-    flushing = ", ".join(f"{n} ({percent(f)})" for n, f in ev.get("flushing_modules_at_scale", [])) or "none"
-    needed = ev.get("needed_span_bits")
-    needed_words = "" if needed is None else f" The values that matter span {bits(needed)} bits;"
-    return (
-        f"No single loss scale fits {fmt.name}. What to do: train in bf16 (fp32's exponent range); keep the "
-        f"layers that flush the most in fp32; or scale per layer or per tensor, as FP8 recipes do."
-        f"{needed_words} {fmt.name} holds about "
-        f"{bits(ev['format_span_bits'])} bits between its flush threshold and its max (less {margin} bit(s) of "
-        f"margin). The best constant, S = 2^{k}, still leaves {percent(ev['flushed_fraction_at_scale'])} of the "
-        f"nonzero values flushed (threshold {percent(tau)}{_by_kind_words(ev, k, '; ', ')')}, and even a scale fitted to "
-        f"each profiled step leaves {percent(ev['per_step_scale_flushed_fraction'])}. The ceiling on S is set by: "
-        f"{limiting}. The most values flush in: {flushing}. If you keep one "
-        f"scale, the least bad is {_kwargs_words(kwargs)}. {_BACKOFF}{_schedule_words(kwargs, table)} "
-        f"{CONSTANT_RULE} {UNDERFLOW_MECHANISM} {DEFAULTS_STANDING}"
-    )
-
-
-_TEXTS = {Verdict.CONSTANT: _text_constant, Verdict.DYNAMIC: _text_dynamic,
-          Verdict.NO_SINGLE_SCALE: _text_no_single_scale}
 
 
 # -- the forward pass and the loss's dtype (fp16probe.analysis.forward) ----------------------
@@ -783,21 +601,19 @@ def _loss_capped(m: "_Measured", fmt: Format, rec: Recommendation) -> Recommenda
     assert k is not None
     ev: Evidence = dict(rec.evidence)  # type: ignore[assignment]
     ev["log2_scale_without_loss_cap"] = k
+    ev["before_loss_cap"] = {key: ev[key] for key in (
+        "flushed_fraction_at_scale", "subnormal_fraction_at_scale", "overflow_steps_at_scale", "by_kind",
+        "largest_safe_log2_scale") if key in ev}
     ev.update(_at_scale(m, fmt, cap))
     k_max = ev.get("largest_safe_log2_scale")
     if k_max is not None:
         ev["largest_safe_log2_scale"] = min(int(k_max), cap)
     kwargs = dict(rec.grad_scaler_kwargs)
     kwargs["init_scale"] = math.ldexp(1.0, cap)
-    text = (f"{rec.text} The loss is computed in fp16 in the target run, so its seed gradient S must stay below "
-            f"65520: S is capped at 2^{cap} (it would be 2^{k} with the loss in fp32: compute it as "
-            f"loss_fn(output.float(), target)); at 2^{cap}, {percent(ev['flushed_fraction_at_scale'])} of the "
-            "nonzero gradient values flush.")
-    text = text.replace(f"init_scale=2.0**{k}", f"init_scale=2.0**{cap}")
     return dataclasses.replace(
         rec, log2_scale=cap, scale=math.ldexp(1.0, cap), grad_scaler_kwargs=kwargs,
         flushed_fraction_at_scale=ev["flushed_fraction_at_scale"], overflow_steps_at_scale=ev["overflow_steps_at_scale"],
-        headroom_bits=None if k_max is None else min(int(k_max), cap) - cap, evidence=ev, text=text)
+        headroom_bits=None if k_max is None else min(int(k_max), cap) - cap, evidence=ev)
 
 
 def fix_modules(ff: ForwardFindings, verdict: Verdict) -> list[str]:
@@ -828,40 +644,11 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
     code = _fix_code(modules, ff.target if ff.target in ("cuda", "cpu") else "cuda")
     ev["fix_code"] = code
     ev["fix_modules"] = modules
-    where = fp16_run(ff.regime, ff.target)
-    after = (f"Once the forward is fixed, the gradients alone give: {inner.verdict.value}"
-             + (f" at S = 2^{inner.log2_scale}" if inner.log2_scale not in (None, 0) else "") + ".")
-    keep = (f"Keep {', '.join(modules[:5])}{', ...' if len(modules) > 5 else ''} in fp32 (autocast off inside, "
-            f"fp32 inputs: {code}; for a Hugging Face model loaded in fp16, list the same module names in "
-            "_keep_in_fp32_modules), or train in bf16, which has fp32's exponent range."
-            if modules else "The op runs in the model's top-level forward: compute it in fp32 there "
-            "(torch.autocast(device_type, enabled=False) around it, with .float() inputs), or train in bf16.")
     rows = ff.overflowing if verdict is Verdict.FORWARD_OVERFLOW else ff.flushing
-    top = [t.name for t in rows if t.module == "(model)"]
-    if modules and top:
-        keep += (f" {', '.join(top[:3])} run{'s' if len(top) == 1 else ''} in the model's own forward, outside any "
-                 "submodule: compute that in fp32 there too (torch.autocast(device_type, enabled=False), .float() "
-                 "inputs).")
-    if verdict is Verdict.FORWARD_OVERFLOW:
-        first = ff.overflowing[0]
-        size = ("held inf/NaN" if first.max_abs is None or math.isinf(first.max_abs)
-                else f"reached {magnitude(first.max_abs)}, {bits(-(first.headroom_bits or 0.0))} bits past fp16's max "
-                     "(65504)")
-        text = (f"The forward pass overflows fp16 under {where}: {first.name} ({first.role}) {size} at step "
-                f"{first.first_overflow_step}, and {len(ff.overflowing)} fp16 tensor(s) in all pass 65504. In fp16 "
-                "those values become inf, and the loss NaN, at every loss scale: a loss scale acts on backward only, "
-                f"so no GradScaler setting fixes this. {keep} {after} "
-                f"(Forward values traced op by op: {ff.tensors} fp16 tensors measured.)")
-    else:
-        worst = ff.flushing[0]
-        text = (f"The forward pass loses values to fp16 underflow under {where}: {percent(worst.flushed_fraction)} of "
-                f"the nonzero values of {worst.name} ({worst.role}) flush to zero (threshold "
-                f"{percent(th['max_flushed_fraction'])}), and {len(ff.flushing)} fp16 tensor(s) flush more than "
-                "the threshold. A loss scale multiplies gradients, not forward values, so no S brings them back; a "
-                "layer whose input flushes also loses that part of its weight gradient at every S. "
-                f"{keep} Or rescale the values (the op that makes them this small) into fp16's range. {after}")
-    text += (f" Mixed-precision training keeps such ops in fp32 for this reason: fp16 holds magnitudes from 2^-24 to "
-             f"65504 only ({PAPER}).")
+    ev["fix_top_level"] = [t.name for t in rows if t.module == "(model)"][:3]
+    ev["forward_overflow_count"] = len(ff.overflowing)
+    ev["forward_flushing_count"] = len(ff.flushing)
+    ev["forward_tensors"] = ff.tensors
     caveats = inner.caveats
     if verdict is Verdict.FORWARD_OVERFLOW:  # the inf came from the forward, not from the scale in force
         caveats = tuple(c for c in caveats if c.code != "scale_induced_overflow")
@@ -869,5 +656,5 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
         verdict=verdict, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
         flushed_fraction_at_1=inner.flushed_fraction_at_1, flushed_fraction_at_scale=None,
         overflow_steps_at_scale=None, headroom_bits=None, worst_modules=inner.worst_modules, evidence=ev,
-        thresholds=th, citations=(CITATION_PAPER,), text=text, kind=inner.kind, caveats=caveats,
+        thresholds=th, citations=(CITATION_PAPER,), kind=inner.kind, caveats=caveats,
     )

@@ -15,12 +15,11 @@ from typing import Any
 
 from fp16probe.analysis.ceiling import run_format
 from fp16probe.analysis.whatif import fraction, kinds_of
-from fp16probe.formatting import count, percent
 from fp16probe.histogram import Histogram
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 
-__all__ = ["SCALE_TOLERANCE_LOG2", "checked_scale", "discarded_reruns", "pending_words", "reference", "scale_check",
+__all__ = ["SCALE_TOLERANCE_LOG2", "checked_scale", "discarded_reruns", "pending", "reference", "scale_check",
            "with_reference", "zero_split"]
 
 
@@ -84,21 +83,15 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
     runs = report.shadow_runs
     next_step = None if runs is None else runs.next_step
     ev = dict(rec.evidence)
-    ev["reference"] = "fp32 shadow reruns of the live run"
+    ev["reference"] = "fp32_shadow_reruns"
     ev["shadow_steps"] = steps
     ev["shadow_next_step"] = next_step
+    ev["live_precision"] = str(report.metadata.precision)
     split = zero_split(report, kind)
-    words = (f"Judged on {len(steps)} fp32 rerun(s) of this run's own steps ({_steps_words(steps)}): the same "
-             f"batch, weights and random state in fp32, the reference for the live {report.metadata.precision} "
-             f"run.")
     if split is not None:
         for key in ("live_zero_values", "structural_zero_values", "flushed_in_live_run",
                     "flushed_fraction_in_live_run"):
             ev[key] = split[key]
-        words += (f" Of the live run's {count(split['live_zero_values'])} zero gradient values on those steps, "
-                  f"{count(split['structural_zero_values'])} are zero in fp32 too (structural) and "
-                  f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
-                  f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
     caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": next_step}),)
     discarded = discarded_reruns(report)
     if discarded:
@@ -110,7 +103,7 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
     if one is not None:  # fp16probe schedule advises other moves: say why, and which to paste
         ev["one_answer"] = one
         caveats += (Caveat("schedule_differs", one),)
-    return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
+    return replace(rec, evidence=ev, caveats=caveats)  # type: ignore[arg-type]
 
 
 def _one_answer(report: Report, rec: Recommendation, kind: str) -> dict[str, Any] | None:
@@ -133,29 +126,20 @@ def discarded_reruns(report: Report) -> list[dict[str, Any]]:
     return [] if report.shadow_runs is None else [dict(d) for d in report.shadow_runs.discarded]
 
 
-def pending_words(report: Report) -> str:
-    """For a live fp16/bf16 report with no shadow yet: why, and when one comes ("" when not applicable)."""
+def pending(report: Report) -> dict[str, Any] | None:
+    """For a live fp16/bf16 report with no shadow yet: why (``off``, or ``discarded`` with the ``first``), or when one comes.
+
+    None when not applicable (an fp32 report, or one already judged on its reruns).
+    """
     runs = report.shadow_runs
     if runs is None or report.shadow is not None or run_format(str(report.metadata.precision)) is None:
-        return ""
+        return None
     if runs.off:
-        return f" No fp32 shadow rerun could run: {runs.off}."
+        return {"off": runs.off}
     discarded = discarded_reruns(report)
     if discarded:
-        d = discarded[0]
-        return (f" {len(discarded)} shadow rerun(s) were discarded, none judged: they did not run in fp32 (at step "
-                f"{d['step']}, {d['module']} returned {d['dtype']} with every autocast disabled; something in the "
-                "forward casts to low precision itself), so there is no fp32 reference for this run; profile it in "
-                "fp32 with fp16probe.profile.")
-    nxt = runs.next_step
-    when = f"the first comes at step {nxt}" if nxt is not None else "none is scheduled"
-    return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={runs.every}); the report after "
-            "it carries a verdict.")
-
-
-def _steps_words(steps: list[int]) -> str:
-    shown = ", ".join(str(s) for s in steps[:8])
-    return f"step {shown}" if len(steps) == 1 else f"steps {shown}{', ...' if len(steps) > 8 else ''}"
+        return {"discarded": len(discarded), "first": discarded[0]}
+    return {"next_step": runs.next_step, "every": runs.every}
 
 
 
@@ -217,16 +201,9 @@ def checked_scale(report: Report, rec: Recommendation) -> Recommendation:
     ev["insufficient_reason"] = "scale_not_carried"
     ev["fp32_reference_log2_scale"] = rec.log2_scale
     ratio = check["log2_ratio"]
-    claimed = ", ".join(f"2^{math.log2(c):g}" if c > 0 else "0" for c in check["claimed_scales"])
-    text = (f"No verdict for {rec.format}: the gradients do not carry the loss scale the scaler reports. On "
-            f"{len(check['steps'])} rerun step(s), the live gradients divided by the reported scale ({claimed}) are "
-            f"2^{ratio:.1f} times the fp32 rerun's (median over {check['tensors']} tensors): the backward applied "
-            f"about 2^{ratio:.1f} times the reported scale. Every live figure here is off by that factor; check how "
-            "the loss is scaled (the scaler's scale() must be what backward runs on) before trusting any loss-scale "
-            "advice.")
     caveats = rec.caveats + (Caveat("scale_not_carried", {"log2_ratio": ratio, "claimed_scales": check["claimed_scales"],
                                                           "steps": check["steps"]}),)
     return replace(rec, verdict=Verdict.INSUFFICIENT_EVIDENCE, log2_scale=None, scale=None,
                    grad_scaler_kwargs={}, flushed_fraction_at_scale=None, overflow_steps_at_scale=None,
-                   headroom_bits=None, worst_modules=(), growth_interval_table=None, evidence=ev, text=text,  # type: ignore[arg-type]
+                   headroom_bits=None, worst_modules=(), growth_interval_table=None, evidence=ev,  # type: ignore[arg-type]
                    caveats=caveats)

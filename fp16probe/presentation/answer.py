@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fp16probe import formatting as num
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
+from fp16probe.presentation.verdict import insufficient_why
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.verification import Verification
@@ -350,8 +351,7 @@ def _verdict_sentence(rec: Recommendation) -> str:
                     f"{where}")
         return head
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
-        why = re.split(r"(?<=[.;])\s", rec.text.removeprefix(f"No verdict for {rec.format}: "))[0]
-        return f"{head}: {why.rstrip('.;')} (--explain says what to do)"
+        return f"{head}: {insufficient_why(rec)} (--explain says what to do)"
     return head
 
 
