@@ -18,12 +18,15 @@ import tempfile
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, get_args
 
 import typer
 import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError
+
+if TYPE_CHECKING:
+    from fp16probe.blockadvice import BlockAdvice
 
 
 class _Deferred:
@@ -228,9 +231,9 @@ def _stored_format(report: Report) -> str:
     """The format a report was made for: its recommendation's, its scaled-format advice's, else its precision's."""
     from fp16probe.analysis.recommend import target_of
 
-    advice = report.metadata.extra.get("block_advice")
-    if report.recommendation is None and isinstance(advice, dict) and advice.get("format") in BLOCK_FORMAT_NAMES:
-        return str(advice["format"])
+    advice = report.block_advice
+    if report.recommendation is None and advice is not None and advice.format in BLOCK_FORMAT_NAMES:
+        return advice.format
     return target_of(report)[0]
 
 
@@ -404,12 +407,9 @@ def _report_out(console: Any, report: Report, request: Any, out: Path, *, json_o
                           kind=request.kind)
     if json_out:
         sys.stdout.write(report.to_json() + "\n")
-    elif report.recommendation is None and "block_advice" in report.metadata.extra:  # MXFP8, NVFP4: per layer only
-        render.print_block_advice(console, report, out=str(out))
     else:
-        render.print_summary(console, report, report.recommendation, kind=request.kind, explain=explain, out=str(out))
-        if "block_advice" in report.metadata.extra:
-            render.print_block_advice(console, report, header=False)
+        render.print_answers(console, report, report.recommendation, report.block_advice, kind=request.kind,
+                             explain=explain, out=str(out))
 
 
 def _save_figures(report: Report, path: Path, **options: Any) -> None:
@@ -433,7 +433,7 @@ def _save_figures(report: Report, path: Path, **options: Any) -> None:
 
 def _exit_code(report: Report) -> int:
     """0 for a whole run; the interruption's code for a partial one; 1 when a verification did not hold."""
-    stopped = report.metadata.extra.get("stopped")
+    stopped = None if report.workload is None else report.workload.stopped
     codes = {"interrupted": EXIT_INTERRUPTED, "terminated": EXIT_TERMINATED, "hangup": EXIT_HANGUP}
     if stopped in codes:
         return codes[stopped]
@@ -485,25 +485,21 @@ def show(
         r = Report.load(report)
         wanted = format or _stored_format(r)
         advice = _block_advice(r, wanted, recipe)
-        if wanted in BLOCK_FORMAT_NAMES:  # no loss scale to analyse: the per-layer answer alone
-            if json_out:
-                sys.stdout.write(json.dumps(advice, indent=2, allow_nan=False) + "\n")
-            else:
-                render.print_block_advice(console, r, advice=advice)
-            return
-        fmt, knd, rec = _judged(r, wanted, kind)
+        rec = None
+        if wanted not in BLOCK_FORMAT_NAMES:  # MXFP8, NVFP4: no loss scale to analyse, the per-layer answer alone
+            fmt, knd, rec = _judged(r, wanted, kind)
         if json_out:
-            data = _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report))
-            if advice is not None:
-                data["block_advice"] = advice
+            data = (advice.to_dict() if rec is None and advice is not None
+                    else _show_data(r, rec, fmt=fmt, kind=knd, top=top, source=str(report)))
+            if rec is not None and advice is not None:
+                data["block_advice"] = advice.to_dict()
             sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
         else:
-            render.print_summary(console, r, rec, kind=knd, top=top, distribution=True, explain=explain)
-            if advice is not None:
-                render.print_block_advice(console, r, header=False, advice=advice)
+            render.print_answers(console, r, rec, advice, kind=kind if rec is None else knd, top=top,
+                                 distribution=True, explain=explain)
 
 
-def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[dict[str, Any]]:
+def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional["BlockAdvice"]:
     """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
     from fp16probe.analysis.blockformats import advise
     from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
@@ -517,7 +513,7 @@ def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[d
         if fmt in BLOCK_FORMAT_NAMES:
             raise InputError(f"this report has no scaled-format statistics: profile with --format {fmt}")
         return None  # an fp8 report made without them: the histogram analysis alone, as before
-    return advise(stats, fmt, recipe).to_dict()
+    return advise(stats, fmt, recipe)
 
 
 def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, source: str) -> dict[str, Any]:

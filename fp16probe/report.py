@@ -21,7 +21,17 @@ from fp16probe.histogram import Histogram
 from fp16probe.blockscale import BlockStats
 from fp16probe.reading import read_report_text
 from fp16probe.recommendation import Recommendation
-from fp16probe.sections import SECTIONS, CaptureNotes, ForwardSection, ShadowRuns, register_section, split_legacy_extra
+from fp16probe.blockadvice import BlockAdvice
+from fp16probe.sections import (
+    SECTIONS,
+    CaptureNotes,
+    ForwardSection,
+    ShadowRuns,
+    Workload,
+    register_section,
+    split_legacy_extra,
+    split_workload,
+)
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -215,45 +225,13 @@ def _fromjson_float(v: Any) -> float | None:
 
 
 class MetadataExtra(TypedDict, total=False):
-    """The keys fp16probe writes into ``Metadata.extra`` (free-form JSON; each appears only where it applies).
+    """``Metadata.extra`` is the user's own metadata (free-form JSON): the package writes no key there.
 
-    What a collector measured is not here: it is a typed section of the Report (:mod:`fp16probe.sections`).
-
-    A documentation type: ``Metadata.extra`` stays a plain mapping so that reports from newer
-    versions, and keys a user adds, still load.
+    What a collector measured is a typed section of the Report (:mod:`fp16probe.sections`), what
+    was profiled and how the run went its :class:`~fp16probe.sections.Workload`. Reports from
+    older versions kept those in ``extra``; they move into their sections when the file loads.
+    A documentation type: ``Metadata.extra`` stays a plain mapping so that keys a user adds load.
     """
-
-    # the workload (running.profile and the CLI)
-    model_kind: str  # how the model was loaded: import string, Hugging Face folder, archive, demo
-    model_source: str
-    family: str  # the model family whose synthetic inputs and loss were used
-    inputs: str  # where the batches came from
-    inputs_synthetic: bool
-    loss: str  # the loss as computed
-    loss_synthetic: bool
-    labels: str  # invented labels, when the loss needed some
-    stand_in: str  # one line saying what was made up for this run
-    optimizer: dict[str, Any] | None  # {"name", "lr"} when the run trained
-    loss_scale: float | None  # the CLI's --loss-scale (the trace's scale is what was in force)
-    nonfinite_loss_steps: list[int]
-    steps_requested: int
-    notes: list[str]
-    stopped: str  # why the run stopped early (interrupt, SIGTERM, user error)
-    error: str
-    weight_update_loss: dict[str, Any]  # analysis.weight_updates.WeightUpdateLoss.to_dict() without parameters
-    batches_per_rank: str
-    # the training frameworks (integrations)
-    trainer: str
-    global_step: int
-    training_arguments: dict[str, Any]
-    loss_scaled: bool
-    grad_scaler_found_at: str
-    # merging the reports of ranks
-    hook_errors: int
-    weight_grad_merge: str  # how rank reports' weight gradients were merged
-    weight_grads_identical_across_ranks: bool
-    # scaled formats (FP8 recipes, MXFP8, NVFP4)
-    block_advice: dict[str, Any]  # fp16probe.analysis.blockformats.BlockAdvice.to_dict()
 
 
 @dataclass(frozen=True)
@@ -319,6 +297,8 @@ class Report:
     blocks: BlockStats | None = None  # scaled-format statistics (FP8, MXFP8, NVFP4)
     shadow_runs: ShadowRuns | None = None  # the reruns' schedule and cost
     capture: CaptureNotes | None = None  # what the capture noticed (silent modules, fp32 ops, errors)
+    workload: Workload | None = None  # what was profiled and how the run went (model, inputs, loss, notes, stop)
+    block_advice: BlockAdvice | None = None  # the scaled-format answer (FP8 recipes, MXFP8, NVFP4), per layer
     sections: Mapping[str, Any] = field(default_factory=dict)  # registered sections that are not fields
 
     # -- accessors -----------------------------------------------------------------
@@ -724,4 +704,21 @@ register_section("forward", ForwardSection.from_dict, builtin=True)
 register_section("blocks", BlockStats.from_dict, builtin=True)
 register_section("shadow_runs", ShadowRuns.from_dict, builtin=True)
 register_section("capture", CaptureNotes.from_dict, builtin=True)
+register_section("workload", Workload.from_dict, builtin=True)
+register_section("block_advice", BlockAdvice.from_dict, builtin=True)
+
+
+def with_workload(report: Report) -> Report:
+    """``report`` with the run's description moved out of ``metadata.extra`` into its :class:`Workload` section.
+
+    Called where a report is made from a caller's ``extra`` (``Probe.report``, and
+    ``capture.distributed.gather_report`` for a Report made elsewhere): ``metadata.extra`` then
+    holds the user's metadata only.
+    """
+    workload, user = split_workload(report.metadata.extra)
+    if workload is None and user == dict(report.metadata.extra):
+        return report
+    if workload is not None and report.workload is not None:
+        workload = Workload.from_dict({**report.workload.to_dict(), **workload.to_dict()})
+    return replace(report, workload=workload or report.workload, metadata=replace(report.metadata, extra=user))
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping
 
 from fp16probe.errors import ReportFieldError
 
-__all__ = ["SECTIONS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "register_section",
-           "split_legacy_extra"]
+__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "Workload",
+           "register_section", "split_legacy_extra", "split_workload"]
 
 
 def _json_float(v: float | None) -> float | str | None:
@@ -161,7 +161,10 @@ class CaptureNotes:
     ``scale_source``: where the loss scale was read from; ``granularity``: ``"module"`` or
     ``"op"``; ``trace_since_step``: the trace and history start at this step (a live window);
     ``scaler_settings``: the live GradScaler's growth and backoff settings; ``hook_errors``/
-    ``first_hook_error``: bookkeeping errors a hook noted and carried on from.
+    ``first_hook_error``: bookkeeping errors a hook noted and carried on from;
+    ``weight_grad_merge``: how the ranks' weight gradients were merged (``"replicated"``: one
+    rank's kept, ``"sharded"``: summed), with ``weight_grads_identical_across_ranks`` (None
+    when not compared); both None for one rank's report.
     """
 
     unrecorded_modules: tuple[str, ...] = ()
@@ -174,6 +177,8 @@ class CaptureNotes:
     scaler_settings: Mapping[str, Any] | None = None
     hook_errors: int = 0
     first_hook_error: str | None = None
+    weight_grad_merge: str | None = None
+    weight_grads_identical_across_ranks: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (only the fields that say something)."""
@@ -190,6 +195,9 @@ class CaptureNotes:
             d["scaler_settings"] = dict(self.scaler_settings)
         if self.hook_errors:
             d["hook_errors"] = self.hook_errors
+        if self.weight_grad_merge is not None:
+            d["weight_grad_merge"] = self.weight_grad_merge
+            d["weight_grads_identical_across_ranks"] = self.weight_grads_identical_across_ranks
         return d
 
     @classmethod
@@ -208,7 +216,103 @@ class CaptureNotes:
                              if "scaler_settings" in d else None),
             hook_errors=_typed(d, "hook_errors", path, (int,), "a count", 0, low=0),
             first_hook_error=_typed(d, "first_hook_error", path, (str,), "a string"),
+            weight_grad_merge=_typed(d, "weight_grad_merge", path, (str,), "replicated or sharded"),
+            weight_grads_identical_across_ranks=_typed(d, "weight_grads_identical_across_ranks", path,
+                                                       (bool, type(None)), "true, false or null"),
         )
+
+
+# The workload's fields: JSON type(s) and how a bad value is described. A field is absent (None) where it
+# does not apply; to_dict writes only the present ones.
+_STR, _INT, _BOOL, _FLOAT = ((str,), "a string"), ((int,), "an integer"), ((bool,), "true or false"), \
+    ((int, float), "a number")
+_LIST, _OBJ = ((list,), "a list"), ((dict,), "an object")
+WORKLOAD_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    # the model, its inputs and loss (running.profile and the CLI)
+    "model_kind": _STR, "model_source": _STR, "hf_class": _STR, "weights": _STR, "family": _STR,
+    "inputs": _STR, "inputs_synthetic": _BOOL, "loss": _STR, "loss_synthetic": _BOOL, "labels": _STR,
+    "stand_in": _STR, "optimizer": _OBJ, "loss_scale": _FLOAT, "batches_per_rank": _STR,
+    # how the run went
+    "steps_requested": _INT, "nonfinite_loss_steps": _LIST, "notes": _LIST, "stopped": _STR, "error": _STR,
+    "weight_update_loss": _OBJ, "verification_stopped": _STR, "ranks_in_report": _LIST, "rank_fault": _OBJ,
+    # the training frameworks (integrations)
+    "trainer": _STR, "global_step": _INT, "training_arguments": _OBJ, "trainer_settings": _OBJ, "loss_scaled": _BOOL,
+    "grad_scaler_found_at": _STR,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What was profiled and how the run went, as the package records it (``"workload"`` in JSON).
+
+    Every field is optional (None where it does not apply). Values are JSON data as written:
+    ``notes`` and ``nonfinite_loss_steps`` lists, ``optimizer`` (``{"name", "lr"}``),
+    ``weight_update_loss`` (``analysis.weight_updates.WeightUpdateLoss.to_dict()`` less its
+    parameters, with ``measured_on``) and ``training_arguments`` objects. ``metadata.extra``
+    keeps only the user's own metadata; an older report's workload keys there move here on load.
+    """
+
+    model_kind: str | None = None  # how the model was loaded: import string, Hugging Face folder, archive, demo
+    model_source: str | None = None
+    hf_class: str | None = None  # the transformers class a Hugging Face folder was loaded with
+    weights: str | None = None  # the weights file loaded into the model
+    family: str | None = None  # the model family whose synthetic inputs and loss were used
+    inputs: str | None = None  # where the batches came from
+    inputs_synthetic: bool | None = None
+    loss: str | None = None  # the loss as computed
+    loss_synthetic: bool | None = None
+    labels: str | None = None  # invented labels, when the loss needed some
+    stand_in: str | None = None  # one line saying what was made up for this run
+    optimizer: dict[str, Any] | None = None  # {"name", "lr"} when the run trained
+    loss_scale: float | None = None  # the CLI's --loss-scale (the trace's scale is what was in force)
+    batches_per_rank: str | None = None
+    steps_requested: int | None = None
+    nonfinite_loss_steps: list[int] | None = None
+    notes: list[str] | None = None
+    stopped: str | None = None  # why the run stopped early (interrupt, SIGTERM, user error)
+    error: str | None = None
+    weight_update_loss: dict[str, Any] | None = None
+    verification_stopped: str | None = None  # why --verify did not run to the end
+    ranks_in_report: list[int] | None = None  # the ranks whose steps the report holds, when not all
+    rank_fault: dict[str, Any] | None = None  # which rank stopped early, each rank's finished steps
+    trainer: str | None = None
+    global_step: int | None = None
+    training_arguments: dict[str, Any] | None = None  # Hugging Face's TrainingArguments that matter here
+    trainer_settings: dict[str, Any] | None = None  # Lightning's precision, accumulation and clipping
+    loss_scaled: bool | None = None
+    grad_scaler_found_at: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form: the fields that are present."""
+        return {k: getattr(self, k) for k in WORKLOAD_KEYS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "workload") -> "Workload":
+        """Build from JSON; a bad field raises ReportFieldError naming it (unknown keys are ignored)."""
+        d = _mapping(d, path)
+        kw = {k: _typed(d, k, path, types, expected) for k, (types, expected) in WORKLOAD_KEYS.items()}
+        for k in ("optimizer", "weight_update_loss", "training_arguments", "trainer_settings", "notes",
+                  "nonfinite_loss_steps", "ranks_in_report", "rank_fault"):
+            if kw[k] is not None:
+                kw[k] = type(kw[k])(kw[k])
+        return cls(**kw)
+
+
+def split_workload(extra: Mapping[str, Any]) -> tuple[Workload | None, dict[str, Any]]:
+    """Split ``metadata.extra`` as the package's callers fill it into (the Workload, the user's own keys).
+
+    The one place the run's description leaves ``metadata.extra``: ``report.with_workload`` calls it as
+    a report is made, ``Report.from_dict`` for an older file.
+    A present value of the wrong JSON type stays with the user's keys rather than fail the run.
+    """
+    picked = {k: v for k, v in extra.items() if k in WORKLOAD_KEYS and v is not None}
+    good: dict[str, Any] = {}
+    for k, v in picked.items():
+        types = WORKLOAD_KEYS[k][0]
+        if isinstance(v, types) and not (isinstance(v, bool) and bool not in types):
+            good[k] = v
+    rest = {k: v for k, v in extra.items() if k not in good and not (k in WORKLOAD_KEYS and v is None)}
+    return (Workload.from_dict(good) if good else None), rest
 
 
 @dataclass(frozen=True)
@@ -239,9 +343,10 @@ def unregister_section(key: str) -> None:
 
 # metadata.extra keys that older reports used for what are now sections (and metadata fields)
 _LEGACY_NOTES = ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "scale_source",
-                 "granularity", "trace_since_step", "scaler_settings", "hook_errors", "first_hook_error")
+                 "granularity", "trace_since_step", "scaler_settings", "hook_errors", "first_hook_error",
+                 "weight_grad_merge", "weight_grads_identical_across_ranks")
 LEGACY_KEYS = (*_LEGACY_NOTES, "weight_grad_sharding", "forward", "forward_max", "shadow", "block_formats",
-               "target", "regime")
+               "block_advice", "target", "regime")
 
 
 def split_legacy_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -250,10 +355,11 @@ def split_legacy_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
     The rest keeps the user's own keys; ``target`` and ``regime`` come back among the
     sections' JSON under ``"metadata"`` (they are metadata fields now).
     """
+    workload, user = split_workload(extra)
+    out: dict[str, Any] = {} if workload is None else {"workload": workload.to_dict()}
     if not any(k in extra for k in LEGACY_KEYS):
-        return {}, dict(extra)
-    rest = {k: v for k, v in extra.items() if k not in LEGACY_KEYS}
-    out: dict[str, Any] = {}
+        return out, user
+    rest = {k: v for k, v in user.items() if k not in LEGACY_KEYS}
     notes = {k: extra[k] for k in _LEGACY_NOTES if k in extra}
     if extra.get("weight_grad_sharding") == "sharded":
         notes["weight_grads_sharded"] = True
@@ -270,6 +376,8 @@ def split_legacy_extra(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
         out["shadow_runs"] = extra["shadow"]
     if "block_formats" in extra:
         out["blocks"] = extra["block_formats"]
+    if "block_advice" in extra:
+        out["block_advice"] = extra["block_advice"]
     meta = {k: extra[k] for k in ("target", "regime") if isinstance(extra.get(k), str)}
     if meta:
         out["metadata"] = meta

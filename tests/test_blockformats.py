@@ -18,6 +18,7 @@ from torch import nn
 
 from fp16probe import Probe
 from fp16probe.analysis.blockformats import RECIPES, advise, delayed_replay, parse_recipe
+from fp16probe.blockadvice import BlockAdvice
 from fp16probe.blockscale import (
     BLOCK_FORMATS,
     ELEMENTS,
@@ -221,8 +222,15 @@ def test_cli_profile_prints_the_per_layer_table_advice_and_code(cli_env, fmt):
     assert "lost: " in out and "advice:" in out and "TransformerEngine:" in out and "torchao:" in out
     assert ("MXFP8BlockScaling" if fmt.startswith("mx") else "NVFP4BlockScaling()") in out
     assert "arXiv 2506.08027" in out and "GradScaler(" not in out
-    advice = Report.load("r.json").metadata.extra["block_advice"]
-    assert advice["format"] == fmt and advice["layers"]
+    report = Report.load("r.json")
+    advice = report.block_advice
+    assert advice.format == fmt and advice.layers
+    assert "block_advice" not in report.metadata.extra
+    assert BlockAdvice.from_dict(advice.to_dict()) == advice  # the section reads back what it writes
+    # an older report kept the same JSON in metadata.extra: it loads into the section
+    old = report.to_dict()
+    old["metadata"]["extra"]["block_advice"] = old.pop("block_advice")
+    assert Report.from_dict(old).block_advice == advice
 
 
 def test_cli_fp8_prints_no_grad_scaler_line(cli_env):

@@ -46,7 +46,7 @@ def test_demo_profile_shows_underflow_recovered(tmp_path):
     assert at_1 > 0.2
     assert at_s < 0.1 * at_1
     assert not h.overflows("fp16", k)
-    assert report.metadata.extra["inputs_synthetic"] is False
+    assert report.workload.inputs_synthetic is False
 
 
 def test_default_out_and_summary(tmp_path):
@@ -61,8 +61,8 @@ def test_json_alone_on_stdout(tmp_path):
     data = json.loads(result.stdout)
     assert data["metadata"]["steps_seen"] == 2
     assert data["recommendation"]["format"] == "fp16"
-    assert data["metadata"]["extra"]["inputs_synthetic"] is True
-    assert data["metadata"]["extra"]["loss_synthetic"] is True
+    assert data["workload"]["inputs_synthetic"] is True
+    assert data["workload"]["loss_synthetic"] is True
     assert Report.load("r.json").to_dict() == data
 
 
@@ -79,7 +79,7 @@ def test_weights_change_the_measurement(tmp_path):
     plain = Report.load("plain.json").histogram("weight_grad").max_abs
     big = Report.load("big.json").histogram("weight_grad").max_abs
     assert big > 100 * plain
-    assert Report.load("big.json").metadata.extra["weights"] == "big.pt"
+    assert Report.load("big.json").workload.weights == "big.pt"
 
 
 def test_weights_safetensors_and_ckpt(tmp_path):
@@ -101,9 +101,9 @@ def test_export_archive(tmp_path):
     torch.export.save(ep, "m.pt2")
     ok("profile", "m.pt2", "--steps", "2", "--out", "r.json")
     report = Report.load("r.json")
-    assert report.metadata.extra["model_kind"] == "torch.export"
+    assert report.workload.model_kind == "torch.export"
     assert report.histogram("weight_grad").nonzero_finite > 0
-    assert "example inputs" in report.metadata.extra["inputs"]
+    assert "example inputs" in report.workload.inputs
 
 
 def test_pickled_module_needs_trust(tmp_path):
@@ -126,7 +126,7 @@ def test_huggingface_folder_token_ids(tmp_path):
     BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
     ok("profile", str(tmp_path / "bert"), "--input-shape", "2,8", "--input-dtype", "int64", "--steps", "1",
        "--out", "r.json")
-    extra = Report.load("r.json").metadata.extra
+    extra = Report.load("r.json").workload.to_dict()
     assert "2 sequences of 8 uniform random token ids in [0, 50)" in extra["inputs"]
     assert extra["loss"].startswith("the model's own loss: cross-entropy at the 15% masked positions")
     assert extra["loss_synthetic"] is True  # fp16probe drew the masked labels
@@ -140,8 +140,8 @@ def test_batches_loss_and_modules(tmp_path):
        "--steps", "3", "--modules", "fc*", "--out", "r.json")
     report = Report.load("r.json")
     assert report.metadata.hooked_modules == ("fc1", "fc2")
-    assert report.metadata.extra["inputs_synthetic"] is False
-    assert report.metadata.extra["loss_synthetic"] is False
+    assert report.workload.inputs_synthetic is False
+    assert report.workload.loss_synthetic is False
 
 
 def test_fp16_autocast_with_loss_scale_recovers(tmp_path):
@@ -180,7 +180,7 @@ def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
 def test_optimizer_trains(tmp_path):
     ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
        "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--out", "r.json")
-    assert Report.load("r.json").metadata.extra["optimizer"] == {"name": "sgd", "lr": 0.1}
+    assert Report.load("r.json").workload.optimizer == {"name": "sgd", "lr": 0.1}
 
 
 def test_training_reports_lost_weight_updates(tmp_path):
@@ -189,14 +189,14 @@ def test_training_reports_lost_weight_updates(tmp_path):
     fractions = {}
     for lr in ("1e-7", "0.1"):
         result = ok(*common, "--optimizer", "sgd", "--lr", lr, "--out", f"r{lr}.json")
-        wul = Report.load(f"r{lr}.json").metadata.extra["weight_update_loss"]
+        wul = Report.load(f"r{lr}.json").workload.weight_update_loss
         assert wul["format"] == "fp16" and 0 <= wul["lost"] <= wul["nonzero_updates"] <= wul["elements"]
         assert "weight updates" in result.stderr
         fractions[lr] = wul["lost_fraction"]
     # Updates 10^6 times smaller vanish against fp16 weights far more often.
     assert fractions["1e-7"] > 0.9 and fractions["0.1"] < fractions["1e-7"]
     ok(*common, "--out", "none.json")
-    assert "weight_update_loss" not in Report.load("none.json").metadata.extra
+    assert "weight_update_loss" not in Report.load("none.json").workload.to_dict()
 
 
 def test_ctrl_c_writes_partial_report(tmp_path):
@@ -211,7 +211,7 @@ def test_ctrl_c_writes_partial_report(tmp_path):
 def test_nan_loss_is_a_finding(tmp_path):
     ok("profile", "cli_models:TinyMLP", *TINY, "--loss", "cli_models:nan_loss", "--out", "r.json")
     report = Report.load("r.json")
-    assert report.metadata.extra["nonfinite_loss_steps"] == [0, 1]
+    assert report.workload.nonfinite_loss_steps == [0, 1]
     assert all(report.trace.found_inf)
 
 
@@ -219,7 +219,7 @@ def test_short_batches_note(tmp_path):
     ok("profile", "cli_models:TinyMLP", "--batches", "cli_models:two_batches", "--steps", "5", "--out", "r.json")
     report = Report.load("r.json")
     assert report.metadata.steps_seen == 2
-    assert any("ran out" in n for n in report.metadata.extra["notes"])
+    assert any("ran out" in n for n in report.workload.notes)
 
 
 def test_never_overwrites_an_input(tmp_path):

@@ -66,7 +66,7 @@ def test_user_code_failing_is_the_models_fault_and_keeps_the_steps_before(model,
     else:
         report = Report.load("r.json")
         assert report.metadata.partial and report.metadata.steps_seen == steps_kept
-        assert report.metadata.extra["stopped"] == "error"
+        assert report.workload.stopped == "error"
 
 
 @pytest.mark.parametrize("stop,code,what", [
@@ -94,7 +94,7 @@ def test_sigterm_writes_a_partial_report_and_exits_143(tmp_path):
     assert proc.returncode == EXIT_TERMINATED == 143, proc.stderr
     report = Report.load(tmp_path / "r.json")
     assert report.metadata.partial and report.metadata.steps_seen == 2
-    assert report.metadata.extra["stopped"] == "terminated"
+    assert report.workload.stopped == "terminated"
 
 
 def test_plot_that_fails_mid_write_keeps_the_old_figure(monkeypatch):

@@ -49,7 +49,7 @@ def test_import_string_with_weights_and_json(tmp_path):
     run = fp16probe("profile", "cli_models:TinyMLP", "--weights", "w.pt", "--input-shape", "4,8",
                     "--steps", "2", "--json", "--out", "r.json", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)["metadata"]["extra"]["weights"] == "w.pt"
+    assert json.loads(run.stdout)["workload"]["weights"] == "w.pt"
 
 
 def test_export_archive_and_pickle_refusal(tmp_path):
@@ -80,7 +80,7 @@ def test_huggingface_gpt2_folder(tmp_path):
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
     run = fp16probe("profile", "gpt2", "--steps", "1", "--out", "r.json", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    extra = json.loads((tmp_path / "r.json").read_text())["metadata"]["extra"]
+    extra = json.loads((tmp_path / "r.json").read_text())["workload"]
     assert "token ids in [0, 101)" in extra["inputs"]
     assert extra["loss"].startswith("the model's own loss: cross-entropy of each next token")
     assert extra["family"] == "causal_lm" and extra["loss_synthetic"] is True

@@ -183,3 +183,39 @@ def test_an_older_report_file_loads_its_results_into_the_sections(tmp_path):
     assert loaded.forward == report.forward and loaded.shadow_runs == report.shadow_runs
     assert loaded.capture == report.capture and loaded.metadata == report.metadata
     assert loaded.to_dict() == new
+
+
+def test_the_package_writes_no_metadata_extra_key_and_an_older_files_workload_loads(tmp_path):
+    """The run's description is the workload section; metadata.extra is the user's alone, in old files too."""
+    from fp16probe.running.profile import profile_request
+    from fp16probe.running.request import ProfileRequest
+
+    report = profile_request(ProfileRequest(steps=2, extra={"mine": 1}))  # the demo
+    assert dict(report.metadata.extra) == {"mine": 1}
+    work = report.workload
+    assert work is not None and work.model_kind and work.inputs and work.loss and work.steps_requested == 2
+    assert report.to_dict()["workload"] == work.to_dict()
+    # an older file kept the same keys in metadata.extra: they load into the section, the user's stay
+    old = report.to_dict()
+    old["metadata"]["extra"].update(old.pop("workload"))
+    old["metadata"]["extra"].update({k: v for k, v in old.pop("capture").items() if k != "granularity"})
+    old["metadata"]["extra"]["weight_grad_merge"] = "replicated"
+    old["metadata"]["extra"]["weight_grads_identical_across_ranks"] = True
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = Report.load(tmp_path / "old.json")
+    assert loaded.workload == work and dict(loaded.metadata.extra) == {"mine": 1}
+    assert loaded.capture.weight_grad_merge == "replicated" and loaded.capture.weight_grads_identical_across_ranks
+
+
+def test_a_version_1_file_keeps_its_words_and_its_workload():
+    """The first version's file: its stored verdict text shows as stored; its workload keys load as the section."""
+    from pathlib import Path
+
+    from fp16probe.presentation.verdict import verdict_text
+
+    path = Path(__file__).parent / "data" / "report-v1-demo.json"
+    stored = json.loads(path.read_text())
+    report = Report.load(path)
+    assert report.recommendation.text == stored["recommendation"]["text"] == verdict_text(report.recommendation)
+    assert report.workload.to_dict() == {k: v for k, v in stored["metadata"]["extra"].items() if v is not None}
+    assert dict(report.metadata.extra) == {}

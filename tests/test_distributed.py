@@ -47,18 +47,18 @@ def test_merge_sums_activation_grads_and_keeps_replicated_weight_grads_once():
     assert merged.trace.histograms["weight_grad"][0].total == 4
     assert merged.trace.module_max["activation_grad"]["fc"] == (2.0**-5,)
     assert merged.metadata.world_size == 2
-    assert merged.metadata.extra["weight_grad_merge"] == "replicated"
+    assert merged.capture.weight_grad_merge == "replicated"
 
 
 def test_merge_sums_sharded_weight_grads():
     r0 = _report({-20: 1}, {-30: 4})
     r1 = _report({-20: 1}, {-31: 4})
     auto = merge_rank_reports([r0, r1])
-    assert auto.metadata.extra["weight_grad_merge"] == "sharded"
+    assert auto.capture.weight_grad_merge == "sharded"
     assert auto.module("fc.weight", "weight_grad").histogram == Histogram.from_values({-30: 4, -31: 4})
     forced = merge_rank_reports([r0, r1], weight_grads="replicated")
     assert forced.module("fc.weight", "weight_grad").histogram == Histogram.from_values({-30: 4})
-    assert forced.metadata.extra["weight_grads_identical_across_ranks"] is False
+    assert forced.capture.weight_grads_identical_across_ranks is False
 
 
 def test_merge_flags_inf_from_any_rank_and_refuses_misaligned_steps():
@@ -138,7 +138,7 @@ def test_torchrun_two_ranks_merge_equals_single_process(tmp_path):
     assert merged.trace.module_max["activation_grad"] == ref_act.trace.module_max["activation_grad"]
     # weight gradients were read after the all-reduce: the same on both ranks, counted once
     assert rank0.modules_of("weight_grad") == rank1.modules_of("weight_grad")
-    assert merged.metadata.extra["weight_grad_merge"] == "replicated"
+    assert merged.capture.weight_grad_merge == "replicated"
     for m in ref_weight.modules_of("weight_grad"):
         assert merged.module(m.name, "weight_grad").histogram == m.histogram
     assert merged.trace.histograms["weight_grad"] == ref_weight.trace.histograms["weight_grad"]

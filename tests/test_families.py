@@ -58,7 +58,7 @@ def profile(*args: str) -> Report:
 
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_hf_family_runs_with_no_flags_on_its_own_loss(hf_folders, family):
-    extra = profile(hf_folders[family]).metadata.extra
+    extra = profile(hf_folders[family]).workload.to_dict()
     loss_words, label_words = EXPECTED[family]
     assert extra["family"] == family.removesuffix("_gpt2")
     assert extra["loss"].startswith("the model's own loss: ")
@@ -71,25 +71,25 @@ def test_hf_family_runs_with_no_flags_on_its_own_loss(hf_folders, family):
 
 def test_seq2seq_t5_gets_decoder_inputs(hf_folders):
     """A T5 used to fail with advice to change --input-shape; now it trains on teacher-forced targets."""
-    extra = profile(hf_folders["seq2seq_lm"]).metadata.extra
+    extra = profile(hf_folders["seq2seq_lm"]).workload.to_dict()
     assert "target sequences" in extra["inputs"]
 
 
 def test_gpt2_classifier_gets_a_pad_id(hf_folders):
-    extra = profile(hf_folders["sequence_classification_gpt2"]).metadata.extra
+    extra = profile(hf_folders["sequence_classification_gpt2"]).workload.to_dict()
     assert any("pad_token_id" in n for n in extra["notes"])
     assert "[0, 96)" in extra["inputs"]  # the pad id 96 is never drawn
 
 
 def test_image_inputs_come_from_the_config(hf_folders):
-    assert "3x32x32 (pixel_values)" in profile(hf_folders["image_classification"]).metadata.extra["inputs"]
-    base = profile(hf_folders["hf_base_image"]).metadata.extra
+    assert "3x32x32 (pixel_values)" in profile(hf_folders["image_classification"]).workload.inputs
+    base = profile(hf_folders["hf_base_image"]).workload.to_dict()
     assert "1x32x32 (pixel_values)" in base["inputs"]  # num_channels=1 in this config
 
 
 @pytest.mark.parametrize("family", ["hf_base_text", "hf_base_image"])
 def test_base_model_keeps_the_documented_default(hf_folders, family):
-    extra = profile(hf_folders[family]).metadata.extra
+    extra = profile(hf_folders[family]).workload.to_dict()
     assert extra["family"] == family
     assert extra["loss"] == "default: mean of squares of the model's floating-point outputs"
     assert extra["loss_synthetic"] is True
@@ -98,14 +98,14 @@ def test_base_model_keeps_the_documented_default(hf_folders, family):
 
 def test_labels_from_the_batches_are_not_synthetic(hf_folders):
     """The model's own .loss on labels the user's batches carry is the user's loss (it was recorded as synthetic)."""
-    extra = profile(hf_folders["causal_lm"], "--batches", "family_models:gpt2_batches").metadata.extra
+    extra = profile(hf_folders["causal_lm"], "--batches", "family_models:gpt2_batches").workload.to_dict()
     assert extra["loss"] == "the model's own output .loss, on the labels the batches carry"
     assert extra["loss_synthetic"] is False and extra["inputs_synthetic"] is False
     assert not extra.get("stand_in")
 
 
 def test_torchvision_style_classifier_trains_on_cross_entropy():
-    extra = profile("family_models:TinyResNet").metadata.extra
+    extra = profile("family_models:TinyResNet").workload.to_dict()
     assert "[4, 3, 224, 224]" in extra["inputs"] and "Conv2d(3, ...)" in extra["inputs"]
     assert extra["loss"].startswith("default for class logits [batch, 10]: cross-entropy")
     assert extra["loss_synthetic"] is True
@@ -113,20 +113,20 @@ def test_torchvision_style_classifier_trains_on_cross_entropy():
 
 
 def test_non_logits_output_keeps_mean_of_squares():
-    extra = profile("family_models:Regressor").metadata.extra
+    extra = profile("family_models:Regressor").workload.to_dict()
     assert "[8, 8]" in extra["inputs"] and "Linear(8, ...)" in extra["inputs"]
     assert extra["loss"] == "default: mean of squares of the model's floating-point outputs"
 
 
 def test_named_loss_with_and_without_targets():
-    invented = profile("family_models:MLPClassifier", "--loss", "cross_entropy").metadata.extra
+    invented = profile("family_models:MLPClassifier", "--loss", "cross_entropy").workload.to_dict()
     assert invented["loss"] == "--loss cross_entropy: cross-entropy of the logits against uniformly random class labels"
     assert invented["loss_synthetic"] is True
     given = profile("family_models:MLPClassifier", "--loss", "cross_entropy",
-                    "--batches", "family_models:classifier_batches").metadata.extra
+                    "--batches", "family_models:classifier_batches").workload.to_dict()
     assert given["loss"] == "--loss cross_entropy: cross-entropy of the logits against the batch's targets"
     assert given["loss_synthetic"] is False
-    mse = profile("family_models:Regressor", "--loss", "mse").metadata.extra
+    mse = profile("family_models:Regressor", "--loss", "mse").workload.to_dict()
     assert "zeros (the mean of squares)" in mse["loss"]
 
 
@@ -179,7 +179,7 @@ def test_loading_notes_are_printed_not_only_saved():
                                       "--out", "r.json"])
     assert result.exit_code == EXIT_OK, result.output
     assert "note: stripped the key prefix 'model.' from w.ckpt" in result.stderr
-    assert "stripped the key prefix 'model.' from w.ckpt" in Report.load("r.json").metadata.extra["notes"]
+    assert "stripped the key prefix 'model.' from w.ckpt" in Report.load("r.json").workload.notes
 
 
 def test_no_flag_runs_repeat_exactly(hf_folders):

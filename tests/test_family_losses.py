@@ -86,7 +86,7 @@ def test_the_segformer_verdict_holds_in_a_real_fp16_step(tmp_path):
     plan, batch = _batch(model)
     report = fp16probe.profile(model, batches=[batch] * 2, steps=2)
     rec = report.recommendation
-    assert report.metadata.extra["loss"].startswith("the model's own output .loss")
+    assert report.workload.loss.startswith("the model's own output .loss")
     assert rec.log2_scale is not None and rec.log2_scale > 0, rec
 
     reference = _grads(model, batch, scale=None)

@@ -89,7 +89,7 @@ def test_no_flushed_share_beside_not_enough_evidence():
 def test_the_default_loss_trains_on_the_batch_labels():
     batches = _labelled()
     report = fp16probe.profile(_mlp(), batches, steps=3)
-    extra = report.metadata.extra
+    extra = report.workload.to_dict()
     assert extra["loss_synthetic"] is False
     assert "labels" not in extra and "stand_in" not in extra
     assert "the batch's own labels" in extra["loss"]
@@ -103,7 +103,7 @@ def test_the_default_loss_fits_float_targets_by_mean_squared_error():
     batches = [(torch.randn(5, 8, generator=g), torch.randn(5, 3, generator=g)) for _ in range(2)]
     report = fp16probe.profile(_mlp(), batches, steps=2)
     mine = fp16probe.profile(_mlp(), batches, lambda out, b: F.mse_loss(out, b[1]), steps=2)
-    assert report.metadata.extra["loss_synthetic"] is False
+    assert report.workload.loss_synthetic is False
     assert [m.histogram for m in report.modules] == [m.histogram for m in mine.modules]
 
 

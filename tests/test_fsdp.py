@@ -18,16 +18,16 @@ from test_distributed import _reference, _report, _torchrun_two_ranks  # noqa: E
 
 def test_empty_weight_gradients_on_every_rank_are_not_called_identical():
     merged = merge_rank_reports([_report({-20: 1}, {}), _report({-21: 1}, {})])
-    assert merged.metadata.extra["weight_grads_identical_across_ranks"] is None
-    assert merged.metadata.extra["weight_grad_merge"] == "sharded"
+    assert merged.capture.weight_grads_identical_across_ranks is None
+    assert merged.capture.weight_grad_merge == "sharded"
 
 
 def test_a_rank_marked_sharded_is_summed_even_when_shards_look_alike():
     a, b = _report({-20: 1}, {-30: 4}), _report({-20: 1}, {-30: 4})
-    assert merge_rank_reports([a, b]).metadata.extra["weight_grad_merge"] == "replicated"
+    assert merge_rank_reports([a, b]).capture.weight_grad_merge == "replicated"
     sharded = [replace(r, capture=CaptureNotes(weight_grads_sharded=True)) for r in (a, b)]
     merged = merge_rank_reports(sharded)
-    assert merged.metadata.extra["weight_grad_merge"] == "sharded"
+    assert merged.capture.weight_grad_merge == "sharded"
     assert merged.histogram("weight_grad").total == 8
 
 
@@ -42,8 +42,8 @@ def test_fsdp2_two_gloo_ranks_give_the_single_process_weight_gradient_counts(tmp
     # each rank holds a shard: neither alone has every parameter's values
     n_params = sum(p.numel() for p in ddp_worker.make_model().parameters())
     assert 0 < rank0.histogram("weight_grad").total < n_params * ddp_worker.STEPS
-    assert merged.metadata.extra["weight_grad_merge"] == "sharded"
-    assert merged.metadata.extra["weight_grads_identical_across_ranks"] is False
+    assert merged.capture.weight_grad_merge == "sharded"
+    assert merged.capture.weight_grads_identical_across_ranks is False
     assert merged.histogram("weight_grad").total == n_params * ddp_worker.STEPS
     for m in ref_weight.modules_of("weight_grad"):
         assert merged.module(m.name, "weight_grad").histogram == m.histogram

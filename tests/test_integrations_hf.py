@@ -55,7 +55,7 @@ def test_real_trainer_run_writes_report_and_recommendation(tmp_path):
     assert report.recommendation is not None and report.recommendation == callback.report.recommendation
     assert (tmp_path / RECOMMENDATION_NAME).read_text().strip()
     assert report.metadata.steps_total == 4 and report.metadata.steps_seen == 2
-    assert report.metadata.extra["trainer"] == "transformers" and report.metadata.extra["global_step"] == 4
+    assert report.workload.trainer == "transformers" and report.workload.global_step == 4
     assert "transformer.h.0.attn.c_attn" in {m.name for m in report.modules_of("activation_grad")}
     assert report.histogram("activation_grad").nonzero_finite > 0
     weights = report.module("transformer.h.1.mlp.c_fc.weight", "weight_grad").histogram
@@ -105,10 +105,10 @@ def test_callback_unscales_with_a_real_grad_scaler(tmp_path, via):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     scaled, plain = run(scaler), run(None)
     assert scaled.metadata.grad_scaler and scaled.trace.scale == (2.0**12, 2.0**12)
-    assert scaled.metadata.extra["loss_scaled"] is True and not plain.metadata.extra["loss_scaled"]
-    assert scaled.metadata.extra["grad_scaler_found_at"] == f"{via}.scaler" if via == "optimizer" else (
-        scaled.metadata.extra["grad_scaler_found_at"] == "trainer.accelerator.scaler")
-    assert scaled.metadata.extra["training_arguments"] == {"fp16": True, "gradient_accumulation_steps": 1}
+    assert scaled.workload.loss_scaled is True and not plain.workload.loss_scaled
+    assert scaled.workload.grad_scaler_found_at == f"{via}.scaler" if via == "optimizer" else (
+        scaled.workload.grad_scaler_found_at == "trainer.accelerator.scaler")
+    assert scaled.workload.training_arguments == {"fp16": True, "gradient_accumulation_steps": 1}
     for kind in ("activation_grad", "weight_grad"):
         # a power-of-two scale and its reciprocal are exact: unscaled equals never scaled
         assert scaled.histogram(kind) == plain.histogram(kind)
@@ -141,11 +141,11 @@ def test_fp16_trainer_on_a_cpu_runs_with_the_callback_in_callbacks(tmp_path):
     trainer.train()
     report = Report.load(tmp_path / REPORT_NAME)
     assert REPORT_NAME == "fp16probe-report.json"  # the command line's default name too
-    assert report.metadata.steps_seen == 2 and report.metadata.extra["loss_scaled"] is False
+    assert report.metadata.steps_seen == 2 and report.workload.loss_scaled is False
     assert not report.metadata.grad_scaler
-    recorded = report.metadata.extra["training_arguments"]
+    recorded = report.workload.training_arguments
     assert recorded["fp16"] is True and recorded["bf16"] is False and recorded["gradient_accumulation_steps"] == 2
     assert report.histogram("activation_grad").nonzero_finite > 0
     # the run was fp32 whatever the arguments said, and the report says so beside its advice
     assert report.metadata.precision == "fp32"
-    assert any("TrainingArguments(fp16=True) had no effect" in n for n in report.metadata.extra["notes"])
+    assert any("TrainingArguments(fp16=True) had no effect" in n for n in report.workload.notes)

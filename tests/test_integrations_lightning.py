@@ -65,7 +65,7 @@ def test_real_fit_writes_report_and_recommendation(tmp_path):
     assert report.recommendation == callback.report.recommendation is not None
     assert (tmp_path / RECOMMENDATION_NAME).read_text().strip()
     assert report.metadata.steps_total == 4 and report.metadata.steps_seen == 2
-    extra = report.metadata.extra
+    extra = report.workload.to_dict()
     assert extra["trainer"] == "lightning" and extra["global_step"] == 4 and extra["loss_scaled"] is False
     assert extra["trainer_settings"]["accumulate_grad_batches"] == 1 and extra["trainer_settings"]["precision"]
     assert report.module("net.2").histogram.total == 2 * 4 * 32  # two sampled steps, batch 4
@@ -82,8 +82,8 @@ def test_16_mixed_with_a_real_grad_scaler_records_unscaled_gradients(tmp_path):
     assert lightning_scaler(trainer) is scaler
     report = callback.report
     assert report.metadata.grad_scaler and report.metadata.precision == "fp16-autocast"
-    assert report.metadata.extra["loss_scaled"] is True
-    assert report.metadata.extra["trainer_settings"]["precision"] == "16-mixed"
+    assert report.workload.loss_scaled is True
+    assert report.workload.trainer_settings["precision"] == "16-mixed"
     assert report.trace.scale == (2.0**10,) * 4
     assert len(seen) == 4
     # on_after_backward saw scaled gradients; the Probe recorded them divided by the scale

@@ -11,6 +11,7 @@ from fp16probe import Probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.integrations import RECOMMENDATION_NAME, REPORT_NAME, write_outputs
 from fp16probe.report import Report
+from fp16probe.sections import Workload
 
 
 def _report() -> Report:
@@ -22,9 +23,9 @@ def _report() -> Report:
             probe.step()
     report = probe.report()
     md = report.metadata
-    md = dataclasses.replace(md, extra={**md.extra, "notes": ["fp16=True had no effect: the run was on the CPU"]})
+    work = dataclasses.replace(report.workload or Workload(), notes=["fp16=True had no effect: the run was on the CPU"])
     # Judged for activation gradients alone: the analysis qualifies it with the narrowed-kind caveat.
-    return dataclasses.replace(report, metadata=md, recommendation=analyze(report, "fp16", kind="activation_grad"))
+    return dataclasses.replace(report, metadata=md, workload=work, recommendation=analyze(report, "fp16", kind="activation_grad"))
 
 
 def test_the_recommendation_file_carries_the_caveats_and_findings(tmp_path):

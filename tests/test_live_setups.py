@@ -215,7 +215,7 @@ def test_hf_trainer_in_its_gpu_set_up_gives_the_fp32_profiles_scale(tmp_path, fp
     callback = Fp16ProbeCallback(every=1)
     trainer.add_callback(callback)
     trainer.train()
-    assert callback.report.metadata.extra["grad_scaler_found_at"] == "optimizer.scaler"
+    assert callback.report.workload.grad_scaler_found_at == "optimizer.scaler"
     _check(callback.report, fp32_scale)
 
 

@@ -35,8 +35,8 @@ def test_profile_is_exported_and_returns_an_analysed_report():
     report = fp16probe.profile(nn.Linear(8, 4), tiny_batches(), mse, steps=3)
     assert report.metadata.steps_seen == 3 and not report.metadata.partial
     assert report.recommendation is not None and report.recommendation.log2_scale is not None
-    assert report.metadata.extra["loss"] == "mse" and report.metadata.extra["loss_synthetic"] is False
-    assert report.metadata.extra["steps_requested"] == 3
+    assert report.workload.loss == "mse" and report.workload.loss_synthetic is False
+    assert report.workload.steps_requested == 3
 
 
 def test_profile_counts_what_a_hand_written_probe_loop_counts():
@@ -57,13 +57,13 @@ def test_profile_counts_what_a_hand_written_probe_loop_counts():
 
 def test_default_loss_is_marked_synthetic():
     report = profile(nn.Linear(8, 4), [torch.randn(5, 8) for _ in range(2)], steps=2)
-    assert report.metadata.extra["loss_synthetic"] is True
+    assert report.workload.loss_synthetic is True
 
 
 def test_fewer_batches_than_steps_end_the_run_with_a_note():
     report = profile(nn.Linear(8, 4), tiny_batches(2), mse, steps=5)
     assert report.metadata.steps_seen == 2
-    assert any("ran out after 2" in n for n in report.metadata.extra["notes"])
+    assert any("ran out after 2" in n for n in report.workload.notes)
 
 
 def test_no_batch_at_all_is_an_input_error():
@@ -82,7 +82,7 @@ def interrupting(n_good: int, exc: type[BaseException] = KeyboardInterrupt):
 def test_ctrl_c_returns_a_partial_report():
     report = profile(nn.Linear(8, 4), interrupting(2), mse, steps=5)
     assert report.metadata.partial and report.metadata.steps_seen == 2
-    assert report.metadata.extra["stopped"] == "interrupted"
+    assert report.workload.stopped == "interrupted"
     assert report.recommendation is not None
 
 
@@ -95,7 +95,7 @@ def test_sigterm_is_handled_like_ctrl_c_and_the_handler_is_restored():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     report = profile(faulty_models.FailsAtStep(at=99), faulty_models.sigterm_batches(), mse, steps=5)
     assert report.metadata.partial and report.metadata.steps_seen == 2
-    assert report.metadata.extra["stopped"] == "terminated"
+    assert report.workload.stopped == "terminated"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
@@ -112,8 +112,8 @@ def test_model_error_at_step_3_keeps_the_two_good_steps():
         profile(faulty_models.FailsAtStep(3), tiny_batches(), mse, steps=5)
     assert e.value.report is not None
     assert e.value.report.metadata.partial and e.value.report.metadata.steps_seen == 2
-    assert e.value.report.metadata.extra["stopped"] == "error"
-    assert "step 3" in e.value.report.metadata.extra["error"]
+    assert e.value.report.workload.stopped == "error"
+    assert "step 3" in e.value.report.workload.error
 
 
 def test_key_error_in_forward_is_the_models_not_the_inputs():
@@ -190,6 +190,6 @@ def test_the_callers_optimizer_is_used_and_recorded():
     before = model.weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     report = profile(model, tiny_batches(2), mse, steps=2, optimizer=opt)
-    assert report.metadata.extra["optimizer"] == {"name": "sgd", "lr": 0.5}
+    assert report.workload.optimizer == {"name": "sgd", "lr": 0.5}
     assert not torch.equal(model.weight, before)
-    assert "weight_update_loss" in report.metadata.extra
+    assert "weight_update_loss" in report.workload.to_dict()

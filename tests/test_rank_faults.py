@@ -134,7 +134,7 @@ def test_every_rank_ends_in_time_with_its_code_one_line_and_the_steps_kept(name,
     assert report.metadata.world_size == job.world_size
     assert report.metadata.partial == (job.error is not None)
     if job.world_size == 1:  # rank 0's own steps, marked as such
-        assert report.metadata.extra["ranks_in_report"] == [0]
+        assert report.workload.ranks_in_report == [0]
     prepare_cli_env(monkeypatch, tmp_path)
     shown = run("show", report_file)
     assert shown.exit_code == 0, shown.output

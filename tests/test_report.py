@@ -32,7 +32,7 @@ def test_round_trip(tmp_path):
     loaded = Report.load(path)
     assert loaded == report
     assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
-    assert loaded.metadata.extra["inputs"] == "synthetic"
+    assert loaded.workload.inputs == "synthetic"
     assert loaded.metadata.torch_version == torch.__version__
 
 

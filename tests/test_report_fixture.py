@@ -14,6 +14,7 @@ import pytest
 
 from fp16probe.analysis.recommend import analyze
 from fp16probe.report import Report
+from fp16probe.sections import split_workload
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = ("demo", "fp16-weight")
@@ -29,6 +30,10 @@ def test_old_report_round_trips_unchanged(name: str) -> None:
     report = Report.load(DATA / f"report-v1-{name}.json")
     assert report.recommendation is not None
     raw["recommendation"].setdefault("caveats", [])  # the one key added since, optional on load
+    # the run's description that metadata.extra held is the workload section now (absent values dropped)
+    workload, raw["metadata"]["extra"] = split_workload(raw["metadata"]["extra"])
+    if workload is not None:
+        raw["workload"] = workload.to_dict()
     assert report.to_dict() == raw
 
 

@@ -134,7 +134,7 @@ def test_a_second_sigint_while_the_partial_report_is_made_does_not_abort_it(tmp_
     assert result.exit_code == EXIT_INTERRUPTED, result.output
     report = Report.load("r.json")
     assert report.metadata.partial and report.metadata.steps_seen == 3
-    assert report.metadata.extra["stopped"] == "interrupted"
+    assert report.workload.stopped == "interrupted"
 
 
 def test_a_signal_after_the_loop_still_writes_the_whole_report_then_exits_with_its_code(monkeypatch):
@@ -169,4 +169,4 @@ def test_ctrl_c_during_verify_stops_it_and_keeps_the_report(monkeypatch):
     assert result.exit_code == EXIT_INTERRUPTED, result.output
     report = Report.load("r.json")
     assert not report.metadata.partial and report.verification is None
-    assert report.metadata.extra["verification_stopped"] == "interrupted"
+    assert report.workload.verification_stopped == "interrupted"

@@ -67,7 +67,7 @@ def test_series_scalars_are_the_closed_form_shares():
     rec = Recommendation(verdict=Verdict.CONSTANT, format="fp16", log2_scale=8, scale=256.0, grad_scaler_kwargs={},
                          flushed_fraction_at_1=None, flushed_fraction_at_scale=None, overflow_steps_at_scale=None,
                          headroom_bits=None, worst_modules=(), evidence={}, thresholds={}, citations=(),
-                         text="advice", caveats=(Caveat("text", {"text": "one"}), Caveat("text", {"text": "two"})))
+                         stored_text="advice", caveats=(Caveat("text", {"text": "one"}), Caveat("text", {"text": "two"})))
     series = tracker_series(scaled_report(), "fp16", recommendation=rec)
     by = {}
     for tag, step, value in series.scalars:

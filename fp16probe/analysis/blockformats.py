@@ -18,9 +18,8 @@ arXiv 2509.25149.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
+from fp16probe.blockadvice import BlockAdvice, LayerLoss
 from fp16probe.blockscale import BLOCK_FORMATS, BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
 from fp16probe.errors import AnalysisError
 
@@ -81,48 +80,6 @@ def _element_for(fmt: str, kind: str) -> str:
     if el == "e5m2" and kind in ("input", "weight"):
         return "e4m3"
     return el
-
-
-@dataclass(frozen=True)
-class LayerLoss:
-    """One layer under one recipe: counts per operand read, and the worst share lost."""
-
-    module: str
-    type: str
-    reads: Mapping[str, BlockCounts]  # "kind/layout" -> counts
-    loss: float  # the largest (flushed + saturated) / nonzero over the reads
-    worst_read: str
-    by_recipe: Mapping[str, float] = field(default_factory=dict)  # recipe -> loss
-
-
-@dataclass(frozen=True)
-class BlockAdvice:
-    """The per-layer answer for a scaled format: shares, the recipe to use, the layers to keep in bf16."""
-
-    format: str
-    recipe: str
-    advised_recipe: str
-    threshold: float
-    layers: tuple[LayerLoss, ...]
-    keep_high: tuple[str, ...]
-    te_code: str
-    torchao_code: str
-    notes: tuple[str, ...]
-    citations: tuple[str, ...] = CITATIONS
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the JSON form (shares per layer and read, the advice and the code)."""
-        return {
-            "format": self.format, "recipe": self.recipe, "advised_recipe": self.advised_recipe,
-            "threshold": self.threshold, "keep_high": list(self.keep_high),
-            "layers": [{"module": layer.module, "type": layer.type, "loss": layer.loss, "worst_read": layer.worst_read,
-                        "by_recipe": dict(layer.by_recipe),
-                        "reads": {k: {**c.to_dict(), "flushed_share": c.share("flushed"),
-                                      "saturated_share": c.share("saturated")} for k, c in layer.reads.items()}}
-                       for layer in self.layers],
-            "te_code": self.te_code, "torchao_code": self.torchao_code, "notes": list(self.notes),
-            "citations": list(self.citations),
-        }
 
 
 def _reads(t: TensorBlockStats, fmt: str, family: str, recipe: str,
@@ -236,7 +193,8 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
     if stats.hook_errors:
         notes.append(f"{stats.hook_errors} tensor(s) could not be counted (hook errors)")
     return BlockAdvice(format, name, advised, threshold, tuple(layers), keep,
-                       te_code(format, advised, keep, delayed), torchao_code(format, advised, keep), tuple(notes))
+                       te_code(format, advised, keep, delayed), torchao_code(format, advised, keep), tuple(notes),
+                       CITATIONS)
 
 
 def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> tuple[list[float], list[int]]:

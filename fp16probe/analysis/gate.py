@@ -27,6 +27,7 @@ from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
 from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
 from fp16probe.verification import Verification
+from fp16probe.sections import Workload
 
 __all__ = [
     "Check",
@@ -291,18 +292,18 @@ def snapshot(report: Report, recommendation: Recommendation | None, *, fmt: str 
 
 def _workload(report: Report) -> dict[str, Any]:
     meta = report.metadata
-    extra = meta.extra
+    work = report.workload or Workload()
     return {
         "model_class": meta.model_class,
         "precision": meta.precision,
         "captured": list(meta.captured),
-        "inputs": extra.get("inputs"),
-        "loss": extra.get("loss"),
-        "loss_scale": extra.get("loss_scale"),
+        "inputs": work.inputs,
+        "loss": work.loss,
+        "loss_scale": work.loss_scale,
         "format": None if report.recommendation is None else report.recommendation.format,
         # A run stopped early (Ctrl-C, a signal, a failure): what it holds, so the gate can say so.
         "partial": None if not meta.partial else {
-            "steps": meta.steps_seen, "requested": extra.get("steps_requested"), "stopped": extra.get("stopped"),
+            "steps": meta.steps_seen, "requested": work.steps_requested, "stopped": work.stopped,
         },
     }
 

@@ -39,7 +39,7 @@ from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import Histogram
-from fp16probe.sections import CaptureNotes
+from fp16probe.sections import CaptureNotes, Workload
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
 from fp16probe.report import ACTIVATION_GRAD, Report
 
@@ -307,8 +307,9 @@ def _caveats(report: Report, m: _Measured) -> tuple[Caveat, ...]:
     if fp32_ops:
         out.append(Caveat("autocast_fp32_ops", {"count": len(fp32_ops), "ops": fp32_ops[:5]}))
     if md.partial:
-        out.append(Caveat("partial_run", {"stopped": md.extra.get("stopped"), "steps_seen": md.steps_seen,
-                                          "steps_requested": md.extra.get("steps_requested") or md.steps_total}))
+        work = report.workload or Workload()
+        out.append(Caveat("partial_run", {"stopped": work.stopped, "steps_seen": md.steps_seen,
+                                          "steps_requested": work.steps_requested or md.steps_total}))
     return tuple(out)
 
 

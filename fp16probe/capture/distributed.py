@@ -27,7 +27,18 @@ from typing import Any
 import torch
 
 from fp16probe.errors import Fp16ProbeError
-from fp16probe.report import ACTIVATION, WEIGHT_GRAD, Histogram, Report, StepTrace, merge_ceilings, merge_histories, merge_reports
+from fp16probe.report import (
+    ACTIVATION,
+    WEIGHT_GRAD,
+    Histogram,
+    Report,
+    StepTrace,
+    merge_ceilings,
+    merge_histories,
+    merge_reports,
+    with_workload,
+)
+from fp16probe.sections import CaptureNotes
 
 __all__ = [
     "WEIGHT_GRAD_MERGES",
@@ -139,6 +150,7 @@ def gather_report(
         raise Fp16ProbeError(
             f"gather_report needs a Probe or a Report, got {type(probe_or_report).__name__}"
         )
+    report = with_workload(report)  # a Report made elsewhere: the run's description out of metadata.extra
     if not is_distributed():
         return report
     dist = _dist()
@@ -203,23 +215,22 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
         ceiling=merge_ceilings([rep.trace for rep in reports]),
     )
     first = reports[0].metadata
-    extra = dict(first.extra)
-    extra["weight_grad_merge"] = how
-    extra["weight_grads_identical_across_ranks"] = identical
     errors = sum(rep.capture.hook_errors for rep in reports if rep.capture is not None)
     metadata = replace(
         local.metadata,
         world_size=sum(rep.metadata.world_size for rep in reports),
         captured=first.captured,
-        extra=extra,
+        extra=dict(first.extra),
     )
     modules = tuple(m for m in local.modules) + tuple(m for m in weight.modules)
     # The other sections as rank 0 saw them, its capture notes with every rank's hook errors.
     head = reports[0]
-    capture = None if head.capture is None else replace(head.capture, hook_errors=errors)
+    capture = replace(head.capture or CaptureNotes(), hook_errors=errors, weight_grad_merge=how,
+                      weight_grads_identical_across_ranks=identical)
     return Report(metadata=metadata, modules=modules, trace=trace,
                   history=merge_histories([rep.history for rep in reports]), forward=head.forward,
-                  blocks=head.blocks, shadow_runs=head.shadow_runs, capture=capture, sections=head.sections)
+                  blocks=head.blocks, shadow_runs=head.shadow_runs, capture=capture, workload=head.workload,
+                  sections=head.sections)
 
 
 def _only(report: Report, *, keep_weight: bool) -> Report:

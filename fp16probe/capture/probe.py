@@ -27,7 +27,7 @@ from fp16probe.capture.ops import OpRecording
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
 from fp16probe.capture.shadow import DEFAULT_SHADOW_EVERY, ShadowReruns
 from fp16probe.errors import ProbeError
-from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, Report
+from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata, Report, with_workload
 from fp16probe.sections import CaptureNotes
 
 __all__ = ["ROOT_NAME", "Probe", "iter_tensors", "select_modules"]
@@ -315,7 +315,8 @@ class Probe:
             regime=self.regime,
             extra=dict(extra or {}),
         )
-        return Report(metadata=metadata, modules=view.modules, trace=view.trace).with_sections(sections)
+        # the run's description a caller passes in extra (inputs, loss, notes, ...) is the workload section
+        return with_workload(Report(metadata=metadata, modules=view.modules, trace=view.trace).with_sections(sections))
 
 
 def _check_settings(model: Any, every: int, capturing: bool, granularity: str, regime: str, target: str | None,

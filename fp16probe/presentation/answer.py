@@ -21,6 +21,7 @@ from fp16probe.presentation import escape
 from fp16probe.presentation.verdict import insufficient_why
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
+from fp16probe.sections import Workload
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -138,7 +139,8 @@ def _python(v: Any) -> str:
 def run_header(report: Report) -> str:
     """Return one sentence saying what was profiled: model, steps, precision, device, modules."""
     md = report.metadata
-    state = f" (partial: {escape.text(md.extra.get('stopped') or 'interrupted')})" if md.partial else ""
+    stopped = None if report.workload is None else report.workload.stopped
+    state = f" (partial: {escape.text(stopped or 'interrupted')})" if md.partial else ""
     return (f"{escape.text(md.model_class)}: {num.count(md.steps_seen)} step(s){state} in "
             f"{escape.text(md.precision)} on {escape.text(md.device)}, "
             f"{num.count(len(md.hooked_modules))} module(s) hooked")
@@ -381,11 +383,12 @@ def _margin_sentence(rec: Recommendation) -> str:
 
 def invented_sentence(report: Report) -> str:
     """Return one line saying the inputs or loss were made up for the run ('' when they were not)."""
-    extra = report.metadata.extra
-    said = extra.get("stand_in")
+    work = report.workload or Workload()
+    said = work.stand_in
     if said:
         return f"note: {said}"
-    invented = [what for what in ("inputs", "loss") if extra.get(f"{what}_synthetic")]
+    invented = [what for what, synthetic in (("inputs", work.inputs_synthetic), ("loss", work.loss_synthetic))
+                if synthetic]
     if not invented:
         return ""
     return f"note: {' and '.join(invented)} invented for this run; S moves with the loss's scale"
@@ -394,14 +397,14 @@ def invented_sentence(report: Report) -> str:
 def findings(report: Report) -> list[str]:
     """Return what the run itself noted besides the histograms: loading notes, a non-finite loss,
     weight updates lost without fp32 master copies."""
-    extra = report.metadata.extra
-    notes = extra.get("notes") or ()
+    work = report.workload or Workload()
+    notes = work.notes or ()
     out = [f"note: {escape.text(n)}" for n in notes[:NOTES_SHOWN]]
     if len(notes) > NOTES_SHOWN:  # a report may hold any number; the rest stay in the report
-        out.append(f"note: and {num.count(len(notes) - NOTES_SHOWN)} more notes (metadata.extra.notes)")
-    if extra.get("nonfinite_loss_steps"):
-        out.append(f"finding: the loss was inf/NaN at step(s) {extra['nonfinite_loss_steps']}")
-    wul = extra.get("weight_update_loss")
+        out.append(f"note: and {num.count(len(notes) - NOTES_SHOWN)} more notes (workload.notes)")
+    if work.nonfinite_loss_steps:
+        out.append(f"finding: the loss was inf/NaN at step(s) {work.nonfinite_loss_steps}")
+    wul = work.weight_update_loss
     if wul:
         out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
                    f"would be lost in {wul['format']} weights without fp32 master copies")

@@ -1,7 +1,7 @@
 """The scaled-format answer as plain lines: per-layer shares, the recipe, the layers to keep, the code.
 
-Reads the ``block_advice`` JSON (:meth:`fp16probe.analysis.blockformats.BlockAdvice.to_dict`)
-so that a saved report shows the same table; no rich here (the terminal module prints it).
+Reads a :class:`fp16probe.blockadvice.BlockAdvice` (fresh, or a saved report's section), so
+that a saved report shows the same table; no rich here (the terminal module prints it).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fp16probe.blockadvice import BlockAdvice
 from fp16probe.formatting import percent
 from fp16probe.presentation.answer import stacked_table, wrap_text
 
@@ -42,12 +43,13 @@ def _table(advice: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, [_row(layer, recipes) for layer in advice["layers"]]
 
 
-def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None, width: int | None = None) -> list[str]:
+def block_advice_lines(block_advice: BlockAdvice, *, top: int | None = None, width: int | None = None) -> list[str]:
     """Return the answer for one scaled format as text lines (the table aligned with spaces).
 
     With ``width``, sentences are wrapped to it and a table wider than it is stacked: each
     layer's name, type and worst read on a line, its shares under short headers below.
     """
+    advice = block_advice.to_dict()  # its JSON form carries each read's shares
     head, rows = _table(advice)
     shown = sorted(rows, key=lambda r: -max(float(c.rstrip("%")) for c in r[6:])) if top else rows
     shown = shown[:top] if top else shown

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from fp16probe.blockadvice import BlockAdvice
 from fp16probe.analysis.gate import GateResult
 from fp16probe.analysis.whatif import numerically_zero, worst_modules
 from fp16probe.formats import Format, get_format
@@ -219,12 +220,27 @@ def print_summary(console: Any, report: Report, rec: Recommendation | None, **op
     console.print(summary_view(report, rec, **options), soft_wrap=True)
 
 
+def print_answers(console: Any, report: Report, rec: Recommendation | None, advice: BlockAdvice | None, *,
+                  out: str | None = None, **options: Any) -> None:
+    """Print the report's answers: the loss-scale one (:func:`print_summary`) and the scaled-format one.
+
+    A scaled format with no loss scale to judge (MXFP8, NVFP4: ``rec`` None) prints the
+    per-layer answer alone; fp8 with block statistics prints both.
+    """
+    if rec is None and advice is not None:
+        print_block_advice(console, report, out=out, advice=advice)
+        return
+    print_summary(console, report, rec, out=out, **options)
+    if advice is not None:
+        print_block_advice(console, report, header=False, advice=advice)
+
+
 def print_block_advice(console: Any, report: Report, *, header: bool = True, out: str | None = None,
-                       advice: Any = None) -> None:
+                       advice: BlockAdvice | None = None) -> None:
     """Print the scaled-format answer (``advice``, default: the one stored in ``report``)."""
     from fp16probe.presentation.blockview import block_advice_lines
 
-    advice = report.metadata.extra.get("block_advice") if advice is None else advice
+    advice = report.block_advice if advice is None else advice
     if advice is None:
         return
     lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20, width=console.width)
@@ -266,11 +282,13 @@ def _answer(report: Report | None, rec: Recommendation, width: int, device: str 
 
 def _run_context(report: Report, width: int) -> Iterator[Any]:
     """Where the inputs and loss came from, and the weight-update check in full."""
-    extra = report.metadata.extra
-    for key in ("inputs", "loss"):
-        if key in extra:
-            yield from _para(f"{key}: {extra[key]}", width, indent="  ")
-    wul = extra.get("weight_update_loss")
+    work = report.workload
+    if work is None:
+        return
+    for key, value in (("inputs", work.inputs), ("loss", work.loss)):
+        if value is not None:
+            yield from _para(f"{key}: {value}", width, indent="  ")
+    wul = work.weight_update_loss
     if wul:
         yield from _para(f"weight updates ({wul['measured_on']}): {wul['text']}", width, indent="  ")
 

@@ -25,6 +25,7 @@ from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
 from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, Report
+from fp16probe.sections import Workload
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
                                       move_to, pick_device)
 from fp16probe.running.loading import load_model, quiet_transformers
@@ -140,11 +141,11 @@ def profile(
         on_step: called with the number of finished steps after each step (a progress bar).
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
-        extra: more ``metadata.extra`` entries for the report.
+        extra: the user's own metadata (``metadata.extra``); the run's description is ``report.workload``.
         recipe: for a scaled format (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``,
             ``nvfp4``), the recipe to judge (see :data:`fp16probe.analysis.blockformats.RECIPES`);
             the statistics are captured on the same pass and the per-layer advice is stored
-            as ``metadata.extra["block_advice"]``.
+            as ``report.block_advice``.
         target: the device whose fp16 autocast rules the prediction applies: ``"cuda"``
             (where fp16 training runs) or ``"cpu"``. Default: CUDA, except with ``verify``
             on a CPU, where the prediction checked is the CPU's. Every fp32 profiled step
@@ -159,7 +160,7 @@ def profile(
         report and the other ranks None.
 
     Ctrl-C, SIGTERM or SIGHUP stop the run early and return a partial report
-    (``report.metadata.partial``, ``metadata.extra["stopped"]``) of the steps finished; with
+    (``report.metadata.partial``, ``report.workload.stopped``) of the steps finished; with
     none finished, the KeyboardInterrupt (or :class:`Terminated`, :class:`Hangup`) propagates.
     Only the first signal stops the run: later ones, while the report is being made, are
     noted and never abort it (see :mod:`fp16probe.running.signals`). Under torch.distributed
@@ -325,8 +326,8 @@ def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss
 
 def _marked(report: Report, why: str) -> Report:
     """``report`` noting that its verification did not run to the end (``why``: interrupted, terminated, hangup)."""
-    extra = {**report.metadata.extra, "verification_stopped": why}
-    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
+    return dataclasses.replace(report, workload=dataclasses.replace(report.workload or Workload(),
+                                                                    verification_stopped=why))
 
 
 def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,16 +346,14 @@ def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) 
 
 
 def _with_block_advice(report: Report, format: str, recipe: str | None) -> Report:
-    """The report with the per-layer scaled-format advice in ``metadata.extra["block_advice"]``."""
+    """The report with the per-layer scaled-format advice, its ``block_advice`` section."""
     from fp16probe.analysis.blockformats import advise
     from fp16probe.blockscale import block_stats_of
 
     stats = block_stats_of(report)
     if stats is None or format not in BLOCK_FORMATS:
         return report
-    advice = advise(stats, format, recipe)
-    extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
-    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
+    return dataclasses.replace(report, block_advice=advise(stats, format, recipe))
 
 
 def prepare_model(model: nn.Module, device: str | torch.device | None) -> tuple[nn.Module, torch.device, list[str]]:

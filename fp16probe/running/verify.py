@@ -56,7 +56,7 @@ def verify(
         seed: seeds the random number generators identically for both runs of each step
             (dropout draws the same masks in fp32 and in the target format).
 
-    The run uses the profile's optimizer (``metadata.extra["optimizer"]``) when it had one;
+    The run uses the profile's optimizer (``report.workload.optimizer``) when it had one;
     otherwise the weights stay as they are. It synchronises with the device once per step.
     """
     rec = report.recommendation
@@ -106,7 +106,7 @@ def verify(
     else:
         kwargs_run = kwargs
     scaler = torch.amp.GradScaler(dev.type, **kwargs_run) if kwargs_run else None
-    optimizer_spec = report.metadata.extra.get("optimizer")
+    optimizer_spec = None if report.workload is None else report.workload.optimizer
     if isinstance(optimizer_spec, Mapping) and optimizer_spec.get("name") not in OPTIMIZERS:
         notes.append(f"the profile's optimizer {optimizer_spec.get('name')} is not rebuilt here; both runs kept "
                      "the weights they started from")

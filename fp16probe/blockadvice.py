@@ -1,0 +1,122 @@
+"""The scaled-format answer as typed data: per layer what a recipe loses, the recipe to use, the layers to keep.
+
+Shared data beside the :class:`~fp16probe.recommendation.Recommendation` (the loss-scale
+answer for fp16/bf16/fp8): :func:`fp16probe.analysis.blockformats.advise` builds a
+:class:`BlockAdvice` for FP8 recipes, MXFP8 and NVFP4, the report keeps it as its
+``block_advice`` section, and ``presentation.blockview`` shows it. An older report kept the
+same JSON in ``metadata.extra["block_advice"]``; it loads into the section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp16probe.blockscale import BlockCounts
+from fp16probe.errors import ReportFieldError
+
+__all__ = ["BlockAdvice", "LayerLoss"]
+
+
+def _obj(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ReportFieldError(path, f"{path}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def _get(d: Mapping[str, Any], key: str, path: str, types: tuple[type, ...], expected: str) -> Any:
+    v = d.get(key)
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+        raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected {expected}, got {v!r}")
+    return v
+
+
+def _strings(d: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
+    v = d.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a list of strings")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class LayerLoss:
+    """One layer under one recipe: counts per operand read, and the worst share lost."""
+
+    module: str
+    type: str
+    reads: Mapping[str, BlockCounts]  # "kind/layout" -> counts
+    loss: float  # the largest (flushed + saturated) / nonzero over the reads
+    worst_read: str
+    by_recipe: Mapping[str, float] = field(default_factory=dict)  # recipe -> loss
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (each read's counts with its flushed and saturated shares)."""
+        return {"module": self.module, "type": self.type, "loss": self.loss, "worst_read": self.worst_read,
+                "by_recipe": dict(self.by_recipe),
+                "reads": {k: {**c.to_dict(), "flushed_share": c.share("flushed"),
+                              "saturated_share": c.share("saturated")} for k, c in self.reads.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "layer") -> "LayerLoss":
+        """Build from JSON; a bad field raises ReportFieldError naming it (the shares are recomputed)."""
+        d = _obj(d, path)
+        reads = _obj(d.get("reads", {}), f"{path}.reads")
+        by = _obj(d.get("by_recipe", {}), f"{path}.by_recipe")
+        for r, v in by.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ReportFieldError(f"{path}.by_recipe.{r}", f"{path}.by_recipe.{r}: expected a share, got {v!r}")
+        return cls(module=_get(d, "module", path, (str,), "a module name"), type=_get(d, "type", path, (str,), "a type"),
+                   reads={str(k): BlockCounts.from_dict(v, path=f"{path}.reads.{k}") for k, v in reads.items()},
+                   loss=float(_get(d, "loss", path, (int, float), "a share")),
+                   worst_read=_get(d, "worst_read", path, (str,), "a read"),
+                   by_recipe={str(r): float(v) for r, v in by.items()})
+
+
+@dataclass(frozen=True)
+class BlockAdvice:
+    """The per-layer answer for a scaled format: shares, the recipe to use, the layers to keep in bf16.
+
+    ``recipe`` is the one judged, ``advised_recipe`` the one that keeps the most layers at or
+    under ``threshold`` (a share of nonzero values), ``keep_high`` the layers that lose more
+    than it under that recipe; ``te_code``/``torchao_code`` the code to paste, ``notes`` the
+    limits of the counts, ``citations`` the sources.
+    """
+
+    format: str
+    recipe: str
+    advised_recipe: str
+    threshold: float
+    layers: tuple[LayerLoss, ...]
+    keep_high: tuple[str, ...]
+    te_code: str
+    torchao_code: str
+    notes: tuple[str, ...]
+    citations: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (shares per layer and read, the advice and the code)."""
+        return {
+            "format": self.format, "recipe": self.recipe, "advised_recipe": self.advised_recipe,
+            "threshold": self.threshold, "keep_high": list(self.keep_high),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "te_code": self.te_code, "torchao_code": self.torchao_code, "notes": list(self.notes),
+            "citations": list(self.citations),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "block_advice") -> "BlockAdvice":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _obj(d, path)
+        layers = d.get("layers", [])
+        if not isinstance(layers, list):
+            raise ReportFieldError(f"{path}.layers", f"{path}.layers: expected a list")
+        return cls(
+            format=_get(d, "format", path, (str,), "a format name"), recipe=_get(d, "recipe", path, (str,), "a recipe"),
+            advised_recipe=_get(d, "advised_recipe", path, (str,), "a recipe"),
+            threshold=float(_get(d, "threshold", path, (int, float), "a share")),
+            layers=tuple(LayerLoss.from_dict(x, path=f"{path}.layers[{i}]") for i, x in enumerate(layers)),
+            keep_high=_strings(d, "keep_high", path),
+            te_code=_get(d, "te_code", path, (str,), "code"), torchao_code=_get(d, "torchao_code", path, (str,), "code"),
+            notes=_strings(d, "notes", path), citations=_strings(d, "citations", path),
+        )
