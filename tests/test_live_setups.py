@@ -99,9 +99,18 @@ def _nested():
     return probe.report()
 
 
+def _fp16_accelerator():
+    """A new ``Accelerator(mixed_precision="fp16")``: accelerate keeps one state per process, so an earlier
+    test's Accelerator (or Trainer) with another precision is forgotten first."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+
+
 def _accelerator():
     """``Accelerator(mixed_precision="fp16")`` as it sets up CUDA: autocast wrapped around forward, a GradScaler."""
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -159,7 +168,7 @@ def test_each_setup_gives_the_fp32_profiles_scale_from_fp32_reruns(setup, fp32_s
 
 
 def test_an_accelerate_wrapped_forward_is_found():
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp = True
     model = acc.prepare(nn.Linear(2, 2))
     found = shadow_mod.forward_autocast(model.forward)
