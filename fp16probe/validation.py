@@ -47,7 +47,7 @@ _METADATA_COUNTS = {"steps_seen": 0, "steps_total": 0, "every": 1, "world_size":
 _METADATA_BOOLS = ("grad_scaler", "partial")
 # metadata.extra is free-form, but these keys are read by every summary as they are typed here.
 _EXTRA_STRINGS = ("stopped", "inputs", "loss", "model_kind", "model_source", "target", "regime")
-_EXTRA_STRING_LISTS = ("notes",)
+_EXTRA_STRING_LISTS = ("notes", "removed_modules")
 _EXTRA_COUNT_LISTS = ("nonfinite_loss_steps",)
 _EXTRA_BOOLS = ("inputs_synthetic", "loss_synthetic")
 _EXTRA_COUNTS = ("steps_requested",)

@@ -188,6 +188,8 @@ class Probe:
         self._autocast_dtypes = regime == "autocast"
         self._op_captures: dict[bool, Any] = {}  # op capture objects, by whether they record rows
         self._active = False
+        self._stopped = False  # stop() was called: step() is an error until start() again
+        self._modules_at_start: dict[str, nn.Module] = {}  # the hooked modules as start() found them
         self._blocks = _block_capture(model, block_formats, delayed_recipes, self._patterns, rec)
         self._hooked: list[str] = select_modules(model, self._patterns, self._types, granularity)
         if not self._hooked and not weight_grads:
@@ -227,6 +229,8 @@ class Probe:
         self.recorder.defer_to_ddp = _distributed.is_distributed()
         # The model as it is now: rows, parameters and output hooks, reused at every attach.
         modules = dict(self.model.named_modules())
+        self._modules_at_start = {name: modules[name] for name in self._hooked if name in modules}
+        self._stopped = False
         self._params = self._parameters(modules)
         self._register_rows(modules)
         rec = self.recorder
@@ -249,6 +253,7 @@ class Probe:
     def stop(self) -> "Probe":
         """Remove every hook. Collected statistics stay for :meth:`report`."""
         self._active = self.recorder.enabled = False
+        self._stopped = True
         self._detach()
         if self.history is not None:
             self.history.detach()
@@ -342,7 +347,11 @@ class Probe:
 
         Closing the step is atomic: a KeyboardInterrupt anywhere in here leaves the
         step either open or closed, so a partial report is always consistent.
+        After :meth:`stop` it raises ProbeError: a stopped Probe counts no more steps.
         """
+        if self._stopped:
+            raise ProbeError("Probe.step() after stop(): a stopped Probe records nothing, so the step would be an "
+                             "empty one; call step() before stop(), or start() the Probe again")
         for capture in self._op_captures.values():
             capture.reset()  # a forward cut short by Ctrl-C left its mode on
         if self._ceiling is not None:
@@ -403,6 +412,11 @@ class Probe:
         """Steps with data so far (the open one included when it holds data)."""
         return self.recorder.steps_seen
 
+    def removed_modules(self) -> list[str]:
+        """Hooked modules that are no longer in the model (it replaced or deleted them after start())."""
+        now = {id(m) for m in self.model.modules()}
+        return [name or ROOT_NAME for name, m in self._modules_at_start.items() if id(m) not in now]
+
     # -- report ------------------------------------------------------------------------
     def report(self, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
                since_step: int | None = None) -> Report:
@@ -430,6 +444,9 @@ class Probe:
                 trace, ceiling=step_ceilings(got.maxima.get(CHANNEL, (0.0,) * n), step_max, trace.found_inf)
             )
         extra_meta = dict(extra or {})
+        removed = self.removed_modules()
+        if removed:
+            extra_meta["removed_modules"] = removed
         silent, gradient_free = self._silent_modules(got.modules, len(trace))
         if silent:
             extra_meta["unrecorded_modules"] = silent
@@ -535,7 +552,8 @@ class Probe:
         if self.granularity != "module" or not self._capture[ACTIVATION_GRAD] or n_steps == 0:
             return [], []
         recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
-        named = dict(self.model.named_modules(remove_duplicate=False))
+        # The modules as start() hooked them: one the model dropped since is judged as it was.
+        named = {**self._modules_at_start, **dict(self.model.named_modules(remove_duplicate=False))}
         seen_params = {id(p) for name in self._hooked if (name or ROOT_NAME) in recorded
                        for p in named[name].parameters()}
         findings, gradient_free = [], []

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.blockscale import BLOCK_FORMATS
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
 from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
@@ -577,7 +577,7 @@ def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok:
     name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
     message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {first_line(e)}"
     if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
-            and _MISMATCH.search(str(e))):
+            and _MISMATCH.search(message_of(e))):
         from fp16probe.running.families import forward_signature
 
         wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""
