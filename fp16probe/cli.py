@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Optional, get_args
 import typer
 import typer.core
 
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError, message_of
 
 
 class _Deferred:
@@ -199,7 +199,7 @@ def _errors(console: Any, debug: bool, stopped: str = "") -> Iterator[None]:
     except Exception as e:
         _fail(
             console,
-            f"internal error {type(e).__name__}: {e}; rerun with --debug and report it",
+            f"internal error {type(e).__name__}: {message_of(e)}; rerun with --debug and report it",
             EXIT_INTERNAL, debug, print_error,
         )
 

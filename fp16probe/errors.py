@@ -76,8 +76,16 @@ class ReportFieldError(ReportError, ValueError):
 
 def first_line(e: BaseException) -> str:
     """The first line of ``e``'s message (its class name when the message is empty), for one-line errors."""
-    text = str(e).strip()
+    text = message_of(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def message_of(e: BaseException) -> str:
+    """``str(e)``, or a line naming its class when ``str()`` itself raises (a model's own exception may)."""
+    try:
+        return str(e)
+    except Exception as inner:
+        return f"{type(e).__name__} (its message could not be read: str() raised {type(inner).__name__})"
 
 
 def require(module: str, extra: str, what: str) -> Any:

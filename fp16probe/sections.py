@@ -161,7 +161,9 @@ class CaptureNotes:
     ``scale_source``: where the loss scale was read from; ``granularity``: ``"module"`` or
     ``"op"``; ``trace_since_step``: the trace and history start at this step (a live window);
     ``scaler_settings``: the live GradScaler's growth and backoff settings; ``hook_errors``/
-    ``first_hook_error``: bookkeeping errors a hook noted and carried on from.
+    ``first_hook_error``: bookkeeping errors a hook noted and carried on from;
+    ``removed_modules``: hooked modules the model deleted or replaced after the Probe started
+    (their statistics cover only the steps before).
     """
 
     unrecorded_modules: tuple[str, ...] = ()
@@ -174,11 +176,12 @@ class CaptureNotes:
     scaler_settings: Mapping[str, Any] | None = None
     hook_errors: int = 0
     first_hook_error: str | None = None
+    removed_modules: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (only the fields that say something)."""
         d: dict[str, Any] = {"granularity": self.granularity}
-        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops"):
+        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
         if self.weight_grads_sharded:
@@ -200,6 +203,7 @@ class CaptureNotes:
             unrecorded_modules=_strings(d.get("unrecorded_modules", []), f"{path}.unrecorded_modules"),
             gradient_free_modules=_strings(d.get("gradient_free_modules", []), f"{path}.gradient_free_modules"),
             autocast_fp32_ops=_strings(d.get("autocast_fp32_ops", []), f"{path}.autocast_fp32_ops"),
+            removed_modules=_strings(d.get("removed_modules", []), f"{path}.removed_modules"),
             weight_grads_sharded=_typed(d, "weight_grads_sharded", path, (bool,), "true or false", False),
             scale_source=_typed(d, "scale_source", path, (str,), "a string"),
             granularity=_typed(d, "granularity", path, (str,), "module or op", "module", choices=("module", "op")),

@@ -139,6 +139,7 @@ class Probe:
             )
         self._handles: list[Any] = []
         self._active = False
+        self._stopped = False  # stop() was called: step() is an error until start() again
         self.collectors: list[Collector] = [c for make in (*BUILTIN, *COLLECTORS) if (c := make(self)) is not None]
 
     def add(self, collector: Collector) -> None:
@@ -169,6 +170,7 @@ class Probe:
         """Register the rows and the hooks. Calling it twice is an error; stop() first."""
         if self._active:
             raise ProbeError("this Probe is already started")
+        self._stopped = False
         # DDP all-reduces weight gradients after their accumulate hooks fire: read them later.
         self.recorder.defer_to_ddp = _distributed.is_distributed()
         for c in self.collectors:
@@ -181,6 +183,7 @@ class Probe:
     def stop(self) -> "Probe":
         """Remove every hook. Collected statistics stay for :meth:`report`."""
         self._active = self.recorder.enabled = False
+        self._stopped = True
         self._detach()
         for c in reversed(self.collectors):
             c.stop()
@@ -216,7 +219,11 @@ class Probe:
 
         Closing the step is atomic: a KeyboardInterrupt anywhere in here leaves the
         step either open or closed, so a partial report is always consistent.
+        After :meth:`stop` it raises ProbeError: a stopped Probe counts no more steps.
         """
+        if self._stopped:
+            raise ProbeError("Probe.step() after stop(): a stopped Probe records nothing, so the step would be an "
+                             "empty one; call step() before stop(), or start() the Probe again")
         self.recorder.close_forward()
         sampled = self.recorder.sampling
         for c in self.collectors:

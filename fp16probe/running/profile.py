@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.blockscale import BLOCK_FORMATS
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
 from fp16probe.formats import FORMATS
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
@@ -245,6 +245,15 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
     if result.error is not None:
         result.error.report = report
         raise result.error
+    removed = report.capture.removed_modules if report is not None and report.capture is not None else ()
+    if removed:  # the model changed under the hooks: its statistics describe no one model
+        error = ModelError(
+            f"the model removed {len(removed)} hooked module(s) during the run ({', '.join(map(repr, removed[:3]))}"
+            f"{' and more' if len(removed) > 3 else ''}): their statistics cover only the steps before it, so the "
+            "verdict does not describe one model; the report is kept with that note. Profile a model whose modules "
+            "stay as they are")
+        error.report = report
+        raise error
     if verify and report is not None and not report.metadata.partial:
         report = _verified(report, initial, result.batches, loss, dev)
     return report
@@ -574,7 +583,7 @@ def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok:
     name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
     message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {first_line(e)}"
     if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
-            and _MISMATCH.search(str(e))):
+            and _MISMATCH.search(message_of(e))):
         from fp16probe.running.families import forward_signature
 
         wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""
