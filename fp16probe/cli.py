@@ -640,6 +640,11 @@ def schedule(
         r = Report.load(report)
         fmt, knd = target_of(r, format, kind)
         table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
+        if r.shadow is not None:  # a live run judged by fp32 reruns: name the verdict's GradScaler too
+            from fp16probe.analysis.one_answer import with_verdict_note
+            from fp16probe.analysis.recommend import analyze
+
+            table = with_verdict_note(table, analyze(r, fmt, kind=knd))
         if json_out:
             sys.stdout.write(json.dumps(jsonable(table.to_dict()), indent=2) + "\n")
         else:

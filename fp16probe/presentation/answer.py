@@ -250,6 +250,18 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
         "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
                     else f"the next rerun comes at step {d['next_step']}.")),
+    "scale_not_carried": lambda d: (f"The live gradients carry about 2^{d['log2_ratio']:.1f} times the loss scale "
+        f"the scaler reports ({num.scales_in_force(d['claimed_scales'])}), measured against fp32 reruns of steps "
+        f"{', '.join(map(str, d['steps'][:8]))}: no live figure was judged."),
+    "schedule_differs": lambda d: (f"fp16probe schedule, replaying this run's own {num.count(d['history_steps'])} "
+        "steps, " + ("finds GradScaler's defaults already fine" if d["defaults_fine"]
+                     else f"advises {d['schedule_choice']!r}")
+        + ", which moves the scale differently: it judges skipped steps over the run's history, this verdict "
+        "underflow at the scale in force against fp32 reruns. Paste the GradScaler above; use the schedule's table "
+        "to tune how the scale moves."),
+    "reruns_discarded": lambda d: (f"{d['count']} fp32 rerun(s) were discarded and not judged: with every autocast "
+        f"disabled, {d['first']['module']} still returned {d['first']['dtype']} at step {d['first']['step']}, so "
+        "they were not fp32."),
     "projected_schedule": lambda d: ("The growth_interval above is a projection: the profiled steps resampled over "
         f"{num.count(d['horizon'])} simulated steps. This report records every one of its "
         f"{num.count(d['history_steps'])} steps: `fp16probe schedule` judges loss-scale rules on the run's own "
