@@ -150,7 +150,7 @@ def bench_live_logging(total: int, at: tuple[int, ...], log_every: int) -> dict:
     return {"log_every": log_every, "interval_s": interval, "whole_report_s": full,
             "analysis_s": analysis, "verdict": verdicts,
             "trace_bytes": probe.recorder.memory()["trace_bytes"],
-            "history_bytes": probe.history.memory_bytes() if probe.history is not None else 0}
+            "history_bytes": probe.collector("history").memory_bytes() if probe.collector("history") is not None else 0}
 
 
 def main(argv: list[str] | None = None) -> int:

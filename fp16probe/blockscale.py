@@ -393,7 +393,7 @@ class TensorBlockStats:
 
 @dataclass(frozen=True)
 class BlockStats:
-    """Everything the capture counted for scaled formats (``metadata.extra["block_formats"]``)."""
+    """Everything the capture counted for scaled formats (the report's ``blocks`` section)."""
 
     families: tuple[str, ...]
     layouts: tuple[str, ...]
@@ -401,8 +401,31 @@ class BlockStats:
     hook_errors: int
     tensors: tuple[TensorBlockStats, ...]
 
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (what :meth:`from_dict` reads)."""
+        tensors = []
+        for t in self.tensors:
+            entry: dict[str, Any] = {
+                "module": t.module, "type": t.type, "kind": t.kind, "shape": list(t.shape), "calls": t.calls,
+                "amax_trace": list(t.amax_trace),
+                "relative": {lay: {"bins": {str(k): v for k, v in r["bins"].items()},
+                                   **{k: r[k] for k in ("zero", "nonfinite", "out_of_range")},
+                                   "spread": {str(k): v for k, v in r.get("spread", {}).items()}}
+                             for lay, r in t.relative.items()},
+            }
+            if t.current:
+                entry["current"] = {el: c.to_dict() for el, c in t.current.items()}
+            if t.delayed:
+                entry["delayed"] = [{**recipe.to_dict(), "element": el, "counts": c.to_dict()}
+                                    for recipe, el, c in t.delayed]
+            if t.nvfp4:
+                entry["nvfp4"] = {v: c.to_dict() for v, c in t.nvfp4.items()}
+            tensors.append(entry)
+        return {"version": 1, "families": list(self.families), "layouts": list(self.layouts), "steps": self.steps,
+                "hook_errors": self.hook_errors, "tensors": tensors}
+
     @classmethod
-    def from_dict(cls, d: Any, *, path: str = "metadata.extra.block_formats") -> "BlockStats":
+    def from_dict(cls, d: Any, *, path: str = "blocks") -> "BlockStats":
         """Build from the JSON the capture wrote; a bad field raises ReportFieldError naming it."""
         from fp16probe.errors import ReportFieldError
 
@@ -482,5 +505,4 @@ class BlockStats:
 
 def block_stats_of(report: Any) -> BlockStats | None:
     """The scaled-format statistics stored in ``report`` (None when it was captured without them)."""
-    raw = report.metadata.extra.get("block_formats")
-    return None if raw is None else BlockStats.from_dict(raw)
+    return report.blocks

@@ -534,6 +534,7 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
         "format": fmt,
         "kind": kind,
         "metadata": report.metadata.to_dict(),
+        **({"sections": report.to_dict()["sections"]} if report.sections else {}),
         "distribution": {
             "values": h.total, "nonzero": n, "zero": h.zero, "inf": h.inf, "nan": h.nan, "max_abs": h.max_abs,
             "flushed_fraction_at_1": flushed_fraction(h, fmt),

@@ -137,12 +137,12 @@ def test_report_round_trip_validation_and_old_reports(tmp_path):
     again = Report.load(path)
     assert block_stats_of(again) == block_stats_of(report)
     plain = _train({}, steps=1)
-    assert "block_formats" not in plain.metadata.extra and block_stats_of(plain) is None
+    assert plain.blocks is None and block_stats_of(plain) is None
     d = json.loads(path.read_text())
-    d["metadata"]["extra"]["block_formats"]["tensors"][0]["relative"]["mx32"]["bins"]["999999"] = 1
+    d["blocks"]["tensors"][0]["relative"]["mx32"]["bins"]["999999"] = 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
-    with pytest.raises(ReportError, match=r"block_formats\.tensors\[0\]\.relative\.mx32\.bins"):
+    with pytest.raises(ReportError, match=r"blocks\.tensors\[0\]\.relative\.mx32\.bins"):
         Report.load(bad)
 
 
@@ -153,7 +153,7 @@ def test_without_a_block_format_nothing_is_registered():
         return len(net.fc1._forward_hooks), len(net.fc1.weight._post_accumulate_grad_hooks or {})
 
     with Probe(net) as probe:
-        assert probe._blocks is None
+        assert probe.collector("blocks") is None
         plain = hooks()
     with Probe(net, block_formats="fp16"):
         assert hooks() == plain  # fp16 and bf16 ask for nothing more

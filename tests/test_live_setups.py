@@ -120,9 +120,9 @@ SETUPS = {"plain GradScaler loop": _plain, "autocast(...)(forward)": _decorated_
 
 
 def _check(report, fp32_scale: int) -> None:
-    meta = report.metadata.extra["shadow"]
+    meta = report.shadow_runs
     assert report.metadata.precision == "fp16-autocast"
-    assert meta["steps"] == [0, 1, 2] and "discarded" not in meta, meta
+    assert meta.steps == (0, 1, 2) and not meta.discarded, meta
     assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
     rec = analyze(report)
     assert rec.verdict in ("constant", "dynamic"), rec.text
@@ -172,10 +172,10 @@ def test_a_rerun_that_is_not_fp32_is_discarded_and_never_judged(monkeypatch):
     """Plant a rerun that runs in fp16 (the model's own autocast left on): it is discarded, named, not judged."""
     monkeypatch.setattr(shadow_mod, "autocast_off", _no_change)
     report = _nested()
-    meta = report.metadata.extra["shadow"]
-    assert meta["steps"] == [] and report.shadow is None
-    assert [d["step"] for d in meta["discarded"]] == [0, 1, 2]
-    assert meta["discarded"][0]["dtype"] == "float16"
+    meta = report.shadow_runs
+    assert meta.steps == () and report.shadow is None
+    assert [d["step"] for d in meta.discarded] == [0, 1, 2]
+    assert meta.discarded[0]["dtype"] == "float16"
     rec = analyze(report)
     assert rec.verdict == "insufficient_evidence"
     assert "discarded" in rec.text and "float16" in rec.text

@@ -280,7 +280,7 @@ def judge_schedules(
     steps = _arrays(history, refs)
     first = next((s for s in history.scale if s is not None), None)
     init_scale = first if first is not None else float(GRADSCALER_DEFAULTS["init_scale"])
-    settings = report.metadata.extra.get("scaler_settings")
+    settings = None if report.capture is None else report.capture.scaler_settings
     run = settings if isinstance(settings, Mapping) and first is not None else None
     chosen = list(rules) if rules is not None else candidate_rules(run, init_scale)
     rows: list[ScheduleRow] = []

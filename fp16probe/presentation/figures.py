@@ -42,6 +42,7 @@ from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP
 from fp16probe.analysis.whatif import flushed_fraction, what_if, worst_modules
 from fp16probe.presentation.answer import recommendation_for, shorten_name, wrap_text
+from fp16probe.presentation import escape
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, atomic_write_text
 
@@ -86,8 +87,8 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
 
 
 def _literal(text: str) -> str:
-    """Text from a report drawn as it is: a '$' would start matplotlib's mathtext."""
-    return str(text).replace("$", r"\$")
+    """Text from a report drawn safely (:func:`fp16probe.presentation.escape.figure`: no control character, no mathtext)."""
+    return escape.figure(text)
 
 
 def _recommendation(report: Report | None, given: Recommendation | None, fmt: Format) -> Recommendation | None:
@@ -232,7 +233,7 @@ def plot_distribution(
     chars = max(int(ax.get_position().width * ax.figure.get_figwidth() * 72 / 8.0 * 0.55), 24)
     y = 0.86
     for _k, gid, text in lines:
-        wrapped = "\n".join(wrap_text(text, chars))
+        wrapped = "\n".join(_literal(line) for line in wrap_text(text, chars))
         ax.text(0.99, y, wrapped, transform=ax.transAxes, ha="right", va="top",
                 fontsize=8, zorder=6, gid=gid,
                 bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#999999", "alpha": 0.9})
@@ -509,7 +510,7 @@ def figure(
     if recommendation is not None and recommendation.caveats:
         chars = int(fig.get_figwidth() * 14)  # about 8 pt text across the figure
         lines = [line for c in recommendation.caveats for line in wrap_text(f"caveat: {c}", chars)]
-        fig.supxlabel(_literal("\n".join(lines)), fontsize=8, color="#8a4b00", gid="caveats")
+        fig.supxlabel("\n".join(_literal(line) for line in lines), fontsize=8, color="#8a4b00", gid="caveats")
     return fig
 
 

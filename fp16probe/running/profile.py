@@ -210,6 +210,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             from fp16probe.capture.forward import ForwardAudit
 
             audit = ForwardAudit(model, regime=regime)
+            probe.add(audit)
         with probe:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
@@ -231,10 +232,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             raise KeyboardInterrupt()
         raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
     extra = dict(extra or {})
-    extra["target"] = target
-    extra["regime"] = regime
-    if audit is not None:
-        extra["forward"] = audit.result()
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
@@ -243,7 +240,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         gather = "local"
     report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
                      gather=gather)
-    if report is not None and "block_formats" in report.metadata.extra:
+    if report is not None and report.blocks is not None:
         report = _with_block_advice(report, format, r.recipe)
     if result.error is not None:
         result.error.report = report

@@ -77,7 +77,7 @@ def verify(
         raise InputError("batches: no batch to verify on")
     notes: list[str] = []
     kwargs = dict(rec.grad_scaler_kwargs)
-    pure = report.metadata.extra.get("regime") == "pure_fp16"
+    pure = report.metadata.regime == "pure_fp16"
     fix = list(rec.evidence.get("fix_modules") or ()) if rec.verdict in ("forward_overflow", "forward_underflow") else []
     if rec.log2_scale is None and not fix:
         notes.append(f"the verdict is {rec.verdict}: there is no recommended scale, so this ran without a loss scaler")
