@@ -50,6 +50,7 @@ def outputs(tmp_path_factory):
         "schedule": ["schedule", fp32], "schedule scaled": ["schedule", scaled],
         "compare same": ["compare", fp32, fp32], "compare other": ["compare", fp32, scaled],
         "plot": ["plot", fp32, "--out", str(d / "fig.png")],
+        "export": ["export", fp32, str(d / "tb")],
     }
     for name, args in runs.items():
         out[name] = _run(args, code=None)
@@ -60,7 +61,7 @@ def outputs(tmp_path_factory):
 @pytest.mark.parametrize("command", [
     "profile", "profile fp16 scaled", "profile --explain --verify", "profile mxfp8", "show", "show --explain",
     "show verified", "show bf16", "show mxfp8", "recommend", "recommend --explain", "recommend scaled --explain",
-    "schedule", "schedule scaled", "compare same", "compare other", "plot",
+    "schedule", "schedule scaled", "compare same", "compare other", "plot", "export",
 ])
 def test_every_command_fits_80_columns(outputs, command):
     _fits(outputs[command])
