@@ -128,7 +128,10 @@ def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int]
 
     with Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True,
+                  # stderr is not redirected through the bar: what libraries write there while the
+                  # model runs stays held back (fp16probe.running.thirdparty), not printed above the bar.
+                  redirect_stderr=False) as bar:
         task = bar.add_task("steps", total=total)
         yield lambda done: bar.update(task, completed=done)
 
