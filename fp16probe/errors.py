@@ -63,6 +63,15 @@ class InputError(Fp16ProbeError, ValueError):
     """Input the command line cannot use: a missing file, a bad shape, a model that rejects it."""
 
 
+class MissingExtraError(InputError, ImportError):
+    """An optional dependency that a feature needs is not installed: names the pip extra that brings it."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(f"{feature} needs {package}, which fp16probe installs only with its {extra} extra: "
+                         f"pip install 'fp16probe[{extra}]' (or pip install {package})")
+        self.package, self.extra = package, extra
+
+
 class ReportFieldError(ReportError, ValueError):
     """One field of a report that has the wrong type, is out of range or contradicts another.
 

@@ -27,12 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.colors import LogNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
-from fp16probe.errors import Fp16ProbeError
+from fp16probe.errors import Fp16ProbeError, MissingExtraError
+
+try:  # matplotlib is the plot extra's: the text answer and the CLI need none of its ~90 MiB
+    from matplotlib.axes import Axes
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
+except ImportError as e:
+    raise MissingExtraError("matplotlib", "plot", "drawing figures") from e
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP

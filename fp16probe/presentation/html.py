@@ -13,6 +13,7 @@ import io
 import re
 
 from fp16probe.analysis.whatif import worst_modules
+from fp16probe.errors import MissingExtraError
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
@@ -142,8 +143,11 @@ def report_html(report: Report, format: str | Format | None = None, *, kind: str
     if rec is not None:
         parts.append(_explanation(rec))
     if figure and report.modules_of(kind):
-        parts.append(f"<img alt='{_escape(kind)} distribution vs {fmt.name}' "
-                     f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        try:
+            parts.append(f"<img alt='{_escape(kind)} distribution vs {fmt.name}' "
+                         f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        except MissingExtraError as e:  # no matplotlib: the tables above are the whole answer
+            parts.append(f"<p>(no figure: {_escape(str(e))})</p>")
     return f"{_STYLE}<div class='fp16probe'>{''.join(parts)}</div>"
 
 

@@ -29,6 +29,7 @@ gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import tempfile
@@ -340,7 +341,7 @@ class _MlflowSink:
         with tempfile.TemporaryDirectory(prefix="fp16probe-mlflow-") as tmp:
             folder = Path(tmp)
             report.save(folder / "fp16probe-report.json")
-            if report.modules_of(kind):
+            if report.modules_of(kind) and importlib.util.find_spec("matplotlib") is not None:
                 from fp16probe.presentation.figures import save_figures
 
                 save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
