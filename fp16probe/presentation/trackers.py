@@ -152,7 +152,7 @@ def tracker_series(
     the report's own for ``format``, or a fresh analysis (none when the report has no
     ``kind`` values yet).
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     return _series(report, fmt, _recommendation(report, recommendation, fmt, kind), modules=modules,
                    axis=axis, step_offset=step_offset, since_step=since_step)
 
@@ -448,7 +448,7 @@ def export(
     """
     if to not in TRACKERS:
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     rec = _recommendation(report, recommendation, fmt, kind)
     series = _series(report, fmt, rec, modules=modules, axis=axis, step_offset=step_offset)
     with _file_store_allowed(to, dest):

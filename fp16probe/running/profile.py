@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
-from fp16probe.formats import FORMATS
+from fp16probe.formats import FORMATS, SCALED_FORMATS
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
                                       move_to, pick_device)
@@ -344,9 +343,9 @@ def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) 
     from fp16probe.blockscale import DelayedRecipe
 
     out = dict(options)
-    if format not in BLOCK_FORMATS:
+    if format not in SCALED_FORMATS:
         return out
-    delayed = parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]  # the request checked it
+    delayed = parse_recipe(SCALED_FORMATS[format].family, recipe)[1]  # the request checked it
     out.setdefault("block_formats", [format])
     recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
     out.setdefault("delayed_recipes", recipes)
@@ -359,7 +358,7 @@ def _with_block_advice(report: Report, format: str, recipe: str | None) -> Repor
     from fp16probe.blockscale import block_stats_of
 
     stats = block_stats_of(report)
-    if stats is None or format not in BLOCK_FORMATS:
+    if stats is None or format not in SCALED_FORMATS:
         return report
     advice = advise(stats, format, recipe)
     extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
