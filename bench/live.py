@@ -75,7 +75,8 @@ def _train(variant: str, steps: int, every: int) -> tuple[float, dict]:
     shadow = {}
     if probe is not None:
         probe.stop()
-        shadow = dict(probe.report().metadata.extra.get("shadow") or {})
+        runs = probe.report().shadow_runs
+        shadow = runs.to_dict() if runs is not None else {}
     return per_step, shadow
 
 

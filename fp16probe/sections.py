@@ -164,7 +164,9 @@ class CaptureNotes:
     ``first_hook_error``: bookkeeping errors a hook noted and carried on from;
     ``weight_grad_merge``: how the ranks' weight gradients were merged (``"replicated"``: one
     rank's kept, ``"sharded"``: summed), with ``weight_grads_identical_across_ranks`` (None
-    when not compared); both None for one rank's report.
+    when not compared); both None for one rank's report;
+    ``removed_modules``: hooked modules the model deleted or replaced after the Probe started
+    (their statistics cover only the steps before).
     """
 
     unrecorded_modules: tuple[str, ...] = ()
@@ -179,11 +181,12 @@ class CaptureNotes:
     first_hook_error: str | None = None
     weight_grad_merge: str | None = None
     weight_grads_identical_across_ranks: bool | None = None
+    removed_modules: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (only the fields that say something)."""
         d: dict[str, Any] = {"granularity": self.granularity}
-        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops"):
+        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
         if self.weight_grads_sharded:
@@ -208,6 +211,7 @@ class CaptureNotes:
             unrecorded_modules=_strings(d.get("unrecorded_modules", []), f"{path}.unrecorded_modules"),
             gradient_free_modules=_strings(d.get("gradient_free_modules", []), f"{path}.gradient_free_modules"),
             autocast_fp32_ops=_strings(d.get("autocast_fp32_ops", []), f"{path}.autocast_fp32_ops"),
+            removed_modules=_strings(d.get("removed_modules", []), f"{path}.removed_modules"),
             weight_grads_sharded=_typed(d, "weight_grads_sharded", path, (bool,), "true or false", False),
             scale_source=_typed(d, "scale_source", path, (str,), "a string"),
             granularity=_typed(d, "granularity", path, (str,), "module or op", "module", choices=("module", "op")),

@@ -17,6 +17,7 @@ from fp16probe.formats import get_format
 from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.sections import ForwardSection
+from fp16probe.presentation.verdict import verdict_text
 
 FAST = dict(horizon=2000)  # a shorter replay keeps these tests quick; the rule is the same
 
@@ -161,7 +162,7 @@ def test_dynamic_when_the_range_moves():
     assert len(chosen) == 1 and chosen[0]["growth_interval"] == rec.grad_scaler_kwargs["growth_interval"]
     assert rec.evidence["simulated_skipped_steps"] == chosen[0]["skipped_steps"]
     # Steps in random order jump 4 bits: no schedule reaches the threshold, and the text says so.
-    assert rec.evidence["simulated_meets_threshold"] is False and "slow drift" in rec.text
+    assert rec.evidence["simulated_meets_threshold"] is False and "slow drift" in verdict_text(rec)
 
 
 def test_dynamic_and_no_single_scale_boundary():
@@ -185,8 +186,8 @@ def test_no_single_scale_names_the_modules_and_the_options():
     assert rec.evidence["flushing_modules_at_scale"][0][0] == "tiny"
     assert rec.evidence["needed_span_bits"] > rec.evidence["format_span_bits"]
     for option in ("bf16", "per tensor", "fp32"):
-        assert option in rec.text
-    assert "big" in rec.text and "tiny" in rec.text
+        assert option in verdict_text(rec)
+    assert "big" in verdict_text(rec) and "tiny" in verdict_text(rec)
 
 
 def test_weight_grads_limit_the_scale_too():
@@ -201,10 +202,10 @@ def test_weight_grads_limit_the_scale_too():
 def test_bf16_is_none_needed_as_measured_and_says_why():
     report = make_report([{"m": H({-30: 1000, 0: 1})}])
     rec = analyze(report, "bf16", **FAST)
-    assert rec.verdict == "none_needed" and "exponent range" in rec.text and "measured" in rec.text
+    assert rec.verdict == "none_needed" and "exponent range" in verdict_text(rec) and "measured" in verdict_text(rec)
     flushing = make_report([{"m": H({-140: 10, 0: 1})}])  # bf16 flushes at or below 2^-134
     rec = analyze(flushing, "bf16", **FAST)
-    assert rec.verdict == "constant" and "Unexpected for bf16" in rec.text
+    assert rec.verdict == "constant" and "Unexpected for bf16" in verdict_text(rec)
 
 
 def test_fp8_e4m3_saturates_so_the_advice_is_per_tensor_scaling():
@@ -232,13 +233,13 @@ def test_nothing_but_zeros_is_insufficient_evidence_not_good_news():
     rec = analyze(make_report([{"m": H({}, zero=10)}]), **FAST)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_zero"
     assert rec.log2_scale is None and rec.grad_scaler_kwargs == {} and rec.headroom_bits is None
-    assert "zero-initialised" in rec.text and "Train a step" in rec.text
+    assert "zero-initialised" in verdict_text(rec) and "Train a step" in verdict_text(rec)
 
 
 def test_no_trace_falls_back_honestly():
     rec = analyze(make_report([{"m": H({-30: 1000, 0: 1})}], trace=False), **FAST)
     assert rec.verdict == "constant" and rec.grad_scaler_kwargs["growth_interval"] == 2000
-    assert "not chosen from data" in rec.text and rec.growth_interval_table is None
+    assert "not chosen from data" in verdict_text(rec) and rec.growth_interval_table is None
 
 
 def with_forward(report, *, overflow=False, flushed=0, loss_fp16=False):
@@ -300,16 +301,16 @@ def test_every_verdicts_wording_keeps_the_provenance_rules():
     seen = set()
     for rec in all_texts():
         seen.add(rec.verdict)
-        assert wording_problems(rec.text) == [], (rec.verdict, rec.text)
+        assert wording_problems(verdict_text(rec)) == [], (rec.verdict, verdict_text(rec))
         if rec.verdict != "insufficient_evidence":
-            assert "1710.03740" in rec.text  # the underflow mechanism is Micikevicius et al.'s
-        assert "LIT-" not in rec.text and not any("LIT-" in str(c) for c in rec.citations + rec.caveats)
-        assert "optimal" not in rec.text.lower()
+            assert "1710.03740" in verdict_text(rec)  # the underflow mechanism is Micikevicius et al.'s
+        assert "LIT-" not in verdict_text(rec) and not any("LIT-" in str(c) for c in rec.citations + rec.caveats)
+        assert "optimal" not in verdict_text(rec).lower()
         if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence", "forward_overflow",
                                "forward_underflow"):
             # The schedule's constants are the guide's and GradScaler's defaults, said so.
-            assert NVIDIA_GUIDE_URL in rec.text
-            assert "many other settings are valid" in rec.text and "not a measured optimum" in rec.text
+            assert NVIDIA_GUIDE_URL in verdict_text(rec)
+            assert "many other settings are valid" in verdict_text(rec) and "not a measured optimum" in verdict_text(rec)
             assert any("1710.03740" in c for c in rec.citations)
             assert any(NVIDIA_GUIDE_URL in c for c in rec.citations)
             assert any("GradScaler" in c and "65536" in c for c in rec.citations)
@@ -415,6 +416,6 @@ def test_all_nonfinite_gradients_are_not_called_fine():
     )
     rec = analyze(report)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_nonfinite"
-    assert rec.text.startswith("No verdict for fp16")
-    assert "7 inf/NaN values" in rec.text and "divergence" in rec.text and rec.grad_scaler_kwargs == {}
-    assert not wording_problems(rec.text)
+    assert verdict_text(rec).startswith("No verdict for fp16")
+    assert "7 inf/NaN values" in verdict_text(rec) and "divergence" in verdict_text(rec) and rec.grad_scaler_kwargs == {}
+    assert not wording_problems(verdict_text(rec))

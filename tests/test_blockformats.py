@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from fp16probe import Probe
+from fp16probe.formats import SCALED_FORMATS
 from fp16probe.analysis.blockformats import RECIPES, advise, delayed_replay, parse_recipe
 from fp16probe.blockadvice import BlockAdvice
 from fp16probe.blockscale import (
-    BLOCK_FORMATS,
     ELEMENTS,
     BlockStats,
     DelayedRecipe,
@@ -183,7 +183,7 @@ def test_recipe_names_parse_and_bad_ones_name_the_choices():
     for family, text in (("mx", "delayed"), ("fp8", "delayed:x"), ("nvfp4", "torchao:3")):
         with pytest.raises(AnalysisError):
             parse_recipe(family, text)
-    assert set(RECIPES) == {f["family"] for f in BLOCK_FORMATS.values()}
+    assert set(RECIPES) == {f.family.name for f in SCALED_FORMATS.values()}
 
 
 def test_torchao_code_imports_resolve():
@@ -210,7 +210,7 @@ def test_cli_block_format_names_match_the_library():
     from fp16probe import cli
     from fp16probe.formats import FORMATS
 
-    assert set(cli.BLOCK_FORMAT_NAMES) == set(BLOCK_FORMATS) - set(FORMATS)
+    assert set(cli.BLOCK_FORMAT_NAMES) == set(SCALED_FORMATS) - set(FORMATS)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4"])

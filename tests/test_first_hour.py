@@ -21,6 +21,7 @@ from fp16probe import Probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.presentation.answer import short_answer
 from fp16probe.recommendation import Caveat, Verdict
+from fp16probe.presentation.verdict import verdict_text
 from tests.fixtures.cli import prepare_cli_env, run
 
 
@@ -119,7 +120,7 @@ def test_no_single_scale_says_what_to_do_before_the_paste_line():
     assert kinds.index("todo") < kinds.index("code")
     todo = lines[kinds.index("todo")].text
     assert "bf16" in todo and "fp32" in todo
-    assert rec.text.index("bf16") < rec.text.index("GradScaler(")
+    assert verdict_text(rec).index("bf16") < verdict_text(rec).index("GradScaler(")
 
 
 # -- modules that cannot carry a gradient are no finding ----------------------------------------
@@ -220,7 +221,7 @@ def test_a_replay_that_cannot_tell_candidates_apart_says_so():
     rows = rec.growth_interval_table["rows"]
     assert max(r["mean_flushed_fraction"] for r in rows) - min(r["mean_flushed_fraction"] for r in rows) < 1e-4
     assert rec.evidence["simulated_candidates_tied"] is True
-    assert "cannot tell the growth_interval candidates" in rec.text
+    assert "cannot tell the growth_interval candidates" in verdict_text(rec)
     assert any(line.kind == "schedule" for line in short_answer(None, rec))
 
 

@@ -20,6 +20,7 @@ from fp16probe.capture.forward import ForwardAudit
 from fp16probe.recommendation import Caveat
 from docs.examples.fp16_failures import HotMLP  # hidden values near 1e5, as a trained T5's grow
 from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
+from fp16probe.presentation.verdict import verdict_text
 
 
 def _batches(n=3, width=16, batch=32, seed=0):
@@ -80,7 +81,7 @@ def test_forward_overflow_is_named_with_a_fix_that_makes_a_real_fp16_run_finite(
     first = rec.evidence["forward_overflow"][0]
     assert first["module"] == first_module and first["headroom_bits"] < 0
     assert first_module in rec.evidence["fix_modules"] and "keep_in_fp32" in rec.evidence["fix_code"]
-    assert "no GradScaler setting fixes this" in rec.text and "bf16" in rec.text
+    assert "no GradScaler setting fixes this" in verdict_text(rec) and "bf16" in verdict_text(rec)
     # The fix as printed makes the real fp16 run finite on every step.
     fixed = fp16probe.keep_in_fp32(copy.deepcopy(model), rec.evidence["fix_modules"], device_type="cpu")
     assert all(math.isfinite(v) for v in _fp16_losses(fixed, batches, _mse))

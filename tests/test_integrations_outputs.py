@@ -12,6 +12,7 @@ from fp16probe.analysis.recommend import analyze
 from fp16probe.integrations import RECOMMENDATION_NAME, REPORT_NAME, write_outputs
 from fp16probe.report import Report
 from fp16probe.sections import Workload
+from fp16probe.presentation.verdict import verdict_text
 
 
 def _report() -> Report:
@@ -38,7 +39,7 @@ def test_the_recommendation_file_carries_the_caveats_and_findings(tmp_path):
     for caveat in rec.caveats:
         assert "caveat: " + " ".join(str(caveat).split()) in flat
     assert "fp16=True had no effect: the run was on the CPU" in flat
-    assert " ".join(rec.text.split()) in flat  # the reasoning follows the short answer
-    assert flat.index("caveat:") < flat.index(" ".join(rec.text.split())[:60])
+    assert " ".join(verdict_text(rec).split()) in flat  # the reasoning follows the short answer
+    assert flat.index("caveat:") < flat.index(" ".join(verdict_text(rec).split())[:60])
     assert max(len(line) for line in text.splitlines()) <= 80 or "://" in text
     assert Report.load(tmp_path / REPORT_NAME).recommendation == rec

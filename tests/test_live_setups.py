@@ -20,6 +20,7 @@ import fp16probe
 from fp16probe import Probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.capture import shadow as shadow_mod
+from fp16probe.presentation.verdict import verdict_text
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -48,7 +49,7 @@ def fp32_scale() -> int:
     """log2 S from an fp32 fp16probe.profile of the same model and batches."""
     report = fp16probe.profile(_gpt2(), _batches(), steps=STEPS, precision="fp32", optimizer="adamw")
     rec = report.recommendation
-    assert rec.verdict in ("constant", "dynamic"), rec.text
+    assert rec.verdict in ("constant", "dynamic"), verdict_text(rec)
     return rec.log2_scale
 
 
@@ -99,9 +100,18 @@ def _nested():
     return probe.report()
 
 
+def _fp16_accelerator():
+    """A new ``Accelerator(mixed_precision="fp16")``: accelerate keeps one state per process, so an earlier
+    test's Accelerator (or Trainer) with another precision is forgotten first."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+
+
 def _accelerator():
     """``Accelerator(mixed_precision="fp16")`` as it sets up CUDA: autocast wrapped around forward, a GradScaler."""
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -125,7 +135,7 @@ def _check(report, fp32_scale: int) -> None:
     assert meta.steps == (0, 1, 2) and not meta.discarded, meta
     assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
     rec = analyze(report)
-    assert rec.verdict in ("constant", "dynamic"), rec.text
+    assert rec.verdict in ("constant", "dynamic"), verdict_text(rec)
     assert abs(rec.log2_scale - fp32_scale) <= 1, (rec.log2_scale, fp32_scale)
     check = rec.evidence["scale_check"]  # the gradients carry the scale the scaler reports
     assert check["carried"] and abs(check["log2_ratio"]) < 0.1 and check["steps"] == [0, 1, 2], check
@@ -159,7 +169,7 @@ def test_each_setup_gives_the_fp32_profiles_scale_from_fp32_reruns(setup, fp32_s
 
 
 def test_an_accelerate_wrapped_forward_is_found():
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp = True
     model = acc.prepare(nn.Linear(2, 2))
     found = shadow_mod.forward_autocast(model.forward)
@@ -178,7 +188,7 @@ def test_a_rerun_that_is_not_fp32_is_discarded_and_never_judged(monkeypatch):
     assert meta.discarded[0]["dtype"] == "float16"
     rec = analyze(report)
     assert rec.verdict == "insufficient_evidence"
-    assert "discarded" in rec.text and "float16" in rec.text
+    assert "discarded" in verdict_text(rec) and "float16" in verdict_text(rec)
 
 
 class _no_change:
@@ -273,7 +283,7 @@ def test_a_scale_the_gradients_do_not_carry_gives_no_verdict_and_the_measured_ra
     assert rec.evidence["insufficient_reason"] == "scale_not_carried"
     assert abs(rec.evidence["fp32_reference_log2_scale"] - fp32_scale) <= 1
     assert [c.code for c in rec.caveats if c.code == "scale_not_carried"] == ["scale_not_carried"]
-    assert "2^-14.0" in rec.text
+    assert "2^-14.0" in verdict_text(rec)
 
 
 def test_the_verdict_and_the_schedule_name_one_gradscaler(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from fp16probe import Probe, Report
 from fp16probe.analysis.recommend import analyze
 from fp16probe.capture.shadow import shadow_due
 from fp16probe.sections import ShadowRuns
+from fp16probe.presentation.verdict import verdict_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def test_live_fp16_run_gives_a_scale_verdict_near_the_fp32_profile(live_gpt2):
     assert rec.evidence["shadow_steps"] == [0, 1, 2, 4, 8, 16] == list(report.shadow.trace.steps)
     meta = report.shadow_runs
     assert meta.count == 6 and meta.seconds > 0 and meta.next_step == 32
-    assert "Judged on 6 fp32 rerun(s)" in rec.text
+    assert "Judged on 6 fp32 rerun(s)" in verdict_text(rec)
     # without the reruns the same live report has no verdict: its zeros hide what flushed
     assert analyze(Report(report.metadata, report.modules, report.trace)).verdict == "insufficient_evidence"
 
@@ -136,7 +137,7 @@ def test_a_loss_outside_the_model_says_how_to_rerun_and_probe_shadow_does_it():
     _, p = _train_net(3, probe=True, explicit=False)
     rec = analyze(p.report())
     assert rec.verdict == "insufficient_evidence"
-    assert "No fp32 shadow rerun could run" in rec.text and "probe.shadow(fn)" in rec.text
+    assert "No fp32 shadow rerun could run" in verdict_text(rec) and "probe.shadow(fn)" in verdict_text(rec)
     model, p = _train_net(3, probe=True, explicit=True)
     plain, _ = _train_net(3, probe=False, explicit=False)
     report = p.report()
@@ -186,7 +187,7 @@ def test_before_the_first_rerun_the_verdict_says_when_it_comes(live_gpt2):
     runs = ShadowRuns(every=50, steps=(), count=0, next_step=32)
     rec = analyze(Report(report.metadata, report.modules, report.trace, shadow_runs=runs))
     assert rec.verdict == "insufficient_evidence"
-    assert "No fp32 shadow rerun has run yet (the first comes at step 32, shadow_every=50)" in rec.text
+    assert "No fp32 shadow rerun has run yet (the first comes at step 32, shadow_every=50)" in verdict_text(rec)
 
 
 def test_a_bf16_autocast_run_is_rerun_too():

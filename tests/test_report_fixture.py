@@ -15,6 +15,7 @@ import pytest
 from fp16probe.analysis.recommend import analyze
 from fp16probe.report import Report
 from fp16probe.sections import split_workload
+from fp16probe.presentation.verdict import verdict_text
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = ("demo", "fp16-weight")
@@ -73,7 +74,7 @@ def test_old_fp16_autocast_report_is_now_insufficient_evidence(kind: str) -> Non
     rec = _analyse(f"fp16-weight/{kind}")
     assert EXPECTED[f"fp16-weight/{kind}"]["verdict"] == "constant"  # what it said before
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "autocast_zeros"
-    assert "S = 2^10" in rec.text and "Profile in fp32" in rec.text
+    assert "S = 2^10" in verdict_text(rec) and "Profile in fp32" in verdict_text(rec)
     assert rec.grad_scaler_kwargs == {} and rec.log2_scale is None
     (run,) = [c.data for c in rec.caveats if c.code == "low_precision_run"]
     assert run["precision"] == "fp16-autocast" and run["scales"] == [2.0**10]

@@ -24,6 +24,7 @@ from fp16probe import Probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.recommendation import Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
+from fp16probe.presentation.verdict import verdict_text
 
 STEPS = 4
 JUDGED = (ACTIVATION_GRAD, WEIGHT_GRAD)
@@ -320,7 +321,7 @@ def test_verdict_holds_in_a_real_fp16_run(name: str) -> None:
     kwargs = dict(rec.grad_scaler_kwargs)
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:
         # nothing to apply: the advice is to profile again, with gradients that say something
-        assert "fp32" in rec.text or "real loss" in rec.text or "train" in rec.text, rec.text
+        assert "fp32" in verdict_text(rec) or "real loss" in verdict_text(rec) or "train" in verdict_text(rec), verdict_text(rec)
         return
     assert kwargs, f"{rec.verdict} came with no GradScaler settings"
     real = _run(copy.deepcopy(model), batches, case, kwargs, fp16=True)

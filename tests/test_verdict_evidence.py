@@ -13,7 +13,7 @@ import torch
 from fp16probe.analysis.ceiling import Ceiling
 from fp16probe.analysis.recommend import analyze
 from fp16probe.analysis.whatif import what_if, worst_modules
-from fp16probe.presentation.verdict import CEILING_SOURCE_WORDS
+from fp16probe.presentation.verdict import verdict_text, CEILING_SOURCE_WORDS
 from fp16probe.formats import get_format
 from fp16probe.formatting import count, magnitude, percent, power_of_two, scale
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Recommendation, Verdict
@@ -58,7 +58,7 @@ def test_weight_gradients_that_flush_decide_the_default_verdict():
     assert rec.verdict == "constant" and rec.kind == "all"
     assert rec.evidence["by_kind"]["weight_grad"]["flushed_fraction_at_1"] == pytest.approx(1000 / 1001)
     assert rec.evidence["by_kind"]["activation_grad"]["flushed_fraction_at_1"] == 0.0
-    assert "weight gradients" in rec.text and "activation gradients" in rec.text
+    assert "weight gradients" in verdict_text(rec) and "activation gradients" in verdict_text(rec)
     # --kind still narrows: activation gradients alone need nothing, and the caveat says what was left out.
     narrow = analyze(report, kind="activation_grad", **FAST)
     assert narrow.verdict == "none_needed"
@@ -101,14 +101,14 @@ def test_nothing_captured_is_insufficient_evidence():
     empty = Report(Metadata("0", torch.__version__, "cpu", "Hand"))
     rec = analyze(empty, **FAST)
     assert rec.verdict == Verdict.INSUFFICIENT_EVIDENCE and rec.evidence["insufficient_reason"] == "nothing_captured"
-    assert rec.grad_scaler_kwargs == {} and "Profile with the Probe" in rec.text
+    assert rec.grad_scaler_kwargs == {} and "Profile with the Probe" in verdict_text(rec)
 
 
 def test_fp16_autocast_zeros_hide_flushing_so_the_evidence_is_insufficient():
     steps = [{"m": H({-10: 900}, zero=100)}]  # 10% exact zeros, any of which may be a flushed value
     rec = analyze(report_of(steps, precision="fp16-autocast"), **FAST)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "autocast_zeros"
-    assert "10% of the judged values are zeros" in rec.text and "Profile in fp32" in rec.text
+    assert "10% of the judged values are zeros" in verdict_text(rec) and "Profile in fp32" in verdict_text(rec)
     assert Caveat("low_precision_run", {"precision": "fp16-autocast", "scales": [], "zero_values": 100,
                                         "values": 1000}) in rec.caveats  # no scaler in the trace: S = 1
     # The same zeros in an fp32 profile are true zeros; under bf16 autocast (fp32's range) too.
@@ -135,7 +135,7 @@ def test_a_step_that_overflowed_at_the_scale_in_force_bounds_s_without_collapsin
     assert rec.verdict == "constant" and rec.log2_scale == 14
     assert rec.evidence["simulated_final_scale"] >= 2.0**14  # the replay does not collapse the scale
     assert rec.evidence["simulated_mean_flushed_fraction"] < 1e-3
-    assert "already held inf/NaN; no scale fixes those" not in rec.text
+    assert "already held inf/NaN; no scale fixes those" not in verdict_text(rec)
     # The scales in force, from the trace.
     assert Caveat("scale_induced_overflow", {"count": 1, "scales": [2.0**15, 2.0**16], "steps": [1]}) in rec.caveats
     table = what_if(report, "fp16", log2_scales=range(10, 20))
@@ -154,8 +154,8 @@ def test_inf_in_an_fp32_run_without_a_scaler_is_left_out_of_the_limit():
 
 def test_advice_goes_through_a_scaler_that_backs_off():
     rec = analyze(report_of([{"m": H({-30: 1000, 0: 1})}]), **FAST)
-    assert "backs off" in rec.text and "halves S" in rec.text
-    assert "skip any step whose gradients hold inf/NaN" not in rec.text
+    assert "backs off" in verdict_text(rec) and "halves S" in verdict_text(rec)
+    assert "skip any step whose gradients hold inf/NaN" not in verdict_text(rec)
     assert rec.grad_scaler_kwargs["backoff_factor"] == 0.5 < 1.0
 
 
@@ -164,7 +164,7 @@ def test_s_is_capped_so_gradscaler_accepts_it_and_the_scaled_values_stay_finite(
     report = report_of([{"m": H({-140: 10, -3: 1})}])
     rec = analyze(report, "bf16", **FAST)
     k = rec.log2_scale
-    assert rec.evidence["largest_safe_log2_scale"] - 1 > k == 126 and "capped" in rec.text
+    assert rec.evidence["largest_safe_log2_scale"] - 1 > k == 126 and "capped" in verdict_text(rec)
     scaler = torch.amp.GradScaler("cpu", **rec.grad_scaler_kwargs)
     scaled = scaler.scale(torch.tensor(1.5))
     assert torch.isfinite(scaled) and math.isfinite(rec.scale * 2.0**-3)
@@ -245,4 +245,4 @@ def test_every_step_holding_inf_in_an_fp32_run_is_not_none_needed():
     steps = [{"m": H({-10: 100}, nan=1)}, {"m": H({-12: 100}, inf=2)}]
     rec = analyze(report_of(steps), **FAST)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_nonfinite"
-    assert "divergence" in rec.text
+    assert "divergence" in verdict_text(rec)

@@ -137,7 +137,7 @@ def analyze(
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
     format, kind = target_of(report, format, kind)
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
         return shadow.checked_scale(report, shadow.with_reference(report, analyze(

@@ -9,7 +9,8 @@ returns None when the settings leave it off. The Probe calls, in registration or
   sampling stops;
 - ``close_step(sampled)`` at each step boundary (after the recorder's forward maxima are folded,
   before the recorder closes the step) and ``discard_step()`` when a step is dropped;
-- ``collect(got)`` when a report is asked for: return ``{section key: typed section}`` (see
+- ``flush()`` then ``collect(got)`` when a report is asked for (``flush`` on every collector
+  before the recorder reads; ``collect`` after): return ``{section key: typed section}`` (see
   :mod:`fp16probe.sections`); it may refine ``got`` (the trace, the module records, the notes) for
   the collectors after it.
 
@@ -58,6 +59,9 @@ class Collector:
 
     def discard_step(self) -> None:
         """The open step is dropped: forget what it recorded."""
+
+    def flush(self) -> None:
+        """A report is asked for: fold what the open step saw so far, before the recorder reads."""
 
     def collect(self, got: Collected) -> Mapping[str, Any]:
         """Bring what was recorded to the host: ``{section key: section}``."""

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.autocast_rules import (CAST_OPS, REGIMES, TARGETS, around_autocast, cast_is_low, op_name,
+                                              output_is_low)
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.formats import get_format
@@ -102,29 +103,26 @@ def _watch_autocast(frames: list[tuple[str, bool]]) -> Iterator[None]:
     ``torch.autocast`` (its subclasses and its decorator form go through these two methods) is
     noted instead: ``(device_type, enabled)``, innermost last.
     """
-    cls = torch.amp.autocast_mode.autocast
-    enter, leave = cls.__enter__, cls.__exit__
     thread = threading.get_ident()
     entered: set[int] = set()
 
-    def watched_enter(ctx: Any) -> Any:
+    def watched_enter(enter: Any, ctx: Any) -> Any:
         got = enter(ctx)
         if threading.get_ident() == thread:
             frames.append((str(ctx.device), bool(ctx._enabled)))
             entered.add(id(ctx))
         return got
 
-    def watched_exit(ctx: Any, *exc: Any) -> Any:
+    def watched_exit(leave: Any, ctx: Any, *exc: Any) -> Any:
         if id(ctx) in entered and frames:
             entered.discard(id(ctx))
             frames.pop()
         return leave(ctx, *exc)
 
-    cls.__enter__, cls.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
     try:
-        yield
+        with around_autocast(watched_enter, watched_exit):
+            yield
     finally:
-        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
         frames.clear()
 
 

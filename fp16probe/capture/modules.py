@@ -55,10 +55,12 @@ class ModuleHooks(Collector):
         self.params: list[tuple[str, str, nn.Parameter]] = []  # set by start()
         self._output_hooks: list[tuple[nn.Module, Any]] = []
         self.param_hooks: list[tuple[nn.Parameter, Any]] = []
+        self.at_start: dict[str, nn.Module] = {}  # the hooked modules as start() found them
 
     def start(self) -> None:
         """Give every hooked module and parameter its row now, so rows follow the model's order."""
         modules = dict(self.model.named_modules())
+        self.at_start = {name: modules[name] for name in self.probe.hooked if name in modules}
         self.params = []
         for pname, p in self.model.named_parameters():
             if p.requires_grad:
@@ -92,8 +94,14 @@ class ModuleHooks(Collector):
     def collect(self, got: Collected) -> Mapping[str, Any]:
         """Note the hooked modules that recorded no gradient (see :func:`silent_modules`)."""
         silent, gradient_free = self.silent_modules(got.modules, len(got.trace))
-        got.notes.update(unrecorded_modules=tuple(silent), gradient_free_modules=tuple(gradient_free))
+        got.notes.update(unrecorded_modules=tuple(silent), gradient_free_modules=tuple(gradient_free),
+                         removed_modules=tuple(self.removed_modules()))
         return {}
+
+    def removed_modules(self) -> list[str]:
+        """Hooked modules that are no longer in the model (it replaced or deleted them after start())."""
+        now = {id(m) for m in self.model.modules()}
+        return [name or ROOT_NAME for name, m in self.at_start.items() if id(m) not in now]
 
     def silent_modules(self, modules: Sequence[ModuleStats], n_steps: int) -> tuple[list[str], list[str]]:
         """Hooked modules whose output never carried a gradient: (findings, structurally gradient-free).
@@ -109,7 +117,8 @@ class ModuleHooks(Collector):
         if self.probe.granularity != "module" or not self.capture[ACTIVATION_GRAD] or n_steps == 0:
             return [], []
         recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
-        named = dict(self.model.named_modules(remove_duplicate=False))
+        # The modules as start() hooked them: one the model dropped since is judged as it was.
+        named = {**self.at_start, **dict(self.model.named_modules(remove_duplicate=False))}
         hooked = self.probe.hooked
         seen_params = {id(p) for name in hooked if (name or ROOT_NAME) in recorded for p in named[name].parameters()}
         findings, gradient_free = [], []

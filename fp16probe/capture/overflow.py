@@ -57,6 +57,10 @@ class CeilingCollector(Collector):
         """Fold pending values into the step being dropped."""
         self.close_step(False)
 
+    def flush(self) -> None:
+        """Fold what the open step's nodes saw into the recorder's maxima."""
+        self.hooks.flush()
+
     def collect(self, got: Collected) -> dict[str, Any]:
         """Put each step's ceiling in the trace: the nodes' maximum or the histograms', inf on inf/NaN."""
         self.hooks.flush()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.capture.autocast_rules import around_autocast
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.sections import ShadowRuns
@@ -123,22 +124,16 @@ def autocast_off() -> Iterator[None]:
     the autocast class, so it holds for the process while the block runs (a rerun, on the
     training thread) and is undone after.
     """
-    cls = torch.amp.autocast_mode.autocast
-    enter = cls.__enter__
-
-    def disabled_enter(self: Any) -> Any:
-        saved = self._enabled
-        self._enabled = False
+    def disabled_enter(enter: Any, ctx: Any) -> Any:
+        saved = ctx._enabled
+        ctx._enabled = False
         try:
-            return enter(self)
+            return enter(ctx)
         finally:
-            self._enabled = saved
+            ctx._enabled = saved
 
-    cls.__enter__ = disabled_enter  # type: ignore[method-assign]
-    try:
+    with around_autocast(disabled_enter):
         yield
-    finally:
-        cls.__enter__ = enter  # type: ignore[method-assign]
 
 
 class _DtypeCheck:

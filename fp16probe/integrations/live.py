@@ -44,7 +44,7 @@ class LiveLogger:
         is_main: whether this process logs (ranks other than the main one only merge).
         artifacts: at :meth:`close`, attach the final report, its figures and an HTML report
             to MLflow runs (the other trackers have histograms and need no files).
-        extra: metadata for the reports (``Report.metadata.extra``), as the callbacks record.
+        extra: what the callbacks record of the run (the framework's settings): the reports' ``workload``.
         **options: ``format``, ``kind``, ``modules``, ``axis``, ``recommend`` as for
             :class:`fp16probe.presentation.trackers.TrackerLog`. ``recommend=False`` skips
             the analysis each interval (no ``..._at_recommended_scale``).

@@ -402,6 +402,11 @@ def findings(report: Report) -> list[str]:
     out = [f"note: {escape.text(n)}" for n in notes[:NOTES_SHOWN]]
     if len(notes) > NOTES_SHOWN:  # a report may hold any number; the rest stay in the report
         out.append(f"note: and {num.count(len(notes) - NOTES_SHOWN)} more notes (workload.notes)")
+    removed = report.capture.removed_modules if report.capture is not None else ()
+    if removed:
+        out.append(f"note: the model removed {num.count(len(removed))} hooked module(s) during the run "
+                   f"({', '.join(escape.text(n) for n in removed[:NOTES_SHOWN])}"
+                   f"{' and more' if len(removed) > NOTES_SHOWN else ''}); their statistics cover only the steps before")
     if work.nonfinite_loss_steps:
         out.append(f"finding: the loss was inf/NaN at step(s) {work.nonfinite_loss_steps}")
     wul = work.weight_update_loss

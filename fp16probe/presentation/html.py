@@ -13,7 +13,9 @@ import io
 import re
 
 from fp16probe.analysis.whatif import worst_modules
+from fp16probe.errors import MissingExtraError
 from fp16probe.formats import Format, get_format
+from fp16probe.presentation.verdict import verdict_text
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
@@ -79,8 +81,8 @@ def _answer(rec: Recommendation, report: Report | None) -> str:
     return "".join(parts)
 
 
-def _explanation(rec: Recommendation) -> str:
-    parts = [f"<p style='white-space:pre-wrap'>{_esc(rec.text)}</p>"]
+def _explanation(rec: Recommendation, fmt: Format | None = None) -> str:
+    parts = [f"<p style='white-space:pre-wrap'>{_esc(verdict_text(rec, fmt))}</p>"]
     evidence = evidence_rows(rec.evidence)
     if evidence:
         parts.append(_table(["evidence", "value"], [list(r) for r in evidence]))
@@ -140,10 +142,13 @@ def report_html(report: Report, format: str | Format | None = None, *, kind: str
                      + _table(["module", "type", "flushed"],
                               [[w.name, w.module_type, num.percent(w.fraction)] for w in worst], names=0))
     if rec is not None:
-        parts.append(_explanation(rec))
+        parts.append(_explanation(rec, fmt))
     if figure and report.modules_of(kind):
-        parts.append(f"<img alt='{_escape(kind)} distribution vs {fmt.name}' "
-                     f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        try:
+            parts.append(f"<img alt='{_escape(kind)} distribution vs {fmt.name}' "
+                         f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        except MissingExtraError as e:  # no matplotlib: the tables above are the whole answer
+            parts.append(f"<p>(no figure: {_escape(str(e))})</p>")
     return f"{_STYLE}<div class='fp16probe'>{''.join(parts)}</div>"
 
 

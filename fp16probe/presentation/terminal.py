@@ -22,6 +22,7 @@ from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
+from fp16probe.presentation.verdict import verdict_text
 from fp16probe.presentation.answer import (
     section_lines,
     brief_answer,
@@ -129,7 +130,10 @@ def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int]
 
     with Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True,
+                  # stderr is not redirected through the bar: what libraries write there while the
+                  # model runs stays held back (fp16probe.running.thirdparty), not printed above the bar.
+                  redirect_stderr=False) as bar:
         task = bar.add_task("steps", total=total)
         yield lambda done: bar.update(task, completed=done)
 
@@ -185,7 +189,7 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
         if explain and report.verification is not None:
             yield from _verification(report.verification, width)
         if explain and rec is not None:
-            yield from _explanation(rec, width)
+            yield from _explanation(rec, width, fmt)
         if out is not None:
             yield from _para(f"report written to {out}", width)
         if not explain:
@@ -321,11 +325,11 @@ def _verification(v: Verification, width: int) -> Iterator[Any]:
         yield from _para(f"note: {note}", width, indent="  ")
 
 
-def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
+def _explanation(rec: Recommendation, width: int, fmt: Format | None = None) -> Iterator[Any]:
     from rich.table import Table
 
     yield from _lines(["", "why:"], "bold")
-    yield from _para(rec.text, width)
+    yield from _para(verdict_text(rec, fmt), width)
     evidence = evidence_rows(rec.evidence)
     if evidence:
         table = Table(title="evidence", title_justify="left")
@@ -351,15 +355,11 @@ def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
         yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
 
 
-# Under this many columns a table with many numeric columns is stacked (see answer.stacked_table).
-NARROW = 100
-
-
 def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
     """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer.
 
-    Under :data:`NARROW` columns each rule's figures go on the line under its name, under short
-    headers with a legend, so an 80-column CI log shows every number whole.
+    When the table is wider than ``width``, each rule's figures go on the line under its name,
+    under short headers with a legend, so an 80-column CI log shows every number whole.
     """
     from rich.table import Table
 
@@ -378,7 +378,11 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                      num.percent(r.mean_flushed_fraction) if flush else "n/a",
                      num.percent(r.worst_flushed_fraction) if flush else "n/a",
                      recovery, num.magnitude(r.final_scale)])
-    if width < NARROW:
+    columns = ["rule", "skipped", "flushing > " + threshold, "mean flushed", "worst flushed",
+               "recovery mean/max", "final S"]
+    # rich's box: each column is its widest cell plus a space either side and a border; one border closes.
+    natural = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, h in enumerate(columns)) + 1
+    if natural > width:
         yield from _lines(wrap_text(title, width), "italic")
         legend = [("skip", "steps skipped (overflow)"), (f">{threshold}", f"steps flushing more than {threshold}"),
                   ("mean, worst", "flushed share of nonzero values over the steps"),
@@ -387,8 +391,6 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                                         rows, width, legend))
     else:
         t = Table(title=title, title_justify="left")
-        columns = ["rule", "skipped", "flushing > " + threshold, "mean flushed", "worst flushed",
-                   "recovery mean/max", "final S"]
         for i, col in enumerate(columns):
             t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
         for cells in rows:

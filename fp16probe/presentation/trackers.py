@@ -29,6 +29,7 @@ gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import tempfile
@@ -151,7 +152,7 @@ def tracker_series(
     the report's own for ``format``, or a fresh analysis (none when the report has no
     ``kind`` values yet).
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     return _series(report, fmt, _recommendation(report, recommendation, fmt, kind), modules=modules,
                    axis=axis, step_offset=step_offset, since_step=since_step)
 
@@ -340,7 +341,7 @@ class _MlflowSink:
         with tempfile.TemporaryDirectory(prefix="fp16probe-mlflow-") as tmp:
             folder = Path(tmp)
             report.save(folder / "fp16probe-report.json")
-            if report.modules_of(kind):
+            if report.modules_of(kind) and importlib.util.find_spec("matplotlib") is not None:
                 from fp16probe.presentation.figures import save_figures
 
                 save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
@@ -447,7 +448,7 @@ def export(
     """
     if to not in TRACKERS:
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     rec = _recommendation(report, recommendation, fmt, kind)
     series = _series(report, fmt, rec, modules=modules, axis=axis, step_offset=step_offset)
     with _file_store_allowed(to, dest):

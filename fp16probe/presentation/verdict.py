@@ -58,24 +58,24 @@ _BACKOFF = ("If a later step overflows anyway, the scaler skips that one step an
             "cannot stall at a scale that overflows; do not hold S fixed by skipping steps without backing off.")
 
 
-def verdict_text(rec: Recommendation) -> str:
-    """Return the verdict's reasoning in words: the stored text of an older report, else rendered from the data."""
+def verdict_text(rec: Recommendation, fmt: Format | None = None) -> str:
+    """Return the verdict's reasoning in words: the stored text of an older report, else rendered from the data.
+
+    ``fmt``: ``rec.format`` as its caller resolved it (looked up here when not given).
+    """
     if rec.stored_text:
         return rec.stored_text
     ev: Mapping[str, Any] = rec.evidence
     if ev.get("insufficient_reason") == "scale_not_carried":
         return _scale_not_carried(rec, ev.get("scale_check") or {})
-    text = _RENDER.get(rec.verdict, _insufficient)(rec)
+    fmt = fmt if fmt is not None and fmt.name == rec.format else get_format(rec.format)
+    text = _RENDER.get(rec.verdict, _insufficient)(rec, fmt)
     if "shadow_steps" in ev and "reference" in ev:
         text = f"{_shadow_words(ev)} {text}"
     return text
 
 
 # -- the parts every verdict shares ------------------------------------------------------------
-
-def _fmt(rec: Recommendation) -> Format:
-    return get_format(rec.format)
-
 
 def _what(kind: str) -> str:
     return KIND_WORDS.get(kind, "gradient values") if kind != "all" else "gradient values"
@@ -223,7 +223,7 @@ _OLDER_REASONS = {
 }
 
 
-def _insufficient(rec: Recommendation) -> str:
+def _insufficient(rec: Recommendation, fmt: Format) -> str:
     ev = rec.evidence
     code = str(ev.get("insufficient_reason", ""))
     if code not in _REASONS:
@@ -258,8 +258,8 @@ def _shadow_words(ev: Mapping[str, Any]) -> str:
     return words
 
 
-def _none_needed(rec: Recommendation) -> str:
-    fmt, ev = _fmt(rec), rec.evidence
+def _none_needed(rec: Recommendation, fmt: Format) -> str:
+    ev = rec.evidence
     tau = rec.thresholds.get("max_flushed_fraction")
     k_max = ev.get("largest_safe_log2_scale")
     parts = [f"No loss scaling needed for {fmt.name}: at S = 1, {percent(ev['flushed_fraction_at_1'])} of the "
@@ -275,9 +275,9 @@ def _none_needed(rec: Recommendation) -> str:
     return " ".join(parts)
 
 
-def _scaled(rec: Recommendation) -> str:
+def _scaled(rec: Recommendation, fmt: Format) -> str:
     """constant, dynamic or no_single_scale: the verdict's words, then why S is capped where it is."""
-    fmt, ev = _fmt(rec), rec.evidence
+    ev = rec.evidence
     margin, tau = int(rec.thresholds.get("margin_bits", 1)), float(rec.thresholds.get("max_flushed_fraction", 1e-3))
     table = None if rec.growth_interval_table is None else GrowthIntervalTable.from_dict(rec.growth_interval_table)
     before = ev.get("before_loss_cap")
@@ -357,8 +357,8 @@ def _no_single_scale(fmt: Format, k: int, margin: int, ev: Mapping[str, Any], kw
 _SCALED = {Verdict.CONSTANT: _constant, Verdict.DYNAMIC: _dynamic, Verdict.NO_SINGLE_SCALE: _no_single_scale}
 
 
-def _per_tensor(rec: Recommendation) -> str:
-    fmt, ev, th = _fmt(rec), rec.evidence, rec.thresholds
+def _per_tensor(rec: Recommendation, fmt: Format) -> str:
+    ev, th = rec.evidence, rec.thresholds
     margin, k = int(th.get("margin_bits", 1)), rec.log2_scale
     max_words = magnitude(fmt.max)
     why = (f"its casts saturate (a value past {max_words}, inf included, becomes {max_words} or NaN depending on "
@@ -382,7 +382,7 @@ def _per_tensor(rec: Recommendation) -> str:
     )
 
 
-def _forward(rec: Recommendation) -> str:
+def _forward(rec: Recommendation, fmt: Format) -> str:
     ev, tau = rec.evidence, rec.thresholds.get("max_flushed_fraction")
     overflow = rec.verdict is Verdict.FORWARD_OVERFLOW
     where = fp16_run(str(ev.get("regime", "autocast")), str(ev.get("target", "cuda")))
@@ -425,7 +425,7 @@ def _forward(rec: Recommendation) -> str:
                    f"2^-24 to 65504 only ({PAPER}).")
 
 
-_RENDER: dict[Verdict, Callable[[Recommendation], str]] = {
+_RENDER: dict[Verdict, Callable[[Recommendation, Format], str]] = {
     Verdict.NONE_NEEDED: _none_needed,
     Verdict.CONSTANT: _scaled,
     Verdict.DYNAMIC: _scaled,
