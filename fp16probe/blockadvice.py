@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp16probe.blockscale import BlockCounts
+from fp16probe.blockscale import BlockCounts, DelayedRecipe
 from fp16probe.errors import ReportFieldError
 
 __all__ = ["BlockAdvice", "LayerLoss"]
@@ -79,8 +79,11 @@ class BlockAdvice:
 
     ``recipe`` is the one judged, ``advised_recipe`` the one that keeps the most layers at or
     under ``threshold`` (a share of nonzero values), ``keep_high`` the layers that lose more
-    than it under that recipe; ``te_code``/``torchao_code`` the code to paste, ``notes`` the
-    limits of the counts, ``citations`` the sources.
+    than it under that recipe; ``citations`` the sources; ``delayed`` the delayed-scaling
+    recipe when that is the advised one; ``note_codes`` the limits of the counts, as codes;
+    ``hook_errors`` the tensors that could not be counted. The code to paste and the notes in
+    words (:attr:`te_code`, :attr:`torchao_code`, :attr:`notes`) are rendered from this data
+    in ``presentation.blockview``; ``stored`` holds the words a report file stored.
     """
 
     format: str
@@ -89,10 +92,33 @@ class BlockAdvice:
     threshold: float
     layers: tuple[LayerLoss, ...]
     keep_high: tuple[str, ...]
-    te_code: str
-    torchao_code: str
-    notes: tuple[str, ...]
     citations: tuple[str, ...] = ()
+    delayed: DelayedRecipe | None = None
+    note_codes: tuple[str, ...] = ()
+    hook_errors: int = 0
+    stored: Mapping[str, Any] = field(default_factory=dict, compare=False)  # a file's te_code, torchao_code, notes
+
+    # -- presentation (the words and the code, rendered on demand) --------------------
+    @property
+    def te_code(self) -> str:
+        """TransformerEngine code for the advised recipe (a file's stored code as it was stored)."""
+        from fp16probe.presentation.blockview import te_code
+
+        return str(self.stored.get("te_code") or te_code(self))
+
+    @property
+    def torchao_code(self) -> str:
+        """torchao code for the advised recipe (a file's stored code as it was stored)."""
+        from fp16probe.presentation.blockview import torchao_code
+
+        return str(self.stored.get("torchao_code") or torchao_code(self))
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The limits of the counts in words (a file's stored notes as they were stored)."""
+        from fp16probe.presentation.blockview import block_notes
+
+        return tuple(self.stored.get("notes") or block_notes(self))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (shares per layer and read, the advice and the code)."""
@@ -101,7 +127,9 @@ class BlockAdvice:
             "threshold": self.threshold, "keep_high": list(self.keep_high),
             "layers": [layer.to_dict() for layer in self.layers],
             "te_code": self.te_code, "torchao_code": self.torchao_code, "notes": list(self.notes),
-            "citations": list(self.citations),
+            "citations": list(self.citations), "note_codes": list(self.note_codes),
+            **({"delayed": self.delayed.to_dict()} if self.delayed is not None else {}),
+            **({"hook_errors": self.hook_errors} if self.hook_errors else {}),
         }
 
     @classmethod
@@ -116,7 +144,18 @@ class BlockAdvice:
             advised_recipe=_get(d, "advised_recipe", path, (str,), "a recipe"),
             threshold=float(_get(d, "threshold", path, (int, float), "a share")),
             layers=tuple(LayerLoss.from_dict(x, path=f"{path}.layers[{i}]") for i, x in enumerate(layers)),
-            keep_high=_strings(d, "keep_high", path),
-            te_code=_get(d, "te_code", path, (str,), "code"), torchao_code=_get(d, "torchao_code", path, (str,), "code"),
-            notes=_strings(d, "notes", path), citations=_strings(d, "citations", path),
+            keep_high=_strings(d, "keep_high", path), citations=_strings(d, "citations", path),
+            delayed=None if d.get("delayed") is None else _delayed(d["delayed"], f"{path}.delayed"),
+            note_codes=_strings(d, "note_codes", path),
+            hook_errors=int(_get(d, "hook_errors", path, (int,), "a count")) if "hook_errors" in d else 0,
+            stored={"te_code": _get(d, "te_code", path, (str,), "code"),
+                    "torchao_code": _get(d, "torchao_code", path, (str,), "code"), "notes": _strings(d, "notes", path)},
         )
+
+
+def _delayed(d: Any, path: str) -> DelayedRecipe:
+    d = _obj(d, path)
+    try:
+        return DelayedRecipe(int(d.get("history_len", 1024)), int(d.get("margin", 0)), str(d.get("algo", "max")))
+    except (TypeError, ValueError) as e:
+        raise ReportFieldError(path, f"{path}: not a delayed-scaling recipe ({e})") from None

@@ -17,10 +17,11 @@ arXiv 2509.25149.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from collections.abc import Callable
 
+from fp16probe.analysis.provenance import BLOCK_CITATIONS as CITATIONS
 from fp16probe.blockadvice import BlockAdvice, LayerLoss
 from fp16probe.blockscale import BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
 from fp16probe.errors import AnalysisError
@@ -28,13 +29,6 @@ from fp16probe.formats import FAMILIES, SCALED_FORMATS, ElementFormat, Family, S
 
 __all__ = ["CITATIONS", "RECIPES", "THRESHOLDS", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
 
-CITATIONS = (
-    'Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433',
-    "OCP Microscaling Formats (MX) Specification v1.0",
-    'Rouhani et al., "Microscaling Data Formats for Deep Learning", arXiv 2310.10537',
-    'Mishra et al., "Recipes for Pre-training LLMs with MXFP8", arXiv 2506.08027',
-    'NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149',
-)
 
 # Recipes by family, the default (what TransformerEngine does out of the box) first: a view of the registry.
 RECIPES: dict[str, tuple[str, ...]] = {name: f.recipes for name, f in FAMILIES.items()}
@@ -185,28 +179,20 @@ def advise(stats: BlockStats, format: str | ScaledFormat, recipe: str | None = N
     if recipe is not None and over[name] <= over[advised]:
         advised = name
     keep = tuple(layer.module for layer in layers if layer.by_recipe[advised] > threshold)
-    notes = [
-        "shares are of nonzero values; TransformerEngine's underflows% divides by all elements, zeros included",
-        "not modelled: accumulation inside the GEMM kernels, and the random Hadamard transform NVFP4 applies to "
-        "some GEMM inputs",
-    ]
+    notes = ["shares_of_nonzero", "not_modelled"]  # worded in presentation.blockview
     if family == "fp8":
-        notes.append("FP8 scales each tensor (no global loss scale: no GradScaler)")
-        notes.append("delayed scaling casts the first step with TE's initial scale 1.0 (counted here, as TE does); "
-                     "later steps use the amax window")
+        notes += ["fp8_per_tensor", "delayed_first_step"]
     if any(layer.type == "Conv1D" for layer in layers):
-        notes.append("Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
-                     "convert nn.Linear only; the shares are those the layer has as a Linear")
+        notes.append("conv1d")
     if family == "nvfp4":
-        notes.append(f"threshold {threshold:.3g}: E2M1 flushes values more than 4.6 binades below their block's "
-                     "max, about 6-7% of a Gaussian block of 16 by design")
+        notes.append("nvfp4_threshold")
         if any(c.blocks_lost for layer in layers for c in layer.reads.values()):
-            notes.append("some blocks lose every value: their E4M3 block scale flushes")
+            notes.append("blocks_lost")
     if stats.hook_errors:
-        notes.append(f"{stats.hook_errors} tensor(s) could not be counted (hook errors)")
-    return BlockAdvice(format, name, advised, threshold, tuple(layers), keep,
-                       te_code(format, advised, keep, delayed), torchao_code(format, advised, keep), tuple(notes),
-                       CITATIONS)
+        notes.append("hook_errors")
+    return BlockAdvice(format, name, advised, threshold, tuple(layers), keep, CITATIONS,
+                       delayed=delayed if advised == "delayed" else None, note_codes=tuple(notes),
+                       hook_errors=stats.hook_errors)
 
 
 def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> tuple[list[float], list[int]]:
@@ -219,73 +205,3 @@ def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> 
     limit = ELEMENTS[element].overflow
     hot = [i for i, (a, s) in enumerate(zip(t.amax_trace, scales)) if a * s > limit]
     return scales, hot
-
-
-def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecipe | None = None) -> str:
-    """TransformerEngine code for the recipe: the recipe object and the modules to keep in bf16."""
-    fmt = "Format.HYBRID" if SCALED_FORMATS[format].element.name == "e5m2" else "Format.E4M3"
-    family = SCALED_FORMATS[format].family.name
-    if family == "fp8":
-        if recipe == "delayed":
-            d = delayed or DelayedRecipe()
-            obj = (f"DelayedScaling(\n    fp8_format={fmt}, amax_history_len={d.history_len}, margin={d.margin},\n"
-                   f'    amax_compute_algo="{d.algo}")')
-            name = "DelayedScaling"
-        elif recipe == "blockwise":
-            obj, name = "Float8BlockScaling()", "Float8BlockScaling"
-        elif recipe == "rowwise":
-            return "# TransformerEngine has no rowwise FP8 recipe: use torchao's (below)"
-        else:
-            obj, name = f"Float8CurrentScaling(fp8_format={fmt})", "Float8CurrentScaling"
-    elif family == "mx":
-        if recipe != "rceil":
-            return f"# TransformerEngine's MXFP8BlockScaling rounds scales up (RCEIL); for {recipe}, use torchao (below)"
-        obj, name = f"MXFP8BlockScaling(fp8_format={fmt})", "MXFP8BlockScaling"
-    else:
-        obj, name = "NVFP4BlockScaling()", "NVFP4BlockScaling"
-    imports = f"from transformer_engine.common.recipe import {'Format, ' if 'Format.' in obj else ''}{name}"
-    lines = ["import transformer_engine.pytorch as te", imports, f"recipe = {obj}"]
-    if keep:
-        lines.append("# keep in bf16 (build them as torch.nn.Linear, not te.Linear):")
-        lines += [f"#   {name}" for name in keep]
-    lines += ["with te.fp8_autocast(enabled=True, fp8_recipe=recipe):", "    loss = model(batch)"]
-    return "\n".join(lines)
-
-
-def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
-    """torchao code for the recipe, leaving the ``keep`` modules in high precision."""
-    family = SCALED_FORMATS[format].family.name
-    # One name a line: the code stays within 80 columns however many layers are kept.
-    keep_line = ("KEEP = {\n" + "".join(f"    {name!r},\n" for name in sorted(set(keep))) + "}") if keep else "KEEP = set()"
-    keep_fn = ["def fp8_linear(m, fqn):", "    return isinstance(m, torch.nn.Linear) and fqn not in KEEP"]
-    if family == "fp8":
-        if recipe in ("delayed", "blockwise"):
-            return f"# torchao's float8 training has no {recipe} recipe: use TransformerEngine's (above)"
-        name = "rowwise" if recipe == "rowwise" else "tensorwise"
-        return "\n".join([
-            "from torchao.float8 import Float8LinearConfig, convert_to_float8_training",
-            keep_line,
-            f'config = Float8LinearConfig.from_recipe_name("{name}")',
-            "convert_to_float8_training(",
-            "    model, config=config, module_filter_fn=lambda m, fqn: fqn not in KEEP)",
-        ])
-    if family == "mx":
-        return "\n".join([
-            "import torch",
-            "from torchao.quantization import quantize_",
-            "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig",
-            "from torchao.prototype.mx_formats.config import ScaleCalculationMode",
-            keep_line,
-            f"config = MXFP8TrainingOpConfig(\n    scale_calculation_mode=ScaleCalculationMode.{recipe.upper()})",
-            *keep_fn,
-            "quantize_(model, config, filter_fn=fp8_linear)",
-        ])
-    return "\n".join([
-        "import torch",
-        "from torchao.quantization import quantize_",
-        "from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import (",
-        "    NVFP4TrainingConfig)",
-        keep_line,
-        *keep_fn,
-        "quantize_(model, NVFP4TrainingConfig(), filter_fn=fp8_linear)",
-    ])

@@ -21,18 +21,15 @@ import re
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
 
 __all__ = [
-    "BF16_NO_SCALER",
+    "BLOCK_CITATIONS",
     "CITATION_GRADSCALER",
     "CITATION_NVIDIA_GUIDE",
     "CITATION_PAPER",
     "CITATION_TRANSFORMER_ENGINE",
-    "CONSTANT_RULE",
-    "DEFAULTS_STANDING",
     "GRADSCALER_DEFAULT_NOTE",
     "NVIDIA_GUIDE_URL",
     "PAPER",
     "SIMULATION_CAVEAT",
-    "UNDERFLOW_MECHANISM",
     "WEIGHT_UPDATE_RULE",
     "wording_problems",
 ]
@@ -48,34 +45,20 @@ CITATION_TRANSFORMER_ENGINE = (
     "NVIDIA Transformer Engine, DelayedScaling recipe (scale = fp8 max / amax / 2^margin), "
     "https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/api/common.html"
 )
+BLOCK_CITATIONS = (  # the scaled formats (analysis.blockformats)
+    'Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433',
+    "OCP Microscaling Formats (MX) Specification v1.0",
+    'Rouhani et al., "Microscaling Data Formats for Deep Learning", arXiv 2310.10537',
+    'Mishra et al., "Recipes for Pre-training LLMs with MXFP8", arXiv 2506.08027',
+    'NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149',
+)
 CITATION_GRADSCALER = "torch.amp.GradScaler defaults: " + ", ".join(
     f"{k}={v}" for k, v in GRADSCALER_DEFAULTS.items()
 )
 
-UNDERFLOW_MECHANISM = (
-    "Gradient values below half the format's smallest subnormal round to zero when cast, "
-    "and that update information is lost; multiplying the loss by S shifts every gradient "
-    f"by log2(S) bits before the cast ({PAPER})."
-)
-CONSTANT_RULE = (
-    f"The constant-S rule is from {PAPER}: choose S so that S times the "
-    "largest gradient magnitude seen stays below the format's max; here made exact as the "
-    "largest power of two that does so, less a safety margin."
-)
-DEFAULTS_STANDING = (
-    "The growth/backoff factors x2 and x0.5 and a growth interval of 2000 come from NVIDIA's "
-    f"mixed-precision guide ({NVIDIA_GUIDE_URL}), which reports them as one setting it trained "
-    "with successfully and says many other settings are valid; GradScaler ships them as "
-    "defaults. They are a widely-run, once-validated default, not a measured optimum."
-)
 GRADSCALER_DEFAULT_NOTE = (
     "GradScaler's default growth_interval (2000, from NVIDIA's guide at "
     f"{NVIDIA_GUIDE_URL}: one validated example among many valid settings, not a measured optimum)"
-)
-BF16_NO_SCALER = (
-    "bf16 has fp32's exponent range (smallest subnormal 2^-133, max about 3.4e38), so "
-    "gradients that fp32 holds do not flush or overflow in bf16; a loss scaler there only "
-    "adds a skipped-step mechanism for a failure that cannot occur."
 )
 SIMULATION_CAVEAT = (
     "The long-horizon replay resamples the profiled steps (uniformly, with replacement, "

@@ -6,14 +6,16 @@ that a saved report shows the same table; no rich here (the terminal module prin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fp16probe.blockadvice import BlockAdvice
+from fp16probe.blockscale import DelayedRecipe
+from fp16probe.formats import SCALED_FORMATS
 from fp16probe.formatting import percent
 from fp16probe.presentation.answer import stacked_table, wrap_text
 
-__all__ = ["RECIPE_WORDS", "block_advice_lines"]
+__all__ = ["NOTE_WORDS", "RECIPE_WORDS", "block_advice_lines", "block_notes", "te_code", "torchao_code"]
 
 RECIPE_WORDS = {
     "current": "per-tensor current scaling (TE Float8CurrentScaling, torchao tensorwise)",
@@ -82,3 +84,98 @@ def block_advice_lines(block_advice: BlockAdvice, *, top: int | None = None, wid
         return out
     code = {"  " + line for key in ("te_code", "torchao_code") for line in advice[key].splitlines()}
     return [piece for line in out for piece in ([line] if line in code else wrap_text(line, width, "  "))]
+
+
+# The limits of the counts (BlockAdvice.note_codes), in words.
+NOTE_WORDS: dict[str, Callable[[BlockAdvice], str]] = {
+    "shares_of_nonzero": lambda a: "shares are of nonzero values; TransformerEngine's underflows% divides by all "
+                                   "elements, zeros included",
+    "not_modelled": lambda a: "not modelled: accumulation inside the GEMM kernels, and the random Hadamard transform "
+                              "NVFP4 applies to some GEMM inputs",
+    "fp8_per_tensor": lambda a: "FP8 scales each tensor (no global loss scale: no GradScaler)",
+    "delayed_first_step": lambda a: "delayed scaling casts the first step with TE's initial scale 1.0 (counted here, "
+                                    "as TE does); later steps use the amax window",
+    "conv1d": lambda a: "Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
+                        "convert nn.Linear only; the shares are those the layer has as a Linear",
+    "nvfp4_threshold": lambda a: f"threshold {a.threshold:.3g}: E2M1 flushes values more than 4.6 binades below "
+                                 "their block's max, about 6-7% of a Gaussian block of 16 by design",
+    "blocks_lost": lambda a: "some blocks lose every value: their E4M3 block scale flushes",
+    "hook_errors": lambda a: f"{a.hook_errors} tensor(s) could not be counted (hook errors)",
+}
+
+
+def block_notes(advice: BlockAdvice) -> tuple[str, ...]:
+    """The limits of the counts in words, one per note code (an unknown code as itself)."""
+    return tuple(NOTE_WORDS[c](advice) if c in NOTE_WORDS else c for c in advice.note_codes)
+
+
+def te_code(advice: BlockAdvice) -> str:
+    """TransformerEngine code for the advised recipe: the recipe object and the modules to keep in bf16."""
+    format, recipe, keep, delayed = advice.format, advice.advised_recipe, advice.keep_high, advice.delayed
+    fmt = "Format.HYBRID" if SCALED_FORMATS[format].element.name == "e5m2" else "Format.E4M3"
+    family = SCALED_FORMATS[format].family.name
+    if family == "fp8":
+        if recipe == "delayed":
+            d = delayed or DelayedRecipe()
+            obj = (f"DelayedScaling(\n    fp8_format={fmt}, amax_history_len={d.history_len}, margin={d.margin},\n"
+                   f'    amax_compute_algo="{d.algo}")')
+            name = "DelayedScaling"
+        elif recipe == "blockwise":
+            obj, name = "Float8BlockScaling()", "Float8BlockScaling"
+        elif recipe == "rowwise":
+            return "# TransformerEngine has no rowwise FP8 recipe: use torchao's (below)"
+        else:
+            obj, name = f"Float8CurrentScaling(fp8_format={fmt})", "Float8CurrentScaling"
+    elif family == "mx":
+        if recipe != "rceil":
+            return f"# TransformerEngine's MXFP8BlockScaling rounds scales up (RCEIL); for {recipe}, use torchao (below)"
+        obj, name = f"MXFP8BlockScaling(fp8_format={fmt})", "MXFP8BlockScaling"
+    else:
+        obj, name = "NVFP4BlockScaling()", "NVFP4BlockScaling"
+    imports = f"from transformer_engine.common.recipe import {'Format, ' if 'Format.' in obj else ''}{name}"
+    lines = ["import transformer_engine.pytorch as te", imports, f"recipe = {obj}"]
+    if keep:
+        lines.append("# keep in bf16 (build them as torch.nn.Linear, not te.Linear):")
+        lines += [f"#   {name}" for name in keep]
+    lines += ["with te.fp8_autocast(enabled=True, fp8_recipe=recipe):", "    loss = model(batch)"]
+    return "\n".join(lines)
+
+
+def torchao_code(advice: BlockAdvice) -> str:
+    """torchao code for the advised recipe, leaving the layers to keep in high precision."""
+    format, recipe, keep = advice.format, advice.advised_recipe, advice.keep_high
+    family = SCALED_FORMATS[format].family.name
+    # One name a line: the code stays within 80 columns however many layers are kept.
+    keep_line = ("KEEP = {\n" + "".join(f"    {name!r},\n" for name in sorted(set(keep))) + "}") if keep else "KEEP = set()"
+    keep_fn = ["def fp8_linear(m, fqn):", "    return isinstance(m, torch.nn.Linear) and fqn not in KEEP"]
+    if family == "fp8":
+        if recipe in ("delayed", "blockwise"):
+            return f"# torchao's float8 training has no {recipe} recipe: use TransformerEngine's (above)"
+        name = "rowwise" if recipe == "rowwise" else "tensorwise"
+        return "\n".join([
+            "from torchao.float8 import Float8LinearConfig, convert_to_float8_training",
+            keep_line,
+            f'config = Float8LinearConfig.from_recipe_name("{name}")',
+            "convert_to_float8_training(",
+            "    model, config=config, module_filter_fn=lambda m, fqn: fqn not in KEEP)",
+        ])
+    if family == "mx":
+        return "\n".join([
+            "import torch",
+            "from torchao.quantization import quantize_",
+            "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig",
+            "from torchao.prototype.mx_formats.config import ScaleCalculationMode",
+            keep_line,
+            f"config = MXFP8TrainingOpConfig(\n    scale_calculation_mode=ScaleCalculationMode.{recipe.upper()})",
+            *keep_fn,
+            "quantize_(model, config, filter_fn=fp8_linear)",
+        ])
+    return "\n".join([
+        "import torch",
+        "from torchao.quantization import quantize_",
+        "from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import (",
+        "    NVFP4TrainingConfig)",
+        keep_line,
+        *keep_fn,
+        "quantize_(model, NVFP4TrainingConfig(), filter_fn=fp8_linear)",
+    ])
