@@ -58,8 +58,8 @@ def _hostile(d: dict, value: str = EVIL, notes: int = 2) -> dict:
     d["metadata"]["model_class"] = "Evil" + value
     d["metadata"]["device"] = "cpu" + value
     d["metadata"]["partial"] = True
-    d["metadata"]["extra"]["notes"] = ["note" + value] * notes
-    d["metadata"]["extra"]["stopped"] = "error" + value
+    d.setdefault("workload", {})["notes"] = ["note" + value] * notes
+    d.setdefault("workload", {})["stopped"] = "error" + value
     return d
 
 
@@ -111,7 +111,7 @@ def test_compare_outputs_are_clean_and_written_with_a_surrogate(base_dict, tmp_p
 
 def test_a_wrapped_word_never_starts_a_line_with_two_colons(base_dict, tmp_path):
     d = copy.deepcopy(base_dict)
-    d["metadata"]["extra"]["notes"] = ["x" * 70 + " ::stop-commands::token"]
+    d.setdefault("workload", {})["notes"] = ["x" * 70 + " ::stop-commands::token"]
     result = _run(["show", _write(tmp_path, d)])
     assert result.exit_code == 0
     assert "\\::stop-commands::token" in result.output  # wrapping put it first on its line: guarded
@@ -179,7 +179,7 @@ def test_a_wrong_typed_field_is_exit_2_naming_it(base_dict, tmp_path, field, val
 
 def test_twenty_thousand_notes_print_ten_and_a_count(base_dict, tmp_path):
     d = copy.deepcopy(base_dict)
-    d["metadata"]["extra"]["notes"] = [f"n{i}" for i in range(20_000)]
+    d.setdefault("workload", {})["notes"] = [f"n{i}" for i in range(20_000)]
     result = _run(["show", _write(tmp_path, d)])
     assert result.exit_code == 0
     assert "note: n9\n" in result.output and "note: n10\n" not in result.output
