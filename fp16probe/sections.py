@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from fp16probe.errors import ReportFieldError
+from fp16probe.validation import check_extra
 
 __all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "Workload",
            "register_section", "split_legacy_extra", "split_workload"]
@@ -294,6 +295,7 @@ class Workload:
     def from_dict(cls, d: Any, *, path: str = "workload") -> "Workload":
         """Build from JSON; a bad field raises ReportFieldError naming it (unknown keys are ignored)."""
         d = _mapping(d, path)
+        check_extra(d, path)  # the strings, string lists and step lists every summary reads
         kw = {k: _typed(d, k, path, types, expected) for k, (types, expected) in WORKLOAD_KEYS.items()}
         for k in ("optimizer", "weight_update_loss", "training_arguments", "trainer_settings", "notes",
                   "nonfinite_loss_steps", "ranks_in_report", "rank_fault"):
@@ -306,17 +308,21 @@ def split_workload(extra: Mapping[str, Any]) -> tuple[Workload | None, dict[str,
     """Split ``metadata.extra`` as the package's callers fill it into (the Workload, the user's own keys).
 
     The one place the run's description leaves ``metadata.extra``: ``report.with_workload`` calls it as
-    a report is made, ``Report.from_dict`` for an older file.
-    A present value of the wrong JSON type stays with the user's keys rather than fail the run.
+    a report is made, ``Report.from_dict`` for an older file. A workload key whose value is None is
+    dropped (absent); one whose value is not of the field's type stays with the user's keys, so a
+    caller's odd value never stops a report from being made.
     """
-    picked = {k: v for k, v in extra.items() if k in WORKLOAD_KEYS and v is not None}
-    good: dict[str, Any] = {}
-    for k, v in picked.items():
-        types = WORKLOAD_KEYS[k][0]
-        if isinstance(v, types) and not (isinstance(v, bool) and bool not in types):
-            good[k] = v
+    good = {k: v for k, v in extra.items() if k in WORKLOAD_KEYS and v is not None and _fits(k, v)}
     rest = {k: v for k, v in extra.items() if k not in good and not (k in WORKLOAD_KEYS and v is None)}
     return (Workload.from_dict(good) if good else None), rest
+
+
+def _fits(key: str, value: Any) -> bool:
+    try:
+        Workload.from_dict({key: value})
+    except ReportFieldError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
