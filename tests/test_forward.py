@@ -86,6 +86,54 @@ def test_forward_overflow_is_named_with_a_fix_that_makes_a_real_fp16_run_finite(
     assert all(math.isfinite(v) for v in _fp16_losses(fixed, batches, _mse))
 
 
+@pytest.mark.parametrize("make", [HotMLP, AttnNet])
+def test_a_model_with_the_printed_fix_applied_profiles_clean_and_verifies(make):
+    """The audit sees the fix's autocast-off region: no forward verdict on what it keeps in fp32."""
+    model, batches = make(), _batches()
+    fix = fp16probe.profile(copy.deepcopy(model), batches, _mse, steps=3).recommendation.evidence["fix_modules"]
+    for device_type in ("cuda", "cpu"):  # the fix for the predicted device; --verify runs the CPU's here
+        fixed = fp16probe.keep_in_fp32(copy.deepcopy(model), fix, device_type=device_type)
+        report = fp16probe.profile(fixed, batches, _mse, steps=3, verify=device_type == "cpu")
+        rec = report.recommendation
+        assert rec.verdict not in ("forward_overflow", "forward_underflow"), (device_type, rec.verdict)
+        kept = [t["name"] for t in report.metadata.extra["forward"]["tensors"]
+                if device_type in t["fp16_on"] and t["module"] in fix]
+        assert kept == []  # nothing inside the kept modules is fp16 on the device the fix is for
+        if device_type == "cpu":
+            v = report.verification
+            assert v.measured_overflow_steps == 0 and v.measured_zeroed_fraction <= v.predicted_zeroed_fraction
+            assert v.held, v.notes
+    # and the real fp16 run of the fixed model is finite on every step
+    fixed = fp16probe.keep_in_fp32(copy.deepcopy(model), fix, device_type="cpu")
+    assert all(math.isfinite(v) for v in _fp16_losses(fixed, batches, _mse))
+
+
+def test_keep_in_fp32_survives_a_deepcopy():
+    """verify() deep-copies the model: the copy's forward must run the copy's weights."""
+    model = fp16probe.keep_in_fp32(HotMLP(), ["fc1"], device_type="cpu")
+    twin = copy.deepcopy(model)
+    _mse(twin(_batches(n=1)[0]), None).backward()
+    assert twin.fc1.weight.grad is not None and model.fc1.weight.grad is None
+
+
+def test_a_ctc_loss_is_fp32_under_cpu_autocast_as_torch_computes_it():
+    """ctc_loss has no fake kernel (its output shape depends on data): the CPU lists answer."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 5)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(12, 2, 8, generator=g) for _ in range(2)]
+    targets, lengths, target_lengths = torch.tensor([[1, 2, 3], [4, 1, 2]]), torch.tensor([12, 12]), torch.tensor([3, 3])
+
+    def ctc(out, x):
+        return torch.nn.functional.ctc_loss(out.log_softmax(-1), targets, lengths, target_lengths)
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert ctc(model(batches[0]), None).dtype == torch.float32  # torch: fp32 on CPU autocast
+    report = fp16probe.profile(copy.deepcopy(model), batches, ctc, steps=2)
+    assert "cpu" not in report.metadata.extra["forward"]["loss_fp16_on"]
+    assert not any(c.code == "loss_fp16" for c in analyze(report, target="cpu").caveats)
+
+
 def test_a_few_bits_of_forward_headroom_is_a_caveat_before_it_overflows():
     model = HotMLP()
     with torch.no_grad():

@@ -12,10 +12,12 @@ CUDA tensors work on a CPU-only build, and CUDA autocast's own kernels (register
 every build) decide. Answers are cached per op and input-dtype signature.
 
 Where the fake call fails (an op without a fake kernel, a data-dependent op), the
-documented CUDA lists below decide, and otherwise type promotion (fp16 out only when every
-floating input is fp16). The lists are torch's "CUDA Ops that can autocast to float16 /
-float32" for torch 2.4-2.13 (its "promote" list is the type-promotion rule, so it needs no
-list here); ``bench/gpu_check.py`` checks them against a real GPU when one is at hand.
+documented lists below decide (the target device's), and otherwise type promotion (fp16 out
+only when every floating input is fp16). The CUDA lists are torch's "CUDA Ops that can
+autocast to float16 / float32" for torch 2.4-2.13 (its "promote" list is the type-promotion
+rule, so it needs no list here), the CPU lists its AutocastCPU registrations;
+``bench/gpu_check.py`` checks the CUDA answers against a real GPU when one is at hand, and
+the suite checks the CPU answers against CPU autocast.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ __all__ = [
     "CAST_OPS",
     "CUDA_FP16_OPS",
     "CUDA_FP32_OPS",
+    "CPU_FP16_OPS",
+    "CPU_FP32_OPS",
     "REGIMES",
     "TARGETS",
     "cast_is_low",
@@ -59,6 +63,28 @@ CUDA_FP32_OPS = frozenset({
     "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss", "rms_norm",
     "batch_norm", "instance_norm", "native_layer_norm",
 })
+
+# torch's AutocastCPU registrations (aten/src/ATen/autocast_mode.cpp, torch 2.4-2.13), by the
+# Python names the ops are called by. The fallback needs them for ops no fake run can answer:
+# ctc_loss, whose output shape depends on its data, is fp32 on CPU autocast whatever its inputs.
+CPU_FP16_OPS = frozenset({
+    "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear",
+    "_convolution", "matmul", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
+    "scaled_dot_product_attention",
+})
+CPU_FP32_OPS = frozenset({
+    "avg_pool3d", "binary_cross_entropy", "grid_sample", "grid_sampler", "polar", "prod", "quantile",
+    "nanquantile", "stft", "cdist", "trace", "view_as_complex", "cholesky", "cholesky_inverse",
+    "cholesky_solve", "inverse", "lu_solve", "orgqr", "ormqr", "pinverse", "max_pool3d", "max_unpool2d",
+    "max_unpool3d", "adaptive_avg_pool3d", "mse_loss", "cosine_embedding_loss", "nll_loss",
+    "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss", "cross_entropy", "l1_loss", "huber_loss",
+    "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "ctc_loss", "kl_div",
+    "multilabel_margin_loss", "binary_cross_entropy_with_logits", "fft_fft", "fft_ifft", "fft_fft2",
+    "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft", "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn",
+    "fft_irfftn", "fft_hfft", "fft_ihfft", "qr", "svd", "triangular_solve", "geqrf",
+    "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d",
+})
+_LISTS = {"cuda": (CUDA_FP16_OPS, CUDA_FP32_OPS), "cpu": (CPU_FP16_OPS, CPU_FP32_OPS)}
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 CAST_OPS = frozenset({"to", "type", "float", "double", "half", "bfloat16"})  # explicit dtype conversions
@@ -145,11 +171,12 @@ def output_is_low(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low
 def _by_lists(name: str, floats: list[bool], target: str, regime: str) -> bool:
     """The documented rule where no fake run could answer."""
     promoted = bool(floats) and all(floats)
-    if regime == "pure_fp16" or target != "cuda":
+    if regime == "pure_fp16" or target not in _LISTS:
         return promoted
-    if name in CUDA_FP16_OPS:
+    lowered, kept_fp32 = _LISTS[target]
+    if name in lowered:
         return True
-    if name in CUDA_FP32_OPS:
+    if name in kept_fp32:
         return False
     return promoted
 
@@ -244,6 +271,9 @@ def _op_cases() -> list[tuple[str, Callable[[Callable[..., torch.Tensor]], Any]]
         ("add", lambda t: t((4, 4), True) + t((4, 4), True)),
         ("addcmul", lambda t: torch.addcmul(t((4, 4), False), t((4, 4), True), t((4, 4), True))),
         ("cat", lambda t: torch.cat([t((4, 4), True), t((4, 4), False)])),
+        # data-dependent output shape: no fake kernel, so the lists answer
+        ("ctc_loss", lambda t: F.ctc_loss(t((6, 2, 5), True), torch.tensor([[1, 2], [3, 1]]),
+                                          torch.tensor([6, 6]), torch.tensor([2, 2]))),
     ]
 
 

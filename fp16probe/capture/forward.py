@@ -30,6 +30,7 @@ opaque to the overflow ceiling (only what flows in and out of them is seen).
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -88,6 +89,42 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+@contextlib.contextmanager
+def _watch_autocast(frames: list[tuple[str, bool]]) -> Iterator[None]:
+    """Keep ``frames`` as the stack of autocast contexts the audited code enters, in this thread.
+
+    The profile runs without autocast, so a region the model runs with autocast off (a
+    ``torch.autocast(device, enabled=False)`` block, as :func:`fp16probe.keep_in_fp32` and
+    hand-written fp32 islands use) changes no state the audit could read. Entering and leaving
+    ``torch.autocast`` (its subclasses and its decorator form go through these two methods) is
+    noted instead: ``(device_type, enabled)``, innermost last.
+    """
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+    thread = threading.get_ident()
+    entered: set[int] = set()
+
+    def watched_enter(ctx: Any) -> Any:
+        got = enter(ctx)
+        if threading.get_ident() == thread:
+            frames.append((str(ctx.device), bool(ctx._enabled)))
+            entered.add(id(ctx))
+        return got
+
+    def watched_exit(ctx: Any, *exc: Any) -> Any:
+        if id(ctx) in entered and frames:
+            entered.discard(id(ctx))
+            frames.pop()
+        return leave(ctx, *exc)
+
+    cls.__enter__, cls.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
+        frames.clear()
+
+
 class ForwardAudit:
     """Measure what the target fp16 run computes in forward; see the module docstring.
 
@@ -107,6 +144,7 @@ class ForwardAudit:
         self._names = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
         self._params = {id(p): n for n, p in model.named_parameters()}
         self._stack: list[list[Any]] = []  # [module name, op counts]
+        self._autocast: list[tuple[str, bool]] = []  # autocast contexts the model entered: (device, enabled)
         self._low: dict[int, tuple[weakref.ref, dict[str, bool]]] = {}
         self._seen: dict[int, tuple[weakref.ref, str, torch.Tensor, torch.Tensor]] = {}  # id -> (ref, module, amax, stats)
         self.entries: dict[str, _Entry] = {}
@@ -128,10 +166,13 @@ class ForwardAudit:
         post = nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
         mode = _Mode(self)
         try:
-            mode.__enter__()
-            yield self
+            with _watch_autocast(self._autocast):
+                mode.__enter__()
+                try:
+                    yield self
+                finally:
+                    leave_mode(mode)
         finally:
-            leave_mode(mode)
             pre.remove()
             post.remove()
             self._low.clear()
@@ -172,6 +213,14 @@ class ForwardAudit:
         base = self._initial_low(t)
         return {target: base for target in self.targets}
 
+    def _regime_here(self, target: str) -> str:
+        """The regime of the op running now on ``target``: autocast, unless the model switched it off here."""
+        if self.regime == "autocast":
+            for device, enabled in reversed(self._autocast):
+                if device == target:
+                    return "autocast" if enabled else "pure_fp16"  # off: type promotion alone decides
+        return self.regime
+
     def _set_low(self, t: torch.Tensor, low: dict[str, bool]) -> None:
         self._low[id(t)] = (weakref.ref(t), low)
 
@@ -203,7 +252,7 @@ class ForwardAudit:
                 def is_low(t: torch.Tensor, _target: str = target) -> bool:
                     return self._low_map(t)[_target]
 
-                low[target] = output_is_low(func, args, kwargs, is_low, target, self.regime)
+                low[target] = output_is_low(func, args, kwargs, is_low, target, self._regime_here(target))
         for t in outs:
             self._set_low(t, low)
         if op in _LAYOUT or (op in CAST_OPS and not any(low.values())):
@@ -221,7 +270,8 @@ class ForwardAudit:
             for t, lin in zip(floats_in, lows_in):
                 if t.dim() == 0:
                     continue
-                cast_to = {target for target in fp16_targets if not lin[target]} if self.regime == "autocast" else set()
+                cast_to = {target for target in fp16_targets
+                           if not lin[target] and self._regime_here(target) == "autocast"}
                 if cast_to:  # autocast casts this fp32 input to fp16 for the op
                     pname = self._params.get(id(t))
                     label = pname if pname is not None else f"{name}:in"

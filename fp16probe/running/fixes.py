@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +40,14 @@ def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cud
         if getattr(module, _MARK, False):
             continue
         module.float()
-        inner = module.forward
-
-        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, enabled=False):
-                return _inner(*map_tensors(args, _up), **map_tensors(kwargs, _up))
-
-        module.forward = forward  # type: ignore[method-assign]
+        # A partial of the bound method, not a closure: copy.deepcopy(model) then rebinds it to
+        # the copy's module (a closure would keep calling the original's, and its weights would
+        # get the copy's gradients).
+        module.forward = functools.partial(_fp32_forward, module.forward, device_type)  # type: ignore[method-assign]
         setattr(module, _MARK, True)
     return model
+
+
+def _fp32_forward(inner: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(device_type, enabled=False):
+        return inner(*map_tensors(args, _up), **map_tensors(kwargs, _up))
