@@ -178,3 +178,25 @@ def test_a_module_kept_in_fp32_is_not_rounded():
     kept = emulated_step(model, run, target="cpu", scale=2.0**15, keep_fp32=["2"])
     assert off(flushed.grads, ref, names) > 0.05
     assert off(kept.grads, ref, names) < off(flushed.grads, ref, names) / 10
+
+
+def test_the_printed_fix_applied_to_the_model_is_seen():
+    """``fp16probe.keep_in_fp32`` switches autocast off around the module: the emulation follows it."""
+    from fp16probe import keep_in_fp32
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(32, 8)
+
+    def run() -> torch.Tensor:
+        return (model(x) * 2.0**-20).abs().mean()
+
+    ref = reference_step(model, run).grads
+    by_name = emulated_step(model, run, target="cpu", scale=2.0**15, keep_fp32=["2"]).grads
+    keep_in_fp32(model, ["2"], device_type="cpu")
+    fixed = emulated_step(model, run, target="cpu", scale=2.0**15)
+    real = real_fp16_grads(model, run, 2.0**15)
+    names = list(ref)
+    assert off(fixed.grads, by_name, names) == 0
+    assert off(real, ref, names) < 0.01 and off(fixed.grads, real, names) < MODEL_TOL
+    other = emulated_step(model, run, target="cuda", scale=2.0**15)  # the fix is for CPU autocast only
+    assert off(other.grads, ref, names) > 0.05

@@ -17,13 +17,13 @@ that format where the target rounds it:
 - the scale is applied as ``torch.amp.GradScaler`` applies it: ``loss * S`` with S an fp32
   tensor, backward, then the fp32 gradients multiplied by 1/S; a ``.half()`` model's
   gradients are fp16 and rounded once more at the end;
-- a module kept in fp32 (by :func:`fp16probe.keep_in_fp32`, which marks it with
-  :data:`KEEP_FP32_MARK`, or named in ``keep_fp32``) runs unrounded, as autocast switched
-  off with ``.float()`` inputs runs it.
+- inside ``torch.autocast(target, enabled=False)`` (:func:`fp16probe.keep_in_fp32`, or the
+  model's own fp32 islands) ops follow type promotion and nothing is cast; a module named in
+  ``keep_fp32`` runs unrounded, as that fix would run it, without the fix applied.
 
 What it does not model: the order in which a fused kernel or a GEMM accumulates (fp32 in
 both, but not the same order), gradients summed in fp16 across a tensor's uses (summed here
-in fp32, then rounded once), autocast regions a model switches off itself, stochastic
+in fp32, then rounded once), stochastic
 rounding, and fp8. docs/fp16-run.md gives the agreement measured against real CPU autocast.
 
 The pass is a ``TorchFunctionMode``; it costs one Python call per op and one rounding per
@@ -43,12 +43,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.forward import _watch_autocast
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["KEEP_FP32_MARK", "EmulatedStep", "RoundTo", "emulated_step", "reference_step"]
+__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "reference_step"]
 
-KEEP_FP32_MARK = "_fp16probe_keep_fp32"  # set on a module by fp16probe.keep_in_fp32
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
 _NO_TENSORS = (bool, int, float, str, type(None), torch.device, torch.dtype, torch.Size)
@@ -110,10 +110,10 @@ class _Emulator:
     def __init__(self, model: nn.Module, dtype: torch.dtype, target: str, regime: str, keep: set[str]) -> None:
         self.dtype, self.target, self.regime = dtype, target, regime
         self.names = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
-        self.kept_ids = {id(m) for n, m in model.named_modules() if n in keep or getattr(m, KEEP_FP32_MARK, False)}
+        self.kept_ids = {id(m) for n, m in model.named_modules() if n in keep}
         self.params = {id(p): n for n, p in model.named_parameters()}
         self.low: dict[int, tuple[weakref.ref, bool]] = {}
-        self.stack: list[int] = []  # ids of the kept modules entered
+        self.autocast: list[tuple[str, bool]] = []  # autocast contexts the model entered: (device, enabled)
         self.depth_kept = 0
         self.order: dict[str, None] = {}
         self.module_order: dict[str, None] = {}
@@ -153,6 +153,13 @@ class _Emulator:
         self.mark(r, True)
         return r
 
+    def _autocast_off(self) -> bool:
+        """Whether the model switched the target's autocast off around the op running now."""
+        for device, enabled in reversed(self.autocast):
+            if device == self.target:
+                return not enabled
+        return False
+
     # -- ops ------------------------------------------------------------------------------
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.ops += 1
@@ -183,8 +190,9 @@ class _Emulator:
             for t in outs:
                 self.mark(t, low)
             return out
-        low = output_is_low(func, args, kwargs, self.is_low, self.target, self.regime)
-        if low:
+        off = self.regime == "autocast" and self._autocast_off()
+        low = output_is_low(func, args, kwargs, self.is_low, self.target, "pure_fp16" if off else self.regime)
+        if low and not off:  # with autocast off, an op is low only when all its inputs are: nothing to cast
             args, kwargs = self._lowered_inputs(args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, _NO_TENSORS):
@@ -343,14 +351,17 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
         post = nn.modules.module.register_module_forward_hook(em.pop, always_call=True)
         mode = _Mode(em)
         try:
-            mode.__enter__()
-            loss = run()
-            loss = loss.reshape(())
-            loss_low = em.is_low(loss)
-            if regime == "pure_fp16":
-                loss = loss.float()  # DeepSpeed's fp16 engine: loss.float() * cur_scale
+            with _watch_autocast(em.autocast):
+                mode.__enter__()
+                try:
+                    loss = run()
+                    loss = loss.reshape(())
+                    loss_low = em.is_low(loss)
+                    if regime == "pure_fp16":
+                        loss = loss.float()  # DeepSpeed's fp16 engine: loss.float() * cur_scale
+                finally:
+                    leave_mode(mode)
         finally:
-            leave_mode(mode)
             pre.remove()
             post.remove()
         s = torch.full((1,), float(scale), dtype=torch.float32, device=loss.device)
