@@ -36,6 +36,7 @@ class Verdict(str, Enum):
     INSUFFICIENT_EVIDENCE = "insufficient_evidence"
     FORWARD_UNDERFLOW = "forward_underflow"  # forward values flush in fp16: no loss scale brings them back
     FORWARD_OVERFLOW = "forward_overflow"  # a forward value passes fp16's max: inf at every loss scale
+    GRADIENT_ERROR = "gradient_error"  # the emulated step's gradients are off fp32 with no overflow: rounding
 
     # A str mixin formats as "Verdict.X" on some Pythons; the value is what users read.
     def __str__(self) -> str:
@@ -59,6 +60,7 @@ _SEVERITY = {
     Verdict.INSUFFICIENT_EVIDENCE: 5,
     Verdict.FORWARD_UNDERFLOW: 6,
     Verdict.FORWARD_OVERFLOW: 7,
+    Verdict.GRADIENT_ERROR: 6,  # as bad as a forward flush: the gradients are wrong at every S
 }
 
 
@@ -171,6 +173,7 @@ class Evidence(TypedDict, total=False):
     fix_code: str  # the code to paste for a forward verdict
     fix_modules: list[str]  # the modules that code keeps in fp32
     backward_verdict: str  # the loss-scale verdict the gradients alone give, once the forward is fixed
+    emulated: dict[str, Any]  # the emulated target step at the verdict's S (fp16probe.analysis.effect)
     backward_log2_scale: int | None
 
 

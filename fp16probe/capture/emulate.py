@@ -33,6 +33,7 @@ low-precision tensor, so the profile runs it on a few batches only.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from fp16probe.capture.forward import _watch_autocast
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "reference_step"]
+__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "measure_effect", "reference_step"]
 
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
@@ -380,3 +381,62 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
     order = tuple(em.order) + tuple(n for n in grads if n not in em.order)
     return EmulatedStep(grads=grads, order=order, module_order=tuple(em.module_order), loss=float(loss.detach()),
                         loss_low=loss_low, scale=float(scale), ops=em.ops, rounded=em.rounded)
+
+
+def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[str]) -> torch.Tensor:
+    """Per parameter: [||e - r||^2, ||r||^2, zeroed, nonzero, non-finite] (float64, on the gradients' device)."""
+    rows = []
+    for n in names:
+        e, r = emulated.grads.get(n), reference.grads.get(n)
+        if r is None:
+            r = torch.zeros(()) if e is None else torch.zeros_like(e)
+        if e is None:
+            e = torch.zeros_like(r)
+        r64, e64 = r.double(), e.double()
+        nonzero = r != 0
+        rows.append(torch.stack([
+            (e64 - r64).square().sum(), r64.square().sum(),
+            (nonzero & (e == 0)).sum().double(), nonzero.sum().double(), (~torch.isfinite(e)).sum().double(),
+        ]))
+    return torch.stack([t.to(rows[0].device) for t in rows]) if rows else torch.zeros((0, 5), dtype=torch.float64)
+
+
+def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]], *, format: str = "fp16",
+                   target: str = "cuda", regime: str = "autocast",
+                   settings: Sequence[tuple[int, Sequence[str]]] = ((0, ()),)) -> dict[str, Any]:
+    """Emulated steps against fp32 steps on the same batches, as the JSON of ``metadata.extra["emulation"]``.
+
+    ``runs``: one call per batch, each making that batch's loss. ``settings``: (log2 of the loss
+    scale, modules kept in fp32) pairs, each emulated on every batch. Per setting and parameter
+    (parameters in the order the forward first used them) the sums over the batches of
+    ``||g_emulated - g_fp32||^2`` and ``||g_fp32||^2``, the values nonzero in fp32 and zero in
+    the emulated step, the nonzero values, and the non-finite ones. One host transfer per setting.
+    """
+    refs = [reference_step(model, run) for run in runs]
+    order: tuple[str, ...] = ()
+    out = []
+    for log2_scale, keep in settings:
+        total: torch.Tensor | None = None
+        loss_low = False
+        ops = rounded = 0
+        for run, ref in zip(runs, refs):
+            em = emulated_step(model, run, format=format, target=target, regime=regime,
+                               scale=float(2.0**log2_scale), keep_fp32=keep)
+            if not order:
+                order = tuple(n for n in em.order if n in ref.grads)
+            rows = _compare(em, ref, order)
+            total = rows if total is None else total + rows
+            loss_low = loss_low or em.loss_low
+            ops, rounded = ops + em.ops, rounded + em.rounded
+        rows_host = total.tolist() if total is not None else []
+        out.append({"log2_scale": int(log2_scale), "keep_fp32": list(keep), "loss_low": loss_low,
+                    "ops": ops, "rounded": rounded,
+                    # the error of a gradient that held inf/NaN is None: its non-finite count says it
+                    "params": [[r[0] if math.isfinite(r[0]) else None, r[1], int(r[2]), int(r[3]), int(r[4])]
+                               for r in rows_host]})
+    return {
+        "source": "fp16probe.capture.emulate: the profile's model and batches stepped with every value the target run "
+                  "holds in the low format rounded to it, against an fp32 step of the same weights and batches",
+        "format": format, "target": target, "regime": regime, "batches": len(runs),
+        "parameters": list(order), "settings": out,
+    }

@@ -30,6 +30,7 @@ from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_l
 from fp16probe.running.loading import load_model, quiet_transformers
 from fp16probe.running.losses import Loss, as_loss, make_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
+from fp16probe.running.effect import EMULATED_BATCHES, with_effect
 from fp16probe.running.request import ProfileRequest
 from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
@@ -213,7 +214,8 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         with probe:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                                 keep_batches=verify, audit=audit, guard=guard)
+                                 keep_batches=verify, audit=audit, guard=guard,
+                                 keep_first=EMULATED_BATCHES if precision == "fp32" else 0)
         shield.disarm()  # the loop is over: a second Ctrl-C or a SIGTERM no longer aborts the report
         gather: Any = None
         if guard is not None:
@@ -245,6 +247,9 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                      gather=gather)
     if report is not None and "block_formats" in report.metadata.extra:
         report = _with_block_advice(report, format, r.recipe)
+    if report is not None and precision == "fp32" and guard is None and result.error is None:
+        report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
+                             kind=r.kind)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -606,6 +611,7 @@ def run_profile(
     keep_batches: bool = False,
     audit: Any = None,
     guard: Any = None,
+    keep_first: int = 0,
 ) -> RunResult:
     """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C or a failure stops early.
 
@@ -693,7 +699,7 @@ def run_profile(
             losses.append(loss_val)
             if not math.isfinite(loss_val):
                 nonfinite.append(step)
-            if keep_batches:
+            if keep_batches or len(used) < keep_first:  # all for verify(), the first few for the emulation
                 used.append(batch)
             model.zero_grad(set_to_none=True)
             probe.step()

@@ -1,0 +1,71 @@
+"""The profile's emulation pass: the target's step emulated on a few profiled batches, then the verdict judged by it.
+
+After the profile's run and its histogram verdict, :func:`with_effect` steps the model (its
+weights at the end of the run) on the first :data:`EMULATED_BATCHES` batches, emulated as the
+target run computes (:mod:`fp16probe.capture.emulate`) at the verdict's S and its neighbours,
+against fp32 steps of the same weights and batches; measures the kept-in-fp32 fix the verdict
+names; stores the numbers in ``metadata.extra["emulation"]``; and re-judges the verdict by
+them (:func:`fp16probe.analysis.effect.judged`). A failure of the pass (an op the emulation
+cannot follow) is noted in the report and leaves the histogram verdict as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp16probe.analysis.effect import fixes_to_try, judged, scales_to_check
+from fp16probe.analysis.recommend import analyze
+from fp16probe.report import Report
+from fp16probe.running.inputs import call_model
+from fp16probe.running.losses import Loss
+
+__all__ = ["EMULATED_BATCHES", "with_effect"]
+
+EMULATED_BATCHES = 2  # each costs one fp32 step and one emulated step per scale checked (3) and per fix
+
+
+def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable[[], torch.Tensor]]:
+    def run(batch: Any) -> Callable[[], torch.Tensor]:
+        return lambda: loss.fn(call_model(model, batch), batch).reshape(())
+
+    return [run(b) for b in batches]
+
+
+def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: Loss, *,
+                target: str, regime: str, kind: str) -> Report:
+    """``report`` with the emulation pass's numbers and its verdict judged by them (see the module docstring)."""
+    from fp16probe.capture.emulate import measure_effect
+
+    rec = report.recommendation
+    if rec is None or rec.format not in ("fp16", "bf16") or not batches:
+        return report
+    scales = scales_to_check(rec)
+    if not scales:
+        return report
+    runs = _runs(model, batches[:EMULATED_BATCHES], loss)
+    began = time.perf_counter()
+    try:
+        data = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
+                              settings=[(k, ()) for k in scales])
+        for fix in fixes_to_try(rec, data):
+            more = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
+                                  settings=[(scales[len(scales) // 2], fix)])
+            data["settings"] += more["settings"]
+    except Exception as e:  # the emulation must never cost the user the profile
+        return _with_extra(report, {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+    data["seconds"] = round(time.perf_counter() - began, 3)
+    report = _with_extra(report, data)
+    forward_off = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
+    any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
+    return report.with_recommendation(judged(rec, data, forward_off, any_flush))
+
+
+def _with_extra(report: Report, data: dict[str, Any]) -> Report:
+    extra = {**report.metadata.extra, "emulation": data}
+    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
