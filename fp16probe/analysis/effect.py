@@ -37,6 +37,7 @@ TOLERANCE = 0.05
 NOISE_FLOOR = 1e-7
 ZEROED_COUNTS = 0.5
 FORWARD = (Verdict.FORWARD_UNDERFLOW, Verdict.FORWARD_OVERFLOW)
+ROOT = "(model)"  # the model's own forward (capture's ROOT_NAME)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,18 @@ class Effect:
     loss_low: bool
     modules: tuple[ModuleEffect, ...]  # in forward order
     params: tuple[ModuleEffect, ...] = ()  # the judged parameters, in forward order
+    outputs: tuple[tuple[str, float | None], ...] = ()  # module outputs' errors, as their forwards finished
+
+    @property
+    def culprit(self) -> str | None:
+        """Where the error starts: the first module whose output is more than TOLERANCE off fp32's,
+        else (an error made in backward only) the module of the last parameter, in forward order,
+        that is more than TOLERANCE off: backward carries an error to the parameters before it."""
+        for name, error in self.outputs:
+            if name != ROOT and (error is None or error > TOLERANCE):
+                return name
+        over = [p for p in self.params if p.error is None or p.error > TOLERANCE]
+        return over[-1].module if over else None
 
     @property
     def harmless(self) -> bool:
@@ -122,7 +135,12 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
         nonfinite_all = sum(int(r[4]) for r in rows)
         whole = (None if nonfinite_all or any(e is None for e in errs) or total_ref <= 0
                  else math.sqrt(sum(float(e) for e in errs) / total_ref))
-        return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole,
+        outputs = []
+        for name, (err_o, ref_o) in s.get("outputs") or ():
+            if ref_o is None or ref_o <= 0:
+                continue
+            outputs.append((str(name), None if err_o is None else math.sqrt(err_o / ref_o)))
+        return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole, outputs=tuple(outputs),
                       zeroed=sum(int(r[2]) for r in rows), nonzero=sum(int(r[3]) for r in rows),
                       nonfinite=nonfinite_all, loss_low=bool(s.get("loss_low")), modules=tuple(modules),
                       params=tuple(params))
@@ -164,9 +182,9 @@ def fixes_to_try(rec: Recommendation, data: Mapping[str, Any]) -> list[list[str]
         out.append(fix)
     eff = effect_at(data, k)
     if eff is not None and not eff.harmless and eff.nonfinite == 0:
-        first = eff.first_over
-        if first is not None and first.module != "(model)" and [first.module] not in out:
-            out.append([first.module])
+        culprit = eff.culprit
+        if culprit is not None and culprit != ROOT and [culprit] not in out:
+            out.append([culprit])
     return [f for f in out if effect_at(data, k, f) is None]
 
 
@@ -180,7 +198,8 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
     ``forward_no_effect``. Gradients more than TOLERANCE off with no overflow: where the
     forward flushes (below the share that makes a verdict), ``any_flush`` (``analyze(...,
     forward_underflow_at=0)``, the flush as the verdict) leads, since its effect shows;
-    otherwise ``gradient_error``. Without emulation data (or for another format) ``rec`` is returned as it is.
+    otherwise ``gradient_error`` (also for inf/NaN at S and at S/2: made in the step, not by S;
+    inf/NaN at S only gives the caveat ``emulated_overflow``). Without emulation data (or for another format) ``rec`` is returned as it is.
     """
     if data is None or data.get("format") != rec.format:
         return rec
@@ -208,25 +227,35 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
                 "tolerance": TOLERANCE})
             return _with(gradients_only, emulated, (caveat,))
         return _with(rec, emulated)
-    if eff.nonfinite == 0 and not eff.harmless and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
+    below = effect_at(data, k - 1) if k else None
+    if eff.nonfinite and below is not None and below.nonfinite == 0:
+        # the histograms' S overflows in the emulated step where half of it does not: a gradient
+        # the overflow ceiling did not see. Said, not hidden; the S stays the histograms'.
+        caveat = Caveat("emulated_overflow", {"log2_scale": k, "nonfinite": eff.nonfinite,
+                                              "error_below": below.error, "target": data.get("target"),
+                                              "regime": data.get("regime")})
+        return _with(rec, emulated, (caveat,))
+    if not eff.harmless and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
         if any_flush is not None and any_flush.verdict in FORWARD:
             return judged(any_flush, data, gradients_only)
         over = eff.first_over
+        culprit = eff.culprit or ROOT
         assert over is not None
-        fixed = effect_at(data, k, [over.module])
+        fixed = effect_at(data, k, [culprit])
         if fixed is not None:
             emulated["fix"] = fixed.to_dict()
-        emulated["first_module"] = over.module
+        emulated["module"] = culprit
+        emulated["module_output_error"] = dict(eff.outputs).get(culprit)
         emulated["first_parameter"] = over.name
         emulated["first_parameter_error"] = over.error
         out = _with(rec, emulated)
         ev = dict(out.evidence)
         ev["backward_verdict"] = rec.verdict.value
         ev["backward_log2_scale"] = rec.log2_scale
-        ev["fix_modules"] = [over.module] if over.module != "(model)" else []
+        ev["fix_modules"] = [culprit] if culprit != ROOT else []
         target = str(data.get("target") or "cuda")
-        ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[over.module]!r}, device_type="{target}")'
-                          if over.module != "(model)" else "")
+        ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
+                          if culprit != ROOT else "")
         return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
     return _with(rec, emulated)
 

@@ -33,6 +33,7 @@ low-precision tensor, so the profile runs it on a few batches only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -94,6 +95,10 @@ class EmulatedStep:
     scale: float
     ops: int
     rounded: int
+    # module name -> its first floating output (the reference step, with keep_outputs), or
+    # [||out_emulated - out_fp32||^2, ||out_fp32||^2] (the emulated step given those), in the order
+    # the modules' forwards finished
+    outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class _Mode(TorchFunctionMode):
@@ -108,7 +113,10 @@ class _Mode(TorchFunctionMode):
 class _Emulator:
     """The state of one emulated forward: which tensors are low, the module stack, the order seen."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, target: str, regime: str, keep: set[str]) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, target: str, regime: str, keep: set[str],
+                 reference: dict[str, torch.Tensor] | None = None) -> None:
+        self.reference = reference or {}
+        self.outputs: dict[str, torch.Tensor] = {}
         self.dtype, self.target, self.regime = dtype, target, regime
         self.names = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
         self.kept_ids = {id(m) for n, m in model.named_modules() if n in keep}
@@ -132,6 +140,14 @@ class _Emulator:
     def pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in self.kept_ids and self.depth_kept:
             self.depth_kept -= 1
+        name = self.names.get(id(module))
+        ref = self.reference.get(name) if name is not None else None
+        if ref is not None and name not in self.outputs:
+            out = _first_float(output)
+            if out is not None and out.shape == ref.shape:
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    d = out.detach().double() - ref.double()
+                    self.outputs[name] = torch.stack([d.square().sum(), ref.double().square().sum()])
 
     # -- dtypes ---------------------------------------------------------------------------
     def is_low(self, t: torch.Tensor) -> bool:
@@ -308,24 +324,45 @@ def _step_state(model: nn.Module) -> Iterator[None]:
         restore()
 
 
-def reference_step(model: nn.Module, run: Callable[[], torch.Tensor]) -> EmulatedStep:
+def _first_float(obj: Any) -> torch.Tensor | None:
+    return next((t for t in iter_tensors(obj) if t.is_floating_point()), None)
+
+
+def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_outputs: bool = False) -> EmulatedStep:
     """The fp32 step the emulated one is compared with: ``run()`` (forward and loss), backward, the gradients.
 
     The model's buffers, its ``.grad`` and the random state are as they were afterwards.
+    ``keep_outputs``: also keep each module's first floating output (detached), for
+    :func:`emulated_step`'s ``reference_outputs``.
     """
     saved = _saved_grads(model)
-    with _step_state(model):
-        loss = run()
-        loss.backward()
-        grads = _take_grads(model, saved)
+    names_of = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        name = names_of.get(id(module))
+        out = _first_float(output)
+        if name is not None and name not in outputs and out is not None:
+            outputs[name] = out.detach()
+
+    hook = nn.modules.module.register_module_forward_hook(keep) if keep_outputs else None
+    try:
+        with _step_state(model):
+            loss = run()
+            loss.backward()
+            grads = _take_grads(model, saved)
+    finally:
+        if hook is not None:
+            hook.remove()
     names = tuple(grads)
     return EmulatedStep(grads=grads, order=names, module_order=(), loss=float(loss.detach()), loss_low=False,
-                        scale=1.0, ops=0, rounded=0)
+                        scale=1.0, ops=0, rounded=0, outputs=outputs)
 
 
 def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: str = "fp16",
                   target: str = "cuda", regime: str = "autocast", scale: float = 1.0,
-                  keep_fp32: Sequence[str] = ()) -> EmulatedStep:
+                  keep_fp32: Sequence[str] = (), reference_outputs: dict[str, torch.Tensor] | None = None
+                  ) -> EmulatedStep:
     """Run ``run()`` (forward and loss, in fp32 and without autocast) as the target run computes it.
 
     Args:
@@ -337,6 +374,8 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
         regime: ``"autocast"`` or ``"pure_fp16"`` (a ``.half()`` model).
         scale: the loss scale S, applied as GradScaler applies it (1.0: none).
         keep_fp32: module names run in fp32 (as :func:`fp16probe.keep_in_fp32` runs them).
+        reference_outputs: the fp32 step's module outputs (``reference_step(keep_outputs=True)``):
+            each module's output error against them is kept in ``outputs``, on the device.
 
     Returns the unscaled fp32 gradients. Synchronises with the device once (the loss).
     """
@@ -345,7 +384,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
     if target not in TARGETS or regime not in REGIMES:
         raise ValueError(f"target must be one of {TARGETS} and regime one of {REGIMES}, got {target!r}, {regime!r}")
     dtype = _LOW_DTYPES[format]
-    em = _Emulator(model, dtype, target, regime, set(keep_fp32))
+    em = _Emulator(model, dtype, target, regime, set(keep_fp32), reference_outputs)
     saved = _saved_grads(model)
     with _step_state(model):
         pre = nn.modules.module.register_module_forward_pre_hook(em.push)
@@ -380,7 +419,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
             grads[n] = g * inv  # GradScaler.unscale_: fp32 multiplication by 1/S
     order = tuple(em.order) + tuple(n for n in grads if n not in em.order)
     return EmulatedStep(grads=grads, order=order, module_order=tuple(em.module_order), loss=float(loss.detach()),
-                        loss_low=loss_low, scale=float(scale), ops=em.ops, rounded=em.rounded)
+                        loss_low=loss_low, scale=float(scale), ops=em.ops, rounded=em.rounded, outputs=em.outputs)
 
 
 def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[str]) -> torch.Tensor:
@@ -412,16 +451,21 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
     ``||g_emulated - g_fp32||^2`` and ``||g_fp32||^2``, the values nonzero in fp32 and zero in
     the emulated step, the nonzero values, and the non-finite ones. One host transfer per setting.
     """
-    refs = [reference_step(model, run) for run in runs]
+    # the first batch's module outputs are kept to place a forward error (a module's output off fp32's)
+    refs = [reference_step(model, run, keep_outputs=i == 0) for i, run in enumerate(runs)]
     order: tuple[str, ...] = ()
     out = []
     for log2_scale, keep in settings:
         total: torch.Tensor | None = None
         loss_low = False
         ops = rounded = 0
+        outputs: list[Any] = []
         for run, ref in zip(runs, refs):
             em = emulated_step(model, run, format=format, target=target, regime=regime,
-                               scale=float(2.0**log2_scale), keep_fp32=keep)
+                               scale=float(2.0**log2_scale), keep_fp32=keep, reference_outputs=ref.outputs or None)
+            if em.outputs:
+                names_out = list(em.outputs)
+                outputs = [[n, v] for n, v in zip(names_out, torch.stack(list(em.outputs.values())).tolist())]
             if not order:
                 order = tuple(n for n in em.order if n in ref.grads)
             rows = _compare(em, ref, order)
@@ -431,6 +475,9 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
         rows_host = total.tolist() if total is not None else []
         out.append({"log2_scale": int(log2_scale), "keep_fp32": list(keep), "loss_low": loss_low,
                     "ops": ops, "rounded": rounded,
+                    # the first batch's module outputs, in the order their forwards finished:
+                    # [name, [||out - out_fp32||^2, ||out_fp32||^2]]
+                    "outputs": [[n, [a if math.isfinite(a) else None, b]] for n, (a, b) in outputs],
                     # the error of a gradient that held inf/NaN is None: its non-finite count says it
                     "params": [[r[0] if math.isfinite(r[0]) else None, r[1], int(r[2]), int(r[3]), int(r[4])]
                                for r in rows_host]})

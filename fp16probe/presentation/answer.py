@@ -53,6 +53,7 @@ VERDICT_WORDS = {
     Verdict.INSUFFICIENT_EVIDENCE: "not enough evidence for a verdict",
     Verdict.FORWARD_OVERFLOW: "the forward pass overflows (no loss scale fixes it)",
     Verdict.FORWARD_UNDERFLOW: "the forward pass flushes values to zero (no loss scale fixes it)",
+    Verdict.GRADIENT_ERROR: "rounding puts the gradients off fp32 (no loss scale fixes it)",
 }
 ELLIPSIS = "…"
 _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
@@ -65,7 +66,8 @@ class Line:
     Kinds: ``verdict``, ``flushed``, ``margin``, ``schedule`` (the replay could not choose a
     growth_interval), ``todo`` (no single scale: what to do
     instead), ``device``, ``code`` (already fitted to the
-    width; paste as it is), ``invented``, ``finding``, ``verification``, ``caveat``.
+    width; paste as it is), ``invented``, ``finding``, ``emulated`` (the emulated target step's
+    gradient error), ``verification``, ``caveat``.
     """
 
     kind: str
@@ -159,8 +161,11 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("finding", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
+    emulated = emulated_sentence(rec)
+    if emulated:
+        lines.append(Line("emulated", emulated))
     fix = str(rec.evidence.get("fix_code") or "")
-    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW):
+    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
         lines.append(Line("device", "fix (or train in bf16):"))
         lines.append(Line("code", "import fp16probe\n" + fix))
     if code:
@@ -248,6 +253,15 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         "overflow ceiling sees only what flows into and out of their backward, not the values it forms inside (a "
         "backward that multiplies before it divides can overflow at a lower S). Run with --verify "
         "(fp16probe.profile(..., verify=True)) to check the scale for real."),
+    "forward_no_effect": lambda d: (f"The forward pass {'overflows' if d['finding'] == 'forward_overflow' else 'flushes'}"
+        f" in fp16 under {_run(d)} ({d.get('tensor')}"
+        f"{': ' + num.percent(d['flushed_fraction']) + ' of its values' if d.get('flushed_fraction') else ''}), but "
+        f"the emulated step's gradients are {num.percent(d['error'])} off fp32 at S = {num.power_of_two(d['log2_scale'])}"
+        f", within {num.percent(d['tolerance'])}: no effect on training seen, so the loss-scale verdict leads."),
+    "emulated_overflow": lambda d: (f"The emulated step under {_run(d)} held {num.count(d['nonfinite'])} inf/NaN "
+        f"gradient value(s) at S = {num.power_of_two(d['log2_scale'])}, and none at half that S "
+        f"({num.percent(d['error_below'])} off fp32): a gradient the overflow ceiling did not see reaches fp16's max "
+        "there; expect the scaler to back off once."),
     "loss_fp16": lambda d: (f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself "
         "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
         "cap: loss_fn(output.float(), target)."),
@@ -305,10 +319,44 @@ def _verdict_sentence(rec: Recommendation) -> str:
             return (f"{head}: {num.percent(first.get('flushed_fraction'))} of {first.get('name')} flushes"
                     f"{where}")
         return head
+    if rec.verdict is Verdict.GRADIENT_ERROR:
+        em = rec.evidence.get("emulated") or {}
+        start = (f"; it starts at {em.get('module')} (output {num.percent(em.get('module_output_error'))} off)"
+                 if em.get("module_output_error") is not None else f"; made in backward at or just after {em.get('module')}")
+        k = em.get("log2_scale")
+        return (f"{head}: {em.get('first_parameter')} is {_error_words(em.get('first_parameter_error'), 0)} "
+                f"{'at S = ' + num.power_of_two(k) if k else 'unscaled'} with no overflow and no flush, under "
+                f"{num.fp16_run(str(em.get('regime')), str(em.get('target')))}{start}")
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
         why = re.split(r"(?<=[.;])\s", rec.text.removeprefix(f"No verdict for {rec.format}: "))[0]
         return f"{head}: {why.rstrip('.;')} (--explain says what to do)"
     return head
+
+
+def _error_words(error: Any, nonfinite: Any) -> str:
+    return "inf/NaN" if nonfinite or error is None else f"{num.percent(error)} off fp32"
+
+
+def emulated_sentence(rec: Recommendation) -> str:
+    """What the emulated target step measured at the verdict's S ('' when none ran)."""
+    em = rec.evidence.get("emulated")
+    if not em:
+        return ""
+    k = em.get("log2_scale")
+    at = f"at S = {num.power_of_two(k)}" if k else "unscaled"
+    worst = em.get("worst_parameters") or []
+    tail = (f" (worst {shorten_name(str(worst[0][0]), 36)}: {_error_words(worst[0][1], 0)})"
+            if worst and worst[0][1] is not None and not em.get("nonfinite") else "")
+    around = "; ".join(f"S = {num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
+    fix = em.get("fix")
+    fixed = (f"; with {', '.join(fix['keep_fp32'])} in fp32: {_error_words(fix.get('error'), fix.get('nonfinite'))}"
+             if fix else "")
+    target = str(em.get("target"))
+    run = (num.fp16_run(str(em.get("regime")), target) if rec.format == "fp16"
+           else f"{rec.format} autocast on {target.upper() if target == 'cuda' else target}")
+    return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
+            f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}"
+            f"{'; ' + around if around else ''}{fixed}")
 
 
 def _what_to_do(rec: Recommendation) -> str:
