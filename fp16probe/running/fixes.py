@@ -19,7 +19,9 @@ _MARK = "_fp16probe_keep_fp32"
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    # .float() on every fp16/bf16/fp32 tensor (a no-op on fp32): the emulated step
+    # (fp16probe.capture.emulate) holds fp16 values in fp32 tensors and sees the cast only as a call.
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
 
 
 def keep_in_fp32(model: nn.Module, names: Sequence[str], device_type: str = "cuda") -> nn.Module:
