@@ -123,11 +123,15 @@ def test_a_harmless_output_flush_under_cross_entropy_gets_the_scale_verdict():
     assert any(line.kind == "emulated" for line in short_answer(report, rec))
 
 
-@pytest.mark.parametrize("loss", [lambda o, b: o.abs().mean(), lambda o, b: o.pow(2).mean()], ids=["abs", "pow"])
-def test_a_flush_that_reaches_the_gradients_is_the_verdict(loss):
-    model, batches = Gain(2.0**-20), _batches()
+@pytest.mark.parametrize("loss, gain, share_rule", [
+    (lambda o, b: o.abs().mean(), 2.0**-19, "constant"),  # 7% of the output flushes: below the 10% share
+    (lambda o, b: o.pow(2).mean(), 2.0**-20, "forward_underflow"),
+], ids=["abs", "pow"])
+def test_a_flush_that_reaches_the_gradients_is_the_verdict(loss, gain, share_rule):
+    model, batches = Gain(gain), _batches()
     report, error = check_against_real(model, batches, loss)
     rec = report.recommendation
+    assert analyze(report, "fp16").verdict == share_rule  # the histograms' share rule alone
     assert error > TOLERANCE and rec.verdict == "forward_underflow"
     assert rec.evidence["emulated"]["error"] > TOLERANCE
     assert rec.evidence["forward_flushing"][0]["module"] == "(model)"  # the gain, in the model's own forward
@@ -138,7 +142,7 @@ def test_a_flush_that_reaches_the_gradients_is_the_verdict(loss):
             with torch.autocast("cpu", enabled=False):
                 return self.body(x).float() * self.gain
 
-    fixed = Fixed(2.0**-20)
+    fixed = Fixed(gain)
     fixed.load_state_dict(model.state_dict())
     fixed_loss = (lambda o, b: o.float().abs().mean()) if "abs" in repr(loss) else loss
     assert real_run(fixed, batches, lambda o, b: fixed_loss(o.float(), b), checked_scale(rec))[0] < TOLERANCE
