@@ -316,6 +316,7 @@ def profile(
     from fp16probe.running.profile import profile_request
     from fp16probe.running.request import ProfileRequest
     from fp16probe.running.signals import stop_signals
+    from fp16probe.running.thirdparty import held_back
 
     console = render.make_console()
     # stop_signals: a second Ctrl-C never aborts the partial report; one before the first step leaves none
@@ -331,16 +332,22 @@ def profile(
             optimizer=None if optimizer == "none" else optimizer, lr=lr, format=format, kind=kind or "all",
             granularity=granularity, modules=tuple(modules or ()), seed=seed, verify=verify, target=target,
             recipe=recipe, plot=plot)
-        try:
-            report = profile_request(
-                request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
-                progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
-        except Fp16ProbeError as e:
-            if e.report is None:
-                raise
-            raise _with_partial_report(e, out) from e
+        # What torch, transformers and torchao write while they load and run the model is held back
+        # and counted in one line (--debug lets it through): a right answer or a refusal stands alone.
+        with held_back(enabled=not debug) as held:
+            try:
+                report = profile_request(
+                    request, on_notes=None if json_out else lambda notes: _print_notes(console, notes),
+                    progress=lambda total, main: render.progress(console, total, enabled=not json_out and main))
+            except Fp16ProbeError as e:
+                if e.report is None:
+                    raise
+                raise _with_partial_report(e, out) from e
         if report is None:  # a rank other than 0: rank 0 writes and prints
             raise typer.Exit(shield.exit_code or EXIT_OK)
+        if held.lines and not json_out:
+            _print_notes(console, [f"{held.lines} line(s) of third-party warnings and logs held back "
+                                   f"({', '.join(held.sources) or 'printed'}); --debug shows them"])
         _report_out(console, report, request, out, json_out=json_out, explain=explain)
     # A signal that came after the loop (while the report was made and written) still says so.
     raise typer.Exit(_exit_code(report) or shield.exit_code or EXIT_OK)
@@ -549,7 +556,9 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
 @app.command()
 def plot(
     report: ReportArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Figure file: .png, .svg or .pdf.", dir_okay=False)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", hidden=True, dir_okay=False,
+                                                   help="The old name of --out, still taken.")] = None,
     format: FormatOpt = None,
     kind: KindOpt = None,
     debug: DebugOpt = False,
@@ -559,10 +568,16 @@ def plot(
 
     console = render.make_console()
     with _errors(console, debug):
-        _check_output(output, "--output", [report], figure=True)
+        if out is not None and output is not None and out != output:
+            raise InputError(f"--out {out} and --output {output} name two files; --output is the old name of "
+                             "--out: give one")
+        output = out or output
+        if output is None:
+            raise InputError("plot needs --out FILE, the figure file (.png, .svg or .pdf), e.g. --out report.png")
+        _check_output(output, "--out", [report], figure=True)
         r = Report.load(report)
         fmt, knd, rec = _judged(r, format, kind)
-        with _writing(output, "--output"):
+        with _writing(output, "--out"):
             _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
         console.print(f"figures written to {output}", markup=False)
 
@@ -574,10 +589,10 @@ def recommend(
     kind: KindOpt = None,
     device: Annotated[Optional[str], typer.Option(help="Device for the GradScaler line (default: where the profile ran if not the CPU, else cuda).")] = None,
     json_out: JsonOpt = False,
-    explain: Annotated[bool, typer.Option("--explain", help="Also replay loss-scale rules over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also the caveats, reasoning, evidence and sources, and the loss-scale rules replayed over the run's recorded steps (as fp16probe schedule), where the report has them.")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Print the recommendation alone, with GradScaler arguments ready to paste."""
+    """Print the recommendation alone, with GradScaler arguments ready to paste (--explain: the evidence)."""
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
@@ -598,7 +613,7 @@ def recommend(
                 d["schedule"] = jsonable(judge_schedules(r, fmt, kind=knd).to_dict())
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
-            render.print_recommendation(console, rec, r, device)
+            render.print_recommendation(console, rec, r, device, explain=explain)
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
 
@@ -625,6 +640,11 @@ def schedule(
         r = Report.load(report)
         fmt, knd = target_of(r, format, kind)
         table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
+        if r.shadow is not None:  # a live run judged by fp32 reruns: name the verdict's GradScaler too
+            from fp16probe.analysis.one_answer import with_verdict_note
+            from fp16probe.analysis.recommend import analyze
+
+            table = with_verdict_note(table, analyze(r, fmt, kind=knd))
         if json_out:
             sys.stdout.write(json.dumps(jsonable(table.to_dict()), indent=2) + "\n")
         else:

@@ -249,7 +249,7 @@ class MetadataExtra(TypedDict, total=False):
     autocast_fp32_ops: list[str]  # ops left out because autocast keeps their gradients in fp32
     weight_grad_sharding: str
     scale_source: str  # where the Probe read the loss scale from
-    shadow: dict[str, Any]  # the fp32 reruns: every, steps, seconds, clock, next_step, off (why none ran)
+    shadow: dict[str, Any]  # the fp32 reruns: every, steps, seconds, clock, next_step, off (why none ran), discarded
     trace_since_step: int  # the trace and history start at this step (a live logger's window)
     scaler_settings: dict[str, Any]  # the live GradScaler's growth/backoff settings, for the schedule replay
     hook_errors: int

@@ -167,7 +167,7 @@ def test_reduced_precision_run_says_its_flushed_values_are_invisible(tmp_path):
     caveat = Caveat.from_dict(recommended["caveats"][0])
     assert caveat == Caveat("low_precision_run", {"precision": "fp16-autocast", "scales": [],
                                                   "zero_values": judged.zero, "values": judged.total})
-    for out in (result.stderr, ok("show", "h.json").stderr, ok("recommend", "h.json").stderr):
+    for out in (result.stderr, ok("show", "h.json").stderr, ok("recommend", "h.json", "--explain").stderr):
         assert f"caveat: {caveat_text(caveat)}" in " ".join(out.split())
     # Every gradient flushed under fp16 autocast: not read as "no scaling needed".
     assert recommended["verdict"] == "insufficient_evidence"

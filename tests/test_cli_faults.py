@@ -114,6 +114,6 @@ def test_plot_that_fails_mid_write_keeps_the_old_figure(monkeypatch):
     monkeypatch.setattr(figures, "save_figures", full_disk)
     result = run("plot", "r.json", "-o", "fig.png")
     assert result.exit_code == EXIT_USAGE
-    assert one_error_line(result).startswith("error: --output fig.png: cannot write it (No space left on device)")
+    assert one_error_line(result).startswith("error: --out fig.png: cannot write it (No space left on device)")
     assert Path("fig.png").read_bytes() == before
     assert sorted(p.name for p in Path(".").iterdir()) == ["fig.png", "r.json"]

@@ -180,7 +180,7 @@ OPTIONS = {
                 "--weights", "--batches", "--loss", "--plot", "--json", "--bogus"],
     "show": ["--format", "--kind", "--top", "--json", "--bogus"],
     "recommend": ["--format", "--kind", "--device", "--json"],
-    "plot": ["--output", "--format", "--kind"],
+    "plot": ["--out", "--output", "--format", "--kind"],
     "compare": ["--max-flushed-increase", "--max-flushed-increase-at-scale", "--max-module-increase",
                 "--max-scale-shift", "--worst", "--allow-new-overflow", "--allow-worse-verdict",
                 "--require-same-workload", "--format", "--kind", "--summary", "--junit", "--json"],

@@ -258,8 +258,8 @@ def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecip
     if family == "fp8":
         if recipe == "delayed":
             d = delayed or DelayedRecipe()
-            obj = (f"DelayedScaling(fp8_format={fmt}, amax_history_len={d.history_len}, margin={d.margin}, "
-                   f'amax_compute_algo="{d.algo}")')
+            obj = (f"DelayedScaling(\n    fp8_format={fmt}, amax_history_len={d.history_len}, margin={d.margin},\n"
+                   f'    amax_compute_algo="{d.algo}")')
             name = "DelayedScaling"
         elif recipe == "blockwise":
             obj, name = "Float8BlockScaling()", "Float8BlockScaling"
@@ -276,7 +276,8 @@ def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecip
     imports = f"from transformer_engine.common.recipe import {'Format, ' if 'Format.' in obj else ''}{name}"
     lines = ["import transformer_engine.pytorch as te", imports, f"recipe = {obj}"]
     if keep:
-        lines.append(f"# keep in bf16 (build them as torch.nn.Linear, not te.Linear): {', '.join(keep)}")
+        lines.append("# keep in bf16 (build them as torch.nn.Linear, not te.Linear):")
+        lines += [f"#   {name}" for name in keep]
     lines += ["with te.fp8_autocast(enabled=True, fp8_recipe=recipe):", "    loss = model(batch)"]
     return "\n".join(lines)
 
@@ -284,7 +285,9 @@ def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecip
 def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
     """torchao code for the recipe, leaving the ``keep`` modules in high precision."""
     family = BLOCK_FORMATS[format]["family"]
-    keep_line = f"KEEP = {set(keep)!r}" if keep else "KEEP = set()"
+    # One name a line: the code stays within 80 columns however many layers are kept.
+    keep_line = ("KEEP = {\n" + "".join(f"    {name!r},\n" for name in sorted(set(keep))) + "}") if keep else "KEEP = set()"
+    keep_fn = ["def fp8_linear(m, fqn):", "    return isinstance(m, torch.nn.Linear) and fqn not in KEEP"]
     if family == "fp8":
         if recipe in ("delayed", "blockwise"):
             return f"# torchao's float8 training has no {recipe} recipe: use TransformerEngine's (above)"
@@ -293,7 +296,8 @@ def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
             "from torchao.float8 import Float8LinearConfig, convert_to_float8_training",
             keep_line,
             f'config = Float8LinearConfig.from_recipe_name("{name}")',
-            "convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn not in KEEP)",
+            "convert_to_float8_training(",
+            "    model, config=config, module_filter_fn=lambda m, fqn: fqn not in KEEP)",
         ])
     if family == "mx":
         return "\n".join([
@@ -302,14 +306,16 @@ def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
             "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig",
             "from torchao.prototype.mx_formats.config import ScaleCalculationMode",
             keep_line,
-            f"config = MXFP8TrainingOpConfig(scale_calculation_mode=ScaleCalculationMode.{recipe.upper()})",
-            "quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn not in KEEP)",
+            f"config = MXFP8TrainingOpConfig(\n    scale_calculation_mode=ScaleCalculationMode.{recipe.upper()})",
+            *keep_fn,
+            "quantize_(model, config, filter_fn=fp8_linear)",
         ])
     return "\n".join([
         "import torch",
         "from torchao.quantization import quantize_",
-        "from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig",
+        "from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import (",
+        "    NVFP4TrainingConfig)",
         keep_line,
-        "quantize_(model, NVFP4TrainingConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) "
-        "and fqn not in KEEP)",
+        *keep_fn,
+        "quantize_(model, NVFP4TrainingConfig(), filter_fn=fp8_linear)",
     ])

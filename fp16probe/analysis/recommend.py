@@ -154,11 +154,11 @@ def analyze(
     fmt = get_format(format)
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
-        return shadow.with_reference(report, analyze(
+        return shadow.checked_scale(report, shadow.with_reference(report, analyze(
             ref, fmt, kind=kind, margin_bits=margin_bits, max_flushed_fraction=max_flushed_fraction,
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_intervals=growth_intervals,
             horizon=horizon, seed=seed, hysteresis=hysteresis, min_scale=min_scale, worst=worst,
-            target=target), kind)
+            target=target), kind))
     thresholds = _thresholds(fmt, kind, margin_bits, max_flushed_fraction, growth_factor, backoff_factor,
                              growth_intervals, horizon, seed, hysteresis, min_scale, worst)
     m = _measure(report, kind)

@@ -341,3 +341,4 @@ def _answer(rows: Sequence[ScheduleRow], n: int, tau: float, ref: str | None) ->
     parts.append("This is the run's past, not its future: gradients drift as training goes on, so profile again at "
                  "later checkpoints.")
     return best.name, fine, " ".join(parts)
+

@@ -9,6 +9,7 @@ split of the live run's zeros as evidence. Pure functions over report data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -16,10 +17,17 @@ from fp16probe.analysis.ceiling import run_format
 from fp16probe.analysis.whatif import fraction, kinds_of
 from fp16probe.formatting import count, percent
 from fp16probe.histogram import Histogram
-from fp16probe.recommendation import Caveat, Recommendation
+from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 
-__all__ = ["pending_words", "reference", "with_reference", "zero_split"]
+__all__ = ["SCALE_TOLERANCE_LOG2", "checked_scale", "discarded_reruns", "pending_words", "reference", "scale_check",
+           "with_reference", "zero_split"]
+
+
+# How far the live gradients' largest value per tensor, divided by the claimed scale, may sit from
+# the fp32 rerun's before the scale is called wrong: 2^0.5. fp16 arithmetic moves a tensor's
+# largest gradient by well under that (about 1% here); a wrong scale moves it by a whole power of two or more.
+SCALE_TOLERANCE_LOG2 = 0.5
 
 
 def reference(report: Report) -> Report | None:
@@ -91,10 +99,39 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
                   f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
                   f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
     caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": meta.get("next_step")}),)
+    discarded = discarded_reruns(report)
+    if discarded:
+        caveats += (Caveat("reruns_discarded", {"count": len(discarded), "first": discarded[0]}),)
     if rec.growth_interval_table and report.history is not None and len(report.history):
         caveats += (Caveat("projected_schedule", {"horizon": int(rec.growth_interval_table.get("horizon", 0)),
                                                   "history_steps": len(report.history)}),)
+    one = _one_answer(report, rec, kind)
+    if one is not None:  # fp16probe schedule advises other moves: say why, and which to paste
+        ev["one_answer"] = one
+        caveats += (Caveat("schedule_differs", one),)
     return replace(rec, text=f"{words} {rec.text}", evidence=ev, caveats=caveats)  # type: ignore[arg-type]
+
+
+def _one_answer(report: Report, rec: Recommendation, kind: str) -> dict[str, Any] | None:
+    """Where ``fp16probe schedule`` on this run's history advises other moves than the verdict: the one paste."""
+    from fp16probe.analysis.one_answer import reconcile
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.errors import AnalysisError
+
+    if report.history is None or not len(report.history):
+        return None
+    try:
+        table = judge_schedules(report, rec.format, kind=kind)
+    except AnalysisError:
+        return None
+    return reconcile(rec, table)
+
+
+def discarded_reruns(report: Report) -> list[dict[str, Any]]:
+    """The reruns thrown away because they did not run in fp32 (step, module, dtype each)."""
+    meta = report.metadata.extra.get("shadow")
+    found = meta.get("discarded") if isinstance(meta, dict) else None
+    return [d for d in found if isinstance(d, dict)] if isinstance(found, list) else []
 
 
 def pending_words(report: Report) -> str:
@@ -104,6 +141,13 @@ def pending_words(report: Report) -> str:
         return ""
     if meta.get("off"):
         return f" No fp32 shadow rerun could run: {meta['off']}."
+    discarded = discarded_reruns(report)
+    if discarded:
+        d = discarded[0]
+        return (f" {len(discarded)} shadow rerun(s) were discarded, none judged: they did not run in fp32 (at step "
+                f"{d['step']}, {d['module']} returned {d['dtype']} with every autocast disabled; something in the "
+                "forward casts to low precision itself), so there is no fp32 reference for this run; profile it in "
+                "fp32 with fp16probe.profile.")
     nxt = meta.get("next_step")
     when = f"the first comes at step {nxt}" if nxt is not None else "none is scheduled"
     return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={meta.get('every')}); the report after "
@@ -114,3 +158,76 @@ def _steps_words(steps: list[int]) -> str:
     shown = ", ".join(str(s) for s in steps[:8])
     return f"step {shown}" if len(steps) == 1 else f"steps {shown}{', ...' if len(steps) > 8 else ''}"
 
+
+
+def scale_check(report: Report) -> dict[str, Any] | None:
+    """Whether the live gradients carry the scale the scaler claimed, measured against the fp32 reruns.
+
+    For every tensor (module output gradient, weight gradient) recorded on a shadowed step
+    that the live run sampled without inf/NaN, compares its largest magnitude in the live
+    run (already divided by the claimed scale) with the fp32 rerun's: the median of
+    log2(live / fp32) over the tensors is the measured ratio (0: the gradients carry the
+    claimed scale). None when the run claims no scale or no tensor is nonzero in both.
+    """
+    shadow = report.shadow
+    if shadow is None or not report.metadata.grad_scaler:
+        return None
+    trace = report.trace
+    live_at = {s: i for i, s in enumerate(trace.steps)}
+    logs: list[float] = []
+    steps: list[int] = []
+    for j, step in enumerate(shadow.trace.steps):
+        i = live_at.get(step)
+        if i is None or (i < len(trace.found_inf) and trace.found_inf[i]):
+            continue
+        before = len(logs)
+        for kind, ref_modules in shadow.trace.module_max.items():
+            live_modules = trace.module_max.get(kind, {})
+            for name, ref_vals in ref_modules.items():
+                live_vals = live_modules.get(name, ())
+                if i < len(live_vals) and j < len(ref_vals):
+                    a, b = live_vals[i], ref_vals[j]
+                    if 0 < a < math.inf and 0 < b < math.inf:
+                        logs.append(math.log2(a / b))
+        if len(logs) > before:
+            steps.append(step)
+    if not logs:
+        return None
+    logs.sort()
+    median = logs[len(logs) // 2]
+    claimed = sorted({float(v) for s in steps if live_at[s] < len(trace.scale)
+                      for v in (trace.scale[live_at[s]],) if v is not None})
+    return {"log2_ratio": median, "tensors": len(logs), "steps": steps, "claimed_scales": claimed,
+            "carried": abs(median) <= SCALE_TOLERANCE_LOG2, "tolerance_log2": SCALE_TOLERANCE_LOG2}
+
+
+def checked_scale(report: Report, rec: Recommendation) -> Recommendation:
+    """``rec`` with the scale check as evidence; no verdict when the gradients do not carry the claimed scale.
+
+    The live histograms were divided by the claimed scale, so where the gradients carry
+    another one every live figure is off by the ratio: rather than judge them, the answer
+    is no verdict, with the ratio measured and the fp32 reruns' own scale as evidence.
+    """
+    check = scale_check(report)
+    if check is None:
+        return rec
+    ev: dict[str, Any] = dict(rec.evidence)
+    ev["scale_check"] = check
+    if check["carried"]:
+        return replace(rec, evidence=ev)  # type: ignore[arg-type]
+    ev["insufficient_reason"] = "scale_not_carried"
+    ev["fp32_reference_log2_scale"] = rec.log2_scale
+    ratio = check["log2_ratio"]
+    claimed = ", ".join(f"2^{math.log2(c):g}" if c > 0 else "0" for c in check["claimed_scales"])
+    text = (f"No verdict for {rec.format}: the gradients do not carry the loss scale the scaler reports. On "
+            f"{len(check['steps'])} rerun step(s), the live gradients divided by the reported scale ({claimed}) are "
+            f"2^{ratio:.1f} times the fp32 rerun's (median over {check['tensors']} tensors): the backward applied "
+            f"about 2^{ratio:.1f} times the reported scale. Every live figure here is off by that factor; check how "
+            "the loss is scaled (the scaler's scale() must be what backward runs on) before trusting any loss-scale "
+            "advice.")
+    caveats = rec.caveats + (Caveat("scale_not_carried", {"log2_ratio": ratio, "claimed_scales": check["claimed_scales"],
+                                                          "steps": check["steps"]}),)
+    return replace(rec, verdict=Verdict.INSUFFICIENT_EVIDENCE, log2_scale=None, scale=None,
+                   grad_scaler_kwargs={}, flushed_fraction_at_scale=None, overflow_steps_at_scale=None,
+                   headroom_bits=None, worst_modules=(), growth_interval_table=None, evidence=ev, text=text,  # type: ignore[arg-type]
+                   caveats=caveats)

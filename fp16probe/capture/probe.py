@@ -504,6 +504,8 @@ class Probe:
         assert sh is not None
         meta: dict[str, Any] = {"every": sh.every, "steps": list(sh.steps), **sh.cost(),
                                 "next_step": sh.next_step()}
+        if sh.discarded:  # reruns that did not run in fp32: named, never a reference
+            meta["discarded"] = [dict(d) for d in sh.discarded]
         if self.recorder.defer_to_ddp:
             meta["off"] = "not under torch.distributed (a rerun would run DDP's collectives)"
         elif sh.skipped:

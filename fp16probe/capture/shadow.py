@@ -8,6 +8,15 @@ same weights and the same random state, and records what it sees with a second, 
 Probe. That fp32 record is the reference the analysis judges the run by: a value zero in
 both runs is structural, a value zero only in the live run flushed.
 
+Which steps are rerun is decided from what the step computes, not from the autocast state
+before the model is called: an enabled fp16/bf16 autocast around the call, one wrapped
+around the forward itself (accelerate's ``convert_outputs_to_fp32(autocast(forward))``,
+``torch.autocast(...)(forward)``), or low-precision outputs the live Probe already saw. A
+rerun runs with every autocast context disabled, those the model enters itself included
+(:func:`autocast_off`), and its outputs are checked: a rerun in which any module returned
+fp16 or bf16 values, or whose loss is not fp32, is discarded with the module and dtype
+named (``Shadow.discarded``), never recorded as a reference.
+
 The rerun leaves training exactly as it was: the parameters' ``.grad`` (the very tensors),
 the model's buffers (BatchNorm statistics) and the CPU and CUDA random states are saved
 before and put back after, and no optimizer steps. Training with a shadow is bit-identical
@@ -23,8 +32,9 @@ autocast itself) and returns the loss; the Probe calls it only on shadowed steps
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +42,8 @@ from torch import nn
 
 from fp16probe.capture.recorder import iter_tensors
 
-__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "loss_of", "shadow_due"]
+__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "autocast_off", "forward_autocast", "loss_of",
+           "shadow_due"]
 
 DEFAULT_SHADOW_EVERY = 50
 # Sampled steps shadowed before the regular schedule starts, so a short run has a reference
@@ -73,6 +84,86 @@ def loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def forward_autocast(forward: Any) -> Any:
+    """The enabled fp16/bf16 ``torch.autocast`` a forward is wrapped in, or None.
+
+    Follows ``__func__``, ``__wrapped__`` and accelerate's ``ConvertOutputsToFp32.model_forward``
+    down the chain, and looks in each function's closure for the autocast instance that
+    ``torch.autocast(...)(fn)`` (and so accelerate's ``prepare``) keeps there.
+    """
+    fn = forward
+    for _ in range(16):  # a wrapper chain longer than this is not one we know
+        if fn is None:
+            return None
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if (isinstance(value, torch.amp.autocast_mode.autocast) and getattr(value, "_enabled", False)
+                    and value.fast_dtype in LOW_PRECISION):
+                return value
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+    return None
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Disable every ``torch.autocast`` entered inside, on every device, those a model enters itself too.
+
+    ``torch.autocast(..., enabled=False)`` alone is undone by an autocast the forward enters
+    inside it; here each one entered while the block runs enters disabled. The patch is on
+    the autocast class, so it holds for the process while the block runs (a rerun, on the
+    training thread) and is undone after.
+    """
+    cls = torch.amp.autocast_mode.autocast
+    enter = cls.__enter__
+
+    def disabled_enter(self: Any) -> Any:
+        saved = self._enabled
+        self._enabled = False
+        try:
+            return enter(self)
+        finally:
+            self._enabled = saved
+
+    cls.__enter__ = disabled_enter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__ = enter  # type: ignore[method-assign]
+
+
+class _DtypeCheck:
+    """While a rerun runs: the first module whose output holds fp16 or bf16 values (a global forward hook)."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, str] | None = None
+        self._names: dict[int, str] = {}
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.found is not None:
+            return
+        for t in iter_tensors(output):
+            if t.is_floating_point() and t.dtype in LOW_PRECISION:
+                self.found = {"module": self._names.get(id(module), type(module).__name__),
+                              "dtype": str(t.dtype).replace("torch.", "")}
+                return
+
+    @contextlib.contextmanager
+    def watching(self, model: nn.Module) -> Iterator["_DtypeCheck"]:
+        self._names = {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
+        handle = torch.nn.modules.module.register_module_forward_hook(self)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
 class Shadow:
     """Run scheduled fp32 reruns of training steps into an fp32 Probe (see the module docstring).
 
@@ -93,6 +184,8 @@ class Shadow:
         self.seconds = 0.0  # host time spent in reruns (CPU: the cost; CUDA: see events)
         self._events: list[tuple[Any, Any]] = []  # CUDA start/end events, read at report time
         self.skipped: str | None = None  # why the default rerun could not run, once seen
+        # reruns thrown away because they did not run in fp32: {"step", "module", "dtype"} each
+        self.discarded: list[dict[str, Any]] = []
         self._sampled = 0  # sampled steps closed so far
         self._done_this_step = False
         self._running = False
@@ -132,7 +225,7 @@ class Shadow:
         if self._running or not self.due or not torch.is_grad_enabled():
             return
         device = _device_of(args, kwargs, module)
-        if not torch.is_autocast_enabled(device.type):
+        if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
         try:
             self.run(lambda: module(*args, **kwargs), device, replayed=True)
@@ -140,6 +233,21 @@ class Shadow:
             self.live.note_error(e)
         if self.skipped is not None:  # the model returns no loss: stop replaying its calls
             self.detach()
+
+    def _computes_low_precision(self, module: nn.Module, device: torch.device) -> bool:
+        """Whether this forward computes under fp16/bf16 autocast with fp32 weights (a rerun can judge it).
+
+        Autocast on around the call, wrapped around the forward (accelerate, a decorator), or
+        seen by the live Probe in the outputs of an earlier step (a model that enters it itself).
+        """
+        param = next(module.parameters(), None)
+        if param is not None and param.dtype in LOW_PRECISION:
+            return False  # a .half() model: no fp32 weights to rerun with
+        if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in LOW_PRECISION:
+            return True
+        if forward_autocast(module.forward) is not None:
+            return True
+        return "autocast" in str(getattr(self.live, "precision", None) or "")
 
     def run(self, compute_loss: Callable[[], Any], device: torch.device | None = None, *,
             replayed: bool = False) -> bool:
@@ -163,18 +271,27 @@ class Shadow:
             self.live.enabled = False  # the live Probe's hooks stay quiet during the rerun
             for p in params:
                 p.grad = None
-            with torch.random.fork_rng(devices=cuda, enabled=True), torch.autocast(device.type, enabled=False):
+            check = _DtypeCheck()
+            with (torch.random.fork_rng(devices=cuda, enabled=True), autocast_off(),
+                  torch.autocast(device.type, enabled=False), check.watching(self.model)):
                 self.probe.start()
                 try:
                     loss = loss_of(compute_loss())
-                    if loss is None and replayed:
+                    if loss is not None and check.found is None and loss.dtype in LOW_PRECISION:
+                        check.found = {"module": "the loss", "dtype": str(loss.dtype).replace("torch.", "")}
+                    if check.found is not None:  # not an fp32 rerun: never a reference
+                        self.discarded.append({"step": self.live.step_index, **check.found})
+                    elif loss is None and replayed:
                         self.skipped = ("the model's output carries no loss (no 0-d tensor, .loss or ['loss']); "
                                         "call probe.shadow(fn) with fn() returning the loss of the batch")
-                    elif loss.requires_grad:
+                    elif loss is not None and loss.requires_grad:
                         loss.float().backward()
                         recorded = True
                 finally:
-                    self.probe.step()
+                    if recorded:
+                        self.probe.step()
+                    else:
+                        self.probe.discard_step()
                     self.probe.stop()
         finally:
             for p, g in zip(params, grads):

@@ -27,6 +27,7 @@ __all__ = [
     "VERDICT_WORDS",
     "Line",
     "answer_text",
+    "brief_answer",
     "caveat_text",
     "evidence_rows",
     "findings",
@@ -41,6 +42,7 @@ __all__ = [
     "scaler_device",
     "short_answer",
     "shorten_name",
+    "stacked_table",
     "wrap_text",
 ]
 
@@ -158,7 +160,7 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     code = grad_scaler_code(rec, dev, width)
     if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
         code = ""
-        lines.append(Line("finding", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
+        lines.append(Line("todo", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
     emulated = emulated_sentence(rec)
@@ -182,6 +184,28 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
             lines.append(Line("verification", _verification_sentence(verification)))
     lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]
     return lines
+
+
+# What `recommend` keeps of the short answer: the verdict, the numbers it rests on, what to do and the code.
+_BRIEF_KINDS = ("verdict", "flushed", "margin", "schedule", "todo", "device", "code")
+_MORE_WORDS = {"invented": "note on invented inputs", "finding": "finding", "verification": "verification",
+               "caveat": "caveat"}
+
+
+def brief_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
+                 device: str | None = None) -> list[Line]:
+    """The short answer cut to the verdict, its numbers, what to do and the code to paste (``recommend``),
+    then one line that counts what ``--explain`` adds (caveats, findings, the verification)."""
+    lines = short_answer(report, rec, width=width, device=device)
+    kept = [line for line in lines if line.kind in _BRIEF_KINDS]
+    left = [line.kind for line in lines if line.kind not in _BRIEF_KINDS]
+    if left:
+        counts = ", ".join(f"{left.count(k)} {_MORE_WORDS.get(k, k)}{'s' if left.count(k) > 1 else ''}"
+                           for k in dict.fromkeys(left))
+        kept.append(Line("more", f"also {counts}, with the evidence and reasoning: --explain"))
+    else:
+        kept.append(Line("more", "the evidence and reasoning: --explain"))
+    return kept
 
 
 # -- caveats: the one place their words live ----------------------------------------------
@@ -231,6 +255,18 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "rerun_steps": lambda d: (f"The verdict rests on the {d['count']} rerun step(s), not on the live steps between "
         "them; " + ("no further rerun is scheduled." if d.get("next_step") is None
                     else f"the next rerun comes at step {d['next_step']}.")),
+    "scale_not_carried": lambda d: (f"The live gradients carry about 2^{d['log2_ratio']:.1f} times the loss scale "
+        f"the scaler reports ({num.scales_in_force(d['claimed_scales'])}), measured against fp32 reruns of steps "
+        f"{', '.join(map(str, d['steps'][:8]))}: no live figure was judged."),
+    "schedule_differs": lambda d: (f"fp16probe schedule, replaying this run's own {num.count(d['history_steps'])} "
+        "steps, " + ("finds GradScaler's defaults already fine" if d["defaults_fine"]
+                     else f"advises {d['schedule_choice']!r}")
+        + ", which moves the scale differently: it judges skipped steps over the run's history, this verdict "
+        "underflow at the scale in force against fp32 reruns. Paste the GradScaler above; use the schedule's table "
+        "to tune how the scale moves."),
+    "reruns_discarded": lambda d: (f"{d['count']} fp32 rerun(s) were discarded and not judged: with every autocast "
+        f"disabled, {d['first']['module']} still returned {d['first']['dtype']} at step {d['first']['step']}, so "
+        "they were not fp32."),
     "projected_schedule": lambda d: ("The growth_interval above is a projection: the profiled steps resampled over "
         f"{num.count(d['horizon'])} simulated steps. This report records every one of its "
         f"{num.count(d['history_steps'])} steps: `fp16probe schedule` judges loss-scale rules on the run's own "
@@ -498,6 +534,32 @@ def wrap_text(text: str, width: int, indent: str = "") -> list[str]:
     return lines
 
 
+def stacked_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int,
+                  legend: Sequence[tuple[str, str]] = ()) -> list[str]:
+    """A table as plain lines for a terminal too narrow for its columns; no cell is ever cut.
+
+    Each row's first cell (its name) gets a line of its own; its other cells follow on the
+    next line, right-aligned under ``headers[1:]`` (short ones, spelled out by ``legend``, a
+    list of (header, meaning)). When even those columns are wider than ``width``, each cell
+    goes on a line of its own as ``header: value``. Names are wrapped after dots and spaces.
+    """
+    cells = [list(r[1:]) for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers[1:])]
+    row_width = 2 + sum(widths) + 2 * (len(widths) - 1)
+    lines = wrap_text(f"{headers[0]}, its figures below:" if row_width <= width else headers[0], width)
+    if row_width <= width:
+        lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(headers[1:], widths)))
+    for row, rest in zip(rows, cells):
+        lines += wrap_text(row[0], width)
+        if row_width <= width:
+            lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(rest, widths)))
+        else:
+            lines += [ln for h, c in zip(headers[1:], rest) for ln in wrap_text(f"  {h}: {c}", width, "    ")]
+    if legend:
+        lines += wrap_text("; ".join(f"{h}: {meaning}" for h, meaning in legend), width, "  ")
+    return lines
+
+
 def fit_name(name: str, width: int) -> list[str]:
     """Split a dotted module name into lines of at most ``width``, only after dots.
 
@@ -541,17 +603,28 @@ def _middle(token: str, width: int) -> str:
 
 
 def evidence_rows(evidence: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Return the evidence as (name, value) strings, numbers at 4 significant digits."""
-    rows = []
-    for name, value in evidence.items():
-        if isinstance(value, float):
-            text = f"{value:.4g}"
-        elif isinstance(value, int) and not isinstance(value, bool):
-            text = num.count(value)
-        elif isinstance(value, (list, tuple)):
-            text = "; ".join(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in item)
-                             if isinstance(item, (list, tuple)) else str(item) for item in value)
-        else:
-            text = str(value)
-        rows.append((str(name), text))
-    return rows
+    """Return the evidence as (name, value) strings, numbers at 4 significant digits, records as
+    ``name value`` pairs (never a Python dict), an empty list as 'none'."""
+    return [(str(name), _evidence_text(value)) for name, value in evidence.items()]
+
+
+def _evidence_text(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return num.count(value)
+    if isinstance(value, Mapping):
+        items = dict(value)
+        name = items.pop("name", None)  # a record with a name (a tensor, a module) leads with it
+        body = ", ".join(f"{k} " + (f"({_evidence_text(v)})" if isinstance(v, Mapping) else _evidence_text(v))
+                         for k, v in items.items())
+        return f"{name}: {body}" if name is not None else body
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "none"
+        if all(not isinstance(v, (Mapping, list, tuple)) for v in value):
+            return " ".join(_evidence_text(v) for v in value)
+        return "; ".join(_evidence_text(v) for v in value)
+    return str(value)

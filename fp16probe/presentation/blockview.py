@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp16probe.formatting import percent
+from fp16probe.presentation.answer import stacked_table, wrap_text
 
 __all__ = ["RECIPE_WORDS", "block_advice_lines"]
 
@@ -41,8 +42,12 @@ def _table(advice: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, [_row(layer, recipes) for layer in advice["layers"]]
 
 
-def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None) -> list[str]:
-    """Return the answer for one scaled format as text lines (the table aligned with spaces)."""
+def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None, width: int | None = None) -> list[str]:
+    """Return the answer for one scaled format as text lines (the table aligned with spaces).
+
+    With ``width``, sentences are wrapped to it and a table wider than it is stacked: each
+    layer's name, type and worst read on a line, its shares under short headers below.
+    """
     head, rows = _table(advice)
     shown = sorted(rows, key=lambda r: -max(float(c.rstrip("%")) for c in r[6:])) if top else rows
     shown = shown[:top] if top else shown
@@ -50,10 +55,15 @@ def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None) -> 
     fmt, recipe = advice["format"], advice["recipe"]
     out = [f"{fmt} under {recipe}: {RECIPE_WORDS.get(recipe, recipe)}",
            "per layer, the GEMM read that loses most: shares of its nonzero values; lost = flushed + saturated"]
-    out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in shown]
-    if top and len(rows) > len(shown):
-        out.append(f"({len(rows) - len(shown)} more layer(s) in the report's block_advice)")
+    if width is None or sum(widths) + 2 * (len(widths) - 1) <= width:
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in shown]
+    else:
+        short = ["flushed", "subn", "sat"] + [h.removeprefix("lost: ") for h in head[6:]]
+        legend = [("subn", "subnormal"), ("sat", "saturated")] + ([(
+            ", ".join(short[3:]), "lost under each recipe")] if short[3:] else [])
+        out += stacked_table(["layer (type, worst read)", *short],
+                             [[f"{r[0]} ({r[1]}, {r[2]})", *r[3:]] for r in shown], width, legend)
     thr = percent(advice["threshold"])
     advised = advice["advised_recipe"]
     keep = advice["keep_high"]
@@ -66,4 +76,7 @@ def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None) -> 
     out += ["torchao:"] + ["  " + line for line in advice["torchao_code"].splitlines()]
     out += [f"note: {n}" for n in advice["notes"]]
     out.append("sources: " + "; ".join(advice["citations"]))
-    return out
+    if width is None:
+        return out
+    code = {"  " + line for key in ("te_code", "torchao_code") for line in advice[key].splitlines()}
+    return [piece for line in out for piece in ([line] if line in code else wrap_text(line, width, "  "))]

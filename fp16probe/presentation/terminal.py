@@ -20,6 +20,7 @@ from fp16probe.analysis.whatif import numerically_zero, worst_modules
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
+    brief_answer,
     evidence_rows,
     KIND_WORDS,
     fit_name,
@@ -27,6 +28,7 @@ from fp16probe.presentation.answer import (
     recommendation_for,
     run_header,
     short_answer,
+    stacked_table,
     wrap_text,
 )
 from fp16probe.recommendation import Recommendation, Verdict
@@ -52,10 +54,16 @@ _STYLES = {"verdict": "bold", "todo": "bold", "caveat": "yellow", "invented": "y
 
 
 def make_console(stderr: bool = True) -> Any:
-    """Return a rich Console on stderr (human output never goes to stdout)."""
+    """Return a rich Console on stderr (human output never goes to stdout).
+
+    The stream is the one in place now, bound: while third-party output is held back
+    (:func:`fp16probe.running.thirdparty.held_back` swaps ``sys.stderr``), ours still shows.
+    """
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=False)
 
 
 def print_error(console: Any, message: str) -> None:
@@ -194,7 +202,7 @@ def print_block_advice(console: Any, report: Report, *, header: bool = True, out
     advice = report.metadata.extra.get("block_advice") if advice is None else advice
     if advice is None:
         return
-    lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20)
+    lines = ([run_header(report)] if header else []) + block_advice_lines(advice, top=20, width=console.width)
     if out is not None:
         lines.append(f"report written to {out}")
     for line in lines:
@@ -202,9 +210,22 @@ def print_block_advice(console: Any, report: Report, *, header: bool = True, out
 
 
 def print_recommendation(console: Any, rec: Recommendation, report: Report | None = None,
-                         device: str | None = None) -> None:
-    """Print the recommendation with its full reasoning (``recommend``)."""
-    console.print(recommendation_view(rec, report, device=device, explain=True), soft_wrap=True)
+                         device: str | None = None, explain: bool = False) -> None:
+    """Print ``recommend``'s answer: the verdict and the code to paste in a few lines; ``explain``
+    adds the caveats, the reasoning, the evidence and the sources."""
+    if explain:
+        console.print(recommendation_view(rec, report, device=device, explain=True), soft_wrap=True)
+        return
+
+    def build(width: int) -> Iterator[Any]:
+        for line in brief_answer(report, rec, width=width, device=device):
+            if line.kind == "code":
+                yield from _lines(line.text.splitlines(), _STYLES["code"])
+            else:
+                yield from _para(line.text, width, "dim" if line.kind == "more" else _STYLES.get(line.kind, ""),
+                                 "" if line.kind == "more" else "  ")
+
+    console.print(Fitted(build), soft_wrap=True)
 
 
 def _answer(report: Report | None, rec: Recommendation, width: int, device: str | None) -> Iterator[Any]:
@@ -287,33 +308,54 @@ def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
         yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
 
 
+# Under this many columns a table with many numeric columns is stacked (see answer.stacked_table).
+NARROW = 100
+
+
 def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
-    """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer."""
+    """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer.
+
+    Under :data:`NARROW` columns each rule's figures go on the line under its name, under short
+    headers with a legend, so an 80-column CI log shows every number whole.
+    """
     from rich.table import Table
 
     flush = table.flush_reference is not None
-    t = Table(title=f"loss-scale rules replayed over this run's {num.count(table.steps)} recorded steps "
-                    f"({table.format})", title_justify="left")
-    columns = ["rule", "skipped", "flushing > " + num.percent(table.max_flushed_fraction),
-               "mean flushed", "worst flushed", "recovery mean/max", "final S"]
-    for i, col in enumerate(columns):
-        t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    title = (f"loss-scale rules replayed over this run's {num.count(table.steps)} recorded steps "
+             f"({table.format})")
+    threshold = num.percent(table.max_flushed_fraction)
+    rows = []
     for r in table.rows:
         over = "n/a" if r.steps_over_threshold is None else num.count(r.steps_over_threshold)
         if r.recovery_steps_mean is None:
             recovery = "no backoff" if not r.backoffs else "not recovered"
         else:
             recovery = f"{r.recovery_steps_mean:.0f} / {r.recovery_steps_max}"
-        t.add_row(*_cells([r.name, num.count(r.skipped_steps), over,
-                           num.percent(r.mean_flushed_fraction) if flush else "n/a",
-                           num.percent(r.worst_flushed_fraction) if flush else "n/a",
-                           recovery, num.magnitude(r.final_scale)]))
-    yield t
+        rows.append([r.name, num.count(r.skipped_steps), over,
+                     num.percent(r.mean_flushed_fraction) if flush else "n/a",
+                     num.percent(r.worst_flushed_fraction) if flush else "n/a",
+                     recovery, num.magnitude(r.final_scale)])
+    if width < NARROW:
+        yield from _lines(wrap_text(title, width), "italic")
+        legend = [("skip", "steps skipped (overflow)"), (f">{threshold}", f"steps flushing more than {threshold}"),
+                  ("mean, worst", "flushed share of nonzero values over the steps"),
+                  ("recovery", "steps to regain S after a backoff, mean / max"), ("final S", "the scale at the end")]
+        yield from _lines(stacked_table(["rule", "skip", f">{threshold}", "mean", "worst", "recovery", "final S"],
+                                        rows, width, legend))
+    else:
+        t = Table(title=title, title_justify="left")
+        columns = ["rule", "skipped", "flushing > " + threshold, "mean flushed", "worst flushed",
+                   "recovery mean/max", "final S"]
+        for i, col in enumerate(columns):
+            t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+        for cells in rows:
+            t.add_row(*_cells(cells))
+        yield t
     if table.reproduced is not None:
-        yield from _lines([("check: the run's own settings reproduce its recorded scale on every step and its "
-                            "skipped steps exactly") if table.reproduced else
-                           "check: the run's own settings do NOT reproduce its recorded scales (see the note)"],
-                          "dim" if table.reproduced else "yellow")
+        yield from _para(("check: the run's own settings reproduce its recorded scale on every step and its "
+                          "skipped steps exactly") if table.reproduced else
+                         "check: the run's own settings do NOT reproduce its recorded scales (see the note)",
+                         width, "dim" if table.reproduced else "yellow")
     yield from _lines([""])
     yield from _para(table.answer, width)
     for note in table.notes:
@@ -436,6 +478,7 @@ def _worst_table(report: Report, kind: str, fmt: Format, log2_scale: int | None,
 
 def print_compare(console: Any, result: GateResult) -> None:
     """Print the gate's checks as a table and the overall outcome."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
@@ -448,7 +491,7 @@ def print_compare(console: Any, result: GateResult) -> None:
                       Text(c.message))
     console.print(table)
     for w in result.warnings:
-        console.print(Text.assemble(("warning: ", "yellow"), w), soft_wrap=True)
+        console.print(Group(*_para(f"warning: {w}", console.width, "yellow", "  ")))
     if result.passed:
         console.print(Text("no regression", style="green"))
     else:

@@ -8,8 +8,9 @@ are chosen to be the ones the model's task trains with, and always recorded as i
   cross-entropy (labels = input_ids), a masked LM on 15% masked tokens, a seq2seq model
   on target ids it is teacher-forced on, sequence and token classifiers, question
   answering and image classifiers on labels drawn the way the task draws them (classes
-  uniform in ``[0, num_labels)``; regression targets standard normal). Each uses the
-  model's own loss. Image models get ``pixel_values`` shaped from the config's
+  uniform in ``[0, num_labels)``; regression targets standard normal); semantic
+  segmentation on a per-pixel mask of patch-sized regions, object detection on drawn boxes
+  and classes. Each uses the model's own loss. Image models get ``pixel_values`` shaped from the config's
   ``num_channels`` and ``image_size``. A base model without a head (``BertModel``,
   ``ViTModel``) keeps the documented default loss below.
 - Any other ``nn.Module``: inputs shaped from its first layer (``Linear``: features;
@@ -78,6 +79,8 @@ _HF_HEADS = (
     ("ForTokenClassification", "token_classification"),
     ("ForQuestionAnswering", "question_answering"),
     ("ForImageClassification", "image_classification"),
+    ("ForSemanticSegmentation", "semantic_segmentation"),
+    ("ForObjectDetection", "object_detection"),
 )
 
 
@@ -415,7 +418,54 @@ _TOKEN_PLANS: dict[str, Callable[[_Draw], Plan]] = {
     "token_classification": _token_classification,
     "question_answering": _question_answering,
 }
-_IMAGE_PLANS: dict[str, Callable[[_Draw], Plan]] = {"image_classification": _classification}
+SEGMENT_PATCH = 16  # a drawn segmentation mask holds one class per 16x16 patch: regions, not pixel noise
+MAX_BOXES = 4  # a drawn detection target holds 1 to 4 boxes per image
+
+
+def _semantic_segmentation(d: _Draw) -> Plan:
+    """Per-pixel class ids at the image's size: one uniform random class per patch, so the mask has regions."""
+    batch, _, height, width = d.shape
+    n = _num_labels(d.config)
+    classes = 2 if n == 1 else n  # one label: a binary mask (the model's loss is then BCE)
+    rows, cols = -(-height // SEGMENT_PATCH), -(-width // SEGMENT_PATCH)
+
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        coarse = torch.randint(0, classes, (batch, rows, cols), generator=gen)
+        mask = coarse.repeat_interleave(SEGMENT_PATCH, 1).repeat_interleave(SEGMENT_PATCH, 2)[:, :height, :width]
+        return {"pixel_values": d.inputs(gen), "labels": mask}
+
+    loss = ("binary cross-entropy of each pixel" if n == 1 else f"cross-entropy of each pixel's class over {n} classes")
+    return d.plan(make, labels=f"a {height}x{width} mask per image: a uniform random class in [0, {classes}) "
+                               f"per {SEGMENT_PATCH}x{SEGMENT_PATCH} patch",
+                  loss=f"the model's own loss: {loss} (logits upsampled to the mask)")
+
+
+def _object_detection(d: _Draw) -> Plan:
+    """Per image, 1 to MAX_BOXES boxes (centre x, y and width, height as shares of the image) with classes."""
+    batch = d.shape[0]
+    n = _num_labels(d.config)
+
+    def make(gen: torch.Generator) -> dict[str, Any]:
+        targets = []
+        for _ in range(batch):
+            k = int(torch.randint(1, MAX_BOXES + 1, (1,), generator=gen))
+            size = 0.05 + 0.35 * torch.rand((k, 2), generator=gen)  # width, height: 5% to 40% of the image
+            centre = size / 2 + (1 - size) * torch.rand((k, 2), generator=gen)  # the box lies inside the image
+            targets.append({"class_labels": torch.randint(0, n, (k,), generator=gen),
+                            "boxes": torch.cat([centre, size], dim=1)})
+        return {"pixel_values": d.inputs(gen), "labels": targets}
+
+    return d.plan(make, labels=f"1 to {MAX_BOXES} boxes per image (centre uniform inside it, sides 5% to 40% of it), "
+                               f"each of a uniform random class in [0, {n})",
+                  loss="the model's own loss: its set-matching loss over the drawn boxes and classes "
+                       "(class cross-entropy, box L1 and generalised IoU, as the model's config weighs them)")
+
+
+_IMAGE_PLANS: dict[str, Callable[[_Draw], Plan]] = {
+    "image_classification": _classification,
+    "semantic_segmentation": _semantic_segmentation,
+    "object_detection": _object_detection,
+}
 
 
 def _class_labels(config: Callable[[str], Any], shape: tuple[int, ...],
