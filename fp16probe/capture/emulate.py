@@ -49,7 +49,7 @@ from fp16probe.capture.forward import _watch_autocast
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "measure_effect", "reference_step"]
+__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "reference_step"]
 
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
@@ -140,10 +140,14 @@ class _Emulator:
     def pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in self.kept_ids and self.depth_kept:
             self.depth_kept -= 1
+        out = _first_float(output)
+        if out is not None and out.requires_grad and self.is_low(out):
+            # global forward hooks run before a module's own: a gradient hook registered later on
+            # this output (verify's) reads the gradient rounded, as the target run has it
+            out.register_hook(self.round_grad)
         name = self.names.get(id(module))
         ref = self.reference.get(name) if name is not None else None
         if ref is not None and name not in self.outputs:
-            out = _first_float(output)
             if out is not None and out.shape == ref.shape:
                 with torch.no_grad(), torch._C.DisableTorchFunction():
                     d = out.detach().double() - ref.double()
@@ -159,6 +163,10 @@ class _Emulator:
         # A .half() model holds its weights and inputs in fp16: an fp32 tensor from outside
         # the step is low there (rounded where it is first used).
         return self.regime == "pure_fp16" and t.dtype == torch.float32 and not self.depth_kept
+
+    def round_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient as the target holds it for a low-precision tensor."""
+        return g.to(self.dtype).to(g.dtype)
 
     def mark(self, t: torch.Tensor, low: bool) -> None:
         self.low[id(t)] = (weakref.ref(t), low)
@@ -359,6 +367,37 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
                         scale=1.0, ops=0, rounded=0, outputs=outputs)
 
 
+@contextlib.contextmanager
+def emulating(model: nn.Module, *, format: str = "fp16", target: str = "cuda", regime: str = "autocast",
+              keep_fp32: Sequence[str] = (), reference_outputs: dict[str, torch.Tensor] | None = None
+              ) -> Iterator["_Emulator"]:
+    """Compute the forward run inside this block as the target run does (see the module docstring).
+
+    A forward-only context, the emulated counterpart of ``torch.autocast``: the backward of
+    what it made, run afterwards, rounds every low-precision tensor's gradient. Arguments as
+    :func:`emulated_step`'s. Module outputs held low also round their gradient where a hook
+    registered on them later reads it (a module output gradient is fp16 in the target run).
+    """
+    if format not in _LOW_DTYPES:
+        raise ValueError(f"format must be one of {tuple(_LOW_DTYPES)}, got {format!r}")
+    if target not in TARGETS or regime not in REGIMES:
+        raise ValueError(f"target must be one of {TARGETS} and regime one of {REGIMES}, got {target!r}, {regime!r}")
+    em = _Emulator(model, _LOW_DTYPES[format], target, regime, set(keep_fp32), reference_outputs)
+    pre = nn.modules.module.register_module_forward_pre_hook(em.push)
+    post = nn.modules.module.register_module_forward_hook(em.pop, always_call=True)
+    mode = _Mode(em)
+    try:
+        with _watch_autocast(em.autocast):
+            mode.__enter__()
+            try:
+                yield em
+            finally:
+                leave_mode(mode)
+    finally:
+        pre.remove()
+        post.remove()
+
+
 def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: str = "fp16",
                   target: str = "cuda", regime: str = "autocast", scale: float = 1.0,
                   keep_fp32: Sequence[str] = (), reference_outputs: dict[str, torch.Tensor] | None = None
@@ -379,31 +418,15 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
 
     Returns the unscaled fp32 gradients. Synchronises with the device once (the loss).
     """
-    if format not in _LOW_DTYPES:
-        raise ValueError(f"format must be one of {tuple(_LOW_DTYPES)}, got {format!r}")
-    if target not in TARGETS or regime not in REGIMES:
-        raise ValueError(f"target must be one of {TARGETS} and regime one of {REGIMES}, got {target!r}, {regime!r}")
-    dtype = _LOW_DTYPES[format]
-    em = _Emulator(model, dtype, target, regime, set(keep_fp32), reference_outputs)
     saved = _saved_grads(model)
     with _step_state(model):
-        pre = nn.modules.module.register_module_forward_pre_hook(em.push)
-        post = nn.modules.module.register_module_forward_hook(em.pop, always_call=True)
-        mode = _Mode(em)
-        try:
-            with _watch_autocast(em.autocast):
-                mode.__enter__()
-                try:
-                    loss = run()
-                    loss = loss.reshape(())
-                    loss_low = em.is_low(loss)
-                    if regime == "pure_fp16":
-                        loss = loss.float()  # DeepSpeed's fp16 engine: loss.float() * cur_scale
-                finally:
-                    leave_mode(mode)
-        finally:
-            pre.remove()
-            post.remove()
+        with emulating(model, format=format, target=target, regime=regime, keep_fp32=keep_fp32,
+                       reference_outputs=reference_outputs) as em:
+            loss = run()
+            loss = loss.reshape(())
+            loss_low = em.is_low(loss)
+            if regime == "pure_fp16":
+                loss = loss.float()  # DeepSpeed's fp16 engine: loss.float() * cur_scale
         s = torch.full((1,), float(scale), dtype=torch.float32, device=loss.device)
         (loss * s).backward()
         raw = _take_grads(model, saved)
@@ -415,7 +438,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
                 grads[n] = None
                 continue
             if regime == "pure_fp16":
-                g = g.to(dtype).float()  # a .half() model's gradients are fp16
+                g = g.to(em.dtype).float()  # a .half() model's gradients are fp16
             grads[n] = g * inv  # GradScaler.unscale_: fp32 multiplication by 1/S
     order = tuple(em.order) + tuple(n for n in grads if n not in em.order)
     return EmulatedStep(grads=grads, order=order, module_order=tuple(em.module_order), loss=float(loss.detach()),
