@@ -302,7 +302,7 @@ def profile(
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches; .half() for a model that came in fp16) and report predicted against measured.")] = False,
-    target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu.")] = None,
+    target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu. --target cuda --verify on a CPU checks the CUDA prediction on an emulated CUDA step.")] = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
     debug: DebugOpt = False,

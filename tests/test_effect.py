@@ -278,3 +278,23 @@ def test_effect_judges_each_parameter_and_places_the_error():
     assert effect_at(_data(fine), 11) is None
     rec = analyze(fp16probe.profile(nn.Linear(4, 2), [torch.randn(8, 4)], steps=1), "fp16")
     assert judged(rec, None) is rec and judged(rec, {**_data(fine), "format": "bf16"}) is rec
+
+
+# -- --verify for a target that is not the running device -----------------------------------------
+
+def test_verify_on_a_cpu_for_cuda_runs_the_emulated_cuda_step_and_says_so():
+    """``pow(2).mean()`` is fp32 under CUDA autocast and fp16 under CPU's: CUDA's S (above 2^15) holds
+    in the emulated CUDA step, where a real CPU autocast step at that S overflows (an fp16 seed)."""
+    torch.manual_seed(0)
+    model, batches = Gain(2.0**-4), _batches()
+
+    def loss(o, b):
+        return o.pow(2).mean()
+
+    report = fp16probe.profile(copy.deepcopy(model), batches, loss, steps=len(batches), target="cuda", verify=True)
+    rec, v = report.recommendation, report.verification
+    assert rec.log2_scale > 15 and not rec.evidence["emulated"]["loss_low"]
+    assert v.held and v.device == "cpu, emulating cuda" and any("emulated fp16 autocast on cuda" in n for n in v.notes)
+    assert v.measured_overflow_steps == 0
+    assert real_run(model, batches, loss, rec.log2_scale)[1]  # CPU autocast at that S: inf
+    assert "emulating cuda" in "\n".join(line.text for line in short_answer(report, rec))

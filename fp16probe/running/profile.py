@@ -185,10 +185,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
     target = r.target or ("cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda")
     probe_options = _block_options(format, r.recipe, probe_options)
-    if verify and run_device is not None and run_device.type != target:
-        raise InputError(f"target={target!r}: the verification on {run_device.type} runs {run_device.type} autocast, "
-                         f"whose op rules differ; predict for {run_device.type} (or verify on {target})",
-                         parameter="target")
     regime = "pure_fp16" if isinstance(model, nn.Module) and any(
         p.dtype == torch.float16 for p in model.parameters()) else "autocast"
     model, dev, notes = prepare_model(model, device)
@@ -254,7 +250,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         result.error.report = report
         raise result.error
     if verify and report is not None and not report.metadata.partial:
-        report = _verified(report, initial, result.batches, loss, dev)
+        report = _verified(report, initial, result.batches, loss, dev, target)
     return report
 
 
@@ -311,7 +307,8 @@ def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], 
                              modules=list(r.modules) or None, granularity=r.granularity)
 
 
-def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device) -> Report:
+def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device,
+              target: str | None = None) -> Report:
     """The report with its verification; a Ctrl-C or signal during it keeps the report, marked, without one."""
     from fp16probe.running.signals import STOP_SIGNALS, active
     from fp16probe.running.verify import verify as run_verification
@@ -322,7 +319,7 @@ def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss
     if shield is not None:
         shield.armed = True  # a long verification stays interruptible
     try:
-        return report.with_verification(run_verification(initial, report, batches, loss, device=dev))
+        return report.with_verification(run_verification(initial, report, batches, loss, device=dev, target=target))
     except KeyboardInterrupt as e:
         return _marked(report, STOPPED_HANGUP if isinstance(e, Hangup) else
                        STOPPED_TERMINATED if isinstance(e, Terminated) else STOPPED_INTERRUPTED)
