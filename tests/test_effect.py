@@ -298,3 +298,15 @@ def test_verify_on_a_cpu_for_cuda_runs_the_emulated_cuda_step_and_says_so():
     assert v.measured_overflow_steps == 0
     assert real_run(model, batches, loss, rec.log2_scale)[1]  # CPU autocast at that S: inf
     assert "emulating cuda" in "\n".join(line.text for line in short_answer(report, rec))
+
+
+def test_bf16_reports_its_own_error_and_when_fp16_with_a_scale_is_closer():
+    from fp16probe.running.demo import DemoNet, demo_batches, demo_loss
+
+    batches = [b for _, b in zip(range(3), demo_batches())]
+    report = fp16probe.profile(DemoNet(), batches, demo_loss, steps=3, format="bf16", target="cpu")
+    rec = report.recommendation
+    em = rec.evidence["emulated"]
+    assert rec.format == "bf16" and em["log2_scale"] == 0 and em["worst_modules"]
+    caveat = next(c for c in rec.caveats if c.code == "bf16_worse_than_fp16")
+    assert caveat.data["error"] > 2 * caveat.data["fp16_error"] and em["fp16"]["error"] == caveat.data["fp16_error"]

@@ -37,6 +37,9 @@ TOLERANCE = 0.05
 NOISE_FLOOR = 1e-7
 ZEROED_COUNTS = 0.5
 FORWARD = (Verdict.FORWARD_UNDERFLOW, Verdict.FORWARD_OVERFLOW)
+# bf16 keeps 8 significant bits to fp16's 11: its rounding error is about 8x fp16's wherever fp16's
+# range is not the limit. Said when bf16's emulated error is more than twice fp16's with a scale.
+BF16_WORSE = 2.0
 ROOT = "(model)"  # the model's own forward (capture's ROOT_NAME)
 
 
@@ -210,6 +213,17 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
     if eff is None:
         return rec
     emulated = _emulated_evidence(data, eff, k)
+    extra: tuple[Caveat, ...] = ()
+    fp16 = data.get("fp16")
+    if rec.format == "bf16" and isinstance(fp16, Mapping) and fp16.get("settings"):
+        k16 = int(fp16["settings"][0]["log2_scale"])
+        other = effect_at(fp16, k16)
+        if other is not None:
+            emulated["fp16"] = other.to_dict()
+            if (eff.error is not None and other.error is not None and other.nonfinite == 0
+                    and eff.error > BF16_WORSE * other.error):
+                extra = (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
+                                                          "fp16_log2_scale": k16, "target": data.get("target")}),)
     if rec.verdict in FORWARD:
         fix = [str(m) for m in rec.evidence.get("fix_modules") or ()]
         fixed = effect_at(data, k, fix) if fix else None
@@ -226,7 +240,7 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
                 "error": eff.error, "log2_scale": k, "target": data.get("target"), "regime": data.get("regime"),
                 "tolerance": TOLERANCE})
             return _with(gradients_only, emulated, (caveat,))
-        return _with(rec, emulated)
+        return _with(rec, emulated, extra)
     below = effect_at(data, k - 1) if k else None
     if eff.nonfinite and below is not None and below.nonfinite == 0:
         # the histograms' S overflows in the emulated step where half of it does not: a gradient
@@ -257,7 +271,7 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
         ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
                           if culprit != ROOT else "")
         return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
-    return _with(rec, emulated)
+    return _with(rec, emulated, extra)
 
 
 def _emulated_evidence(data: Mapping[str, Any], eff: Effect, k: int) -> dict[str, Any]:

@@ -298,6 +298,10 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"gradient value(s) at S = {num.power_of_two(d['log2_scale'])}, and none at half that S "
         f"({num.percent(d['error_below'])} off fp32): a gradient the overflow ceiling did not see reaches fp16's max "
         "there; expect the scaler to back off once."),
+    "bf16_worse_than_fp16": lambda d: (f"bf16 rounds this model's gradients {num.percent(d['error'])} off fp32 in the "
+        f"emulated step, fp16 with S = {num.power_of_two(d['fp16_log2_scale'])} {num.percent(d['fp16_error'])}: bf16 "
+        "needs no loss scale (fp32's exponent range) but keeps 8 significant bits to fp16's 11; where that precision "
+        "matters, fp16 with that scale is the closer run."),
     "loss_fp16": lambda d: (f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself "
         "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
         "cap: loss_fn(output.float(), target)."),

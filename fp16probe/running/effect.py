@@ -21,6 +21,7 @@ from torch import nn
 
 from fp16probe.analysis.effect import fixes_to_try, judged, scales_to_check
 from fp16probe.analysis.recommend import analyze
+from fp16probe.recommendation import Verdict
 from fp16probe.report import Report
 from fp16probe.running.inputs import call_model
 from fp16probe.running.losses import Loss
@@ -53,6 +54,12 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
     try:
         data = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
                               settings=[(k, ()) for k in scales])
+        if rec.format == "bf16":  # bf16 needs no scale for its range; its precision is set beside fp16's at its S
+            fp16 = analyze(report, "fp16", kind=kind, target=target)
+            k16 = fp16.log2_scale if fp16.verdict in (Verdict.NONE_NEEDED, Verdict.CONSTANT, Verdict.DYNAMIC) else None
+            if k16 is not None:
+                data["fp16"] = measure_effect(model, runs, format="fp16", target=target, regime=regime,
+                                              settings=[(int(k16), ())])
         for fix in fixes_to_try(rec, data):
             more = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
                                   settings=[(scales[len(scales) // 2], fix)])
