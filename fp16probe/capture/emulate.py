@@ -496,7 +496,7 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
             loss_low = loss_low or em.loss_low
             ops, rounded = ops + em.ops, rounded + em.rounded
         rows_host = total.tolist() if total is not None else []
-        out.append({"log2_scale": int(log2_scale), "keep_fp32": list(keep), "loss_low": loss_low,
+        out.append({"log2_scale": int(log2_scale), "keep_fp32": list(keep), "loss_low": loss_low, "batches": len(runs),
                     "ops": ops, "rounded": rounded,
                     # the first batch's module outputs, in the order their forwards finished:
                     # [name, [||out - out_fp32||^2, ||out_fp32||^2]]
