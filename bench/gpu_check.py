@@ -140,7 +140,7 @@ def _sync_loop(model: nn.Module, x: torch.Tensor, opt, scaler, device: str, step
     from fp16probe.capture import ceiling as ceiling_module
 
     with Probe(model, scaler=scaler, activations=True) as probe:
-        ceiling = probe._ceiling
+        ceiling = probe.collector("ceiling").hooks
         real_fold = ceiling._fold
 
         def counted_fold() -> None:

@@ -75,7 +75,8 @@ def _train(variant: str, steps: int, every: int) -> tuple[float, dict]:
     shadow = {}
     if probe is not None:
         probe.stop()
-        shadow = dict(probe.report().metadata.extra.get("shadow") or {})
+        runs = probe.report().shadow_runs
+        shadow = runs.to_dict() if runs is not None else {}
     return per_step, shadow
 
 
@@ -150,7 +151,7 @@ def bench_live_logging(total: int, at: tuple[int, ...], log_every: int) -> dict:
     return {"log_every": log_every, "interval_s": interval, "whole_report_s": full,
             "analysis_s": analysis, "verdict": verdicts,
             "trace_bytes": probe.recorder.memory()["trace_bytes"],
-            "history_bytes": probe.history.memory_bytes() if probe.history is not None else 0}
+            "history_bytes": probe.collector("history").memory_bytes() if probe.collector("history") is not None else 0}
 
 
 def main(argv: list[str] | None = None) -> int:

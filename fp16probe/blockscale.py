@@ -37,10 +37,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fp16probe.formats import FORMATS
+from fp16probe.formats import ELEMENTS, FAMILIES, SCALED_FORMATS, ElementFormat
 
 __all__ = [
-    "BLOCK_FORMATS",
     "BLOCK_KINDS",
     "FAMILIES",
     "DEPTH",
@@ -78,60 +77,6 @@ RULES = ("floor", "rceil", "ceil", "even")
 LAYOUTS = ("mx32", "mx32_t", "tile128", "tile128_t", "tile128x128", "row", "tensor")
 
 
-@dataclass(frozen=True)
-class ElementFormat:
-    """One element format's limits as powers of two and sixteenths (every boundary is one).
-
-    ``flush`` is ``min_subnormal / 2`` (round to nearest even sends the tie to zero);
-    ``normal`` the smallest magnitude that rounds to ``min_normal`` (``min_normal -
-    min_subnormal / 2``; the tie goes to the even ``min_normal``); ``overflow`` the
-    magnitude half an ulp past ``max``, ``overflow_inclusive`` when that tie rounds away.
-    """
-
-    name: str
-    max: float
-    log2_min_normal: int
-    mantissa_bits: int
-    overflow_inclusive: bool
-
-    @property
-    def emax(self) -> int:
-        """Return floor(log2 max), the exponent OCP subtracts in its FLOOR rule."""
-        return math.frexp(self.max)[1] - 1
-
-    @property
-    def min_subnormal(self) -> float:
-        """Return the smallest subnormal."""
-        return math.ldexp(1.0, self.log2_min_normal - self.mantissa_bits)
-
-    @property
-    def flush(self) -> float:
-        """Return the largest magnitude that rounds to 0."""
-        return self.min_subnormal / 2
-
-    @property
-    def normal(self) -> float:
-        """Return the smallest magnitude that rounds to min_normal or above."""
-        return math.ldexp(1.0, self.log2_min_normal) - self.min_subnormal / 2
-
-    @property
-    def overflow(self) -> float:
-        """Return max plus half its ulp."""
-        return self.max + math.ldexp(1.0, self.emax - self.mantissa_bits - 1)
-
-    def classify(self, q: float) -> str:
-        """Say what casting the magnitude ``q`` does: "zero", "flushed", "subnormal", "saturated" or "normal"."""
-        if q == 0:
-            return "zero"
-        if q <= self.flush:
-            return "flushed"
-        if q < self.normal:
-            return "subnormal"
-        if q > self.overflow or (self.overflow_inclusive and q == self.overflow):
-            return "saturated"
-        return "normal"
-
-
 def _sixteenths(value: float) -> tuple[int, int]:
     """``value = 2^j (1 + k/16)``: return (j, k); raise when it is not of that form."""
     m, e = math.frexp(value)
@@ -141,28 +86,6 @@ def _sixteenths(value: float) -> tuple[int, int]:
     return e - 1, int(k)
 
 
-def _from_fp8(key: str, name: str) -> ElementFormat:
-    f = FORMATS[key]
-    return ElementFormat(name, f.max, f.log2_min_normal, f.mantissa_bits, f.overflow_inclusive)
-
-
-# E2M1 has no torch.finfo; its values are ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} (OCP MX spec v1.0,
-# section 5.3.3), checked in the tests against that list and torchao's cast.
-ELEMENTS: dict[str, ElementFormat] = {
-    "e4m3": _from_fp8("fp8_e4m3", "e4m3"),
-    "e5m2": _from_fp8("fp8_e5m2", "e5m2"),
-    "e2m1": ElementFormat("e2m1", 6.0, 0, 1, overflow_inclusive=True),
-}
-
-# --format names whose analysis needs the scaled-format statistics, and what each counts.
-BLOCK_FORMATS: dict[str, dict[str, str]] = {
-    "fp8_e4m3": {"element": "e4m3", "family": "fp8"},
-    "fp8_e5m2": {"element": "e5m2", "family": "fp8"},
-    "mxfp8_e4m3": {"element": "e4m3", "family": "mx"},
-    "mxfp8_e5m2": {"element": "e5m2", "family": "mx"},
-    "nvfp4": {"element": "e2m1", "family": "nvfp4"},
-}
-FAMILIES = ("fp8", "mx", "nvfp4")
 # The tensors of a Linear layer's three GEMMs, as the capture names them.
 BLOCK_KINDS = ("input", "weight", "output_grad", "weight_grad")
 
@@ -170,7 +93,7 @@ BLOCK_KINDS = ("input", "weight", "output_grad", "weight_grad")
 def families_for(formats: str | Sequence[str]) -> tuple[str, ...]:
     """The statistics families the ``--format`` names need (empty for fp16 and bf16)."""
     names = [formats] if isinstance(formats, str) else list(formats)
-    return tuple(sorted({BLOCK_FORMATS[n]["family"] for n in names if n in BLOCK_FORMATS}))
+    return tuple(sorted({SCALED_FORMATS[n].family.name for n in names if n in SCALED_FORMATS}))
 
 
 @dataclass(frozen=True)
@@ -393,7 +316,7 @@ class TensorBlockStats:
 
 @dataclass(frozen=True)
 class BlockStats:
-    """Everything the capture counted for scaled formats (``metadata.extra["block_formats"]``)."""
+    """Everything the capture counted for scaled formats (the report's ``blocks`` section)."""
 
     families: tuple[str, ...]
     layouts: tuple[str, ...]
@@ -401,8 +324,31 @@ class BlockStats:
     hook_errors: int
     tensors: tuple[TensorBlockStats, ...]
 
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (what :meth:`from_dict` reads)."""
+        tensors = []
+        for t in self.tensors:
+            entry: dict[str, Any] = {
+                "module": t.module, "type": t.type, "kind": t.kind, "shape": list(t.shape), "calls": t.calls,
+                "amax_trace": list(t.amax_trace),
+                "relative": {lay: {"bins": {str(k): v for k, v in r["bins"].items()},
+                                   **{k: r[k] for k in ("zero", "nonfinite", "out_of_range")},
+                                   "spread": {str(k): v for k, v in r.get("spread", {}).items()}}
+                             for lay, r in t.relative.items()},
+            }
+            if t.current:
+                entry["current"] = {el: c.to_dict() for el, c in t.current.items()}
+            if t.delayed:
+                entry["delayed"] = [{**recipe.to_dict(), "element": el, "counts": c.to_dict()}
+                                    for recipe, el, c in t.delayed]
+            if t.nvfp4:
+                entry["nvfp4"] = {v: c.to_dict() for v, c in t.nvfp4.items()}
+            tensors.append(entry)
+        return {"version": 1, "families": list(self.families), "layouts": list(self.layouts), "steps": self.steps,
+                "hook_errors": self.hook_errors, "tensors": tensors}
+
     @classmethod
-    def from_dict(cls, d: Any, *, path: str = "metadata.extra.block_formats") -> "BlockStats":
+    def from_dict(cls, d: Any, *, path: str = "blocks") -> "BlockStats":
         """Build from the JSON the capture wrote; a bad field raises ReportFieldError naming it."""
         from fp16probe.errors import ReportFieldError
 
@@ -482,5 +428,4 @@ class BlockStats:
 
 def block_stats_of(report: Any) -> BlockStats | None:
     """The scaled-format statistics stored in ``report`` (None when it was captured without them)."""
-    raw = report.metadata.extra.get("block_formats")
-    return None if raw is None else BlockStats.from_dict(raw)
+    return report.blocks

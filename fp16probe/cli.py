@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Optional, get_args
 import typer
 import typer.core
 
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError, message_of
 
 
 class _Deferred:
@@ -139,7 +139,7 @@ def _main(
 # tests/test_cli_help.py checks the formats and kinds against fp16probe.formats.FORMATS and fp16probe.report.KINDS.
 FormatName = Literal["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
 # The scaled formats only `profile` and `show` take (their statistics are captured on the run itself);
-# tests/test_blockformats.py checks them against fp16probe.blockscale.BLOCK_FORMATS.
+# tests/test_blockformats.py checks them against fp16probe.formats.SCALED_FORMATS.
 ProfileFormatName = Literal[FormatName, "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
 Kind = Literal["all", "activation_grad", "weight_grad"]  # all: every gradient the loss scale multiplies
 FORMAT_NAMES = get_args(FormatName)
@@ -199,7 +199,7 @@ def _errors(console: Any, debug: bool, stopped: str = "") -> Iterator[None]:
     except Exception as e:
         _fail(
             console,
-            f"internal error {type(e).__name__}: {e}; rerun with --debug and report it",
+            f"internal error {type(e).__name__}: {message_of(e)}; rerun with --debug and report it",
             EXIT_INTERNAL, debug, print_error,
         )
 
@@ -506,11 +506,12 @@ def show(
 def _block_advice(report: Report, fmt: str, recipe: Optional[str]) -> Optional[dict[str, Any]]:
     """The per-layer scaled-format advice for ``fmt`` from the report's statistics (None for fp16 and bf16)."""
     from fp16probe.analysis.blockformats import advise
-    from fp16probe.blockscale import BLOCK_FORMATS, block_stats_of
+    from fp16probe.blockscale import block_stats_of
+    from fp16probe.formats import SCALED_FORMATS
     from fp16probe.running.request import check_recipe
 
     check_recipe(fmt, recipe)
-    if fmt not in BLOCK_FORMATS:
+    if fmt not in SCALED_FORMATS:
         return None
     stats = block_stats_of(report)
     if stats is None:
@@ -534,6 +535,7 @@ def _show_data(report: Report, rec: Any, *, fmt: str, kind: str, top: int, sourc
         "format": fmt,
         "kind": kind,
         "metadata": report.metadata.to_dict(),
+        **({"sections": report.to_dict()["sections"]} if report.sections else {}),
         "distribution": {
             "values": h.total, "nonzero": n, "zero": h.zero, "inf": h.inf, "nan": h.nan, "max_abs": h.max_abs,
             "flushed_fraction_at_1": flushed_fraction(h, fmt),

@@ -63,6 +63,15 @@ class InputError(Fp16ProbeError, ValueError):
     """Input the command line cannot use: a missing file, a bad shape, a model that rejects it."""
 
 
+class MissingExtraError(InputError, ImportError):
+    """An optional dependency that a feature needs is not installed: names the pip extra that brings it."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(f"{feature} needs {package}, which fp16probe installs only with its {extra} extra: "
+                         f"pip install 'fp16probe[{extra}]' (or pip install {package})")
+        self.package, self.extra = package, extra
+
+
 class ReportFieldError(ReportError, ValueError):
     """One field of a report that has the wrong type, is out of range or contradicts another.
 
@@ -76,8 +85,16 @@ class ReportFieldError(ReportError, ValueError):
 
 def first_line(e: BaseException) -> str:
     """The first line of ``e``'s message (its class name when the message is empty), for one-line errors."""
-    text = str(e).strip()
+    text = message_of(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def message_of(e: BaseException) -> str:
+    """``str(e)``, or a line naming its class when ``str()`` itself raises (a model's own exception may)."""
+    try:
+        return str(e)
+    except Exception as inner:
+        return f"{type(e).__name__} (its message could not be read: str() raised {type(inner).__name__})"
 
 
 def require(module: str, extra: str, what: str) -> Any:

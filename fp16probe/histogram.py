@@ -115,7 +115,7 @@ class Histogram:
         Exact: the cast rounds to nearest even, so ``|x S| <= min_subnormal / 2`` flushes,
         and that bound is a bin edge for every power-of-two S.
         """
-        fmt = get_format(fmt)
+        fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
         return self.at_most(fmt.log2_flush_threshold - log2_scale)
 
     def subnormal(self, fmt: str | Format, log2_scale: int = 0) -> int:
@@ -125,7 +125,7 @@ class Histogram:
         exactly ``min_normal`` too, which is normal, and values just below min normal
         may round up to it; so this is an upper bound, tight in practice.
         """
-        fmt = get_format(fmt)
+        fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
         return self.between(fmt.log2_flush_threshold - log2_scale, fmt.log2_min_normal - log2_scale)
 
     def overflows(self, fmt: str | Format, log2_scale: int = 0) -> bool:
@@ -134,7 +134,7 @@ class Histogram:
         Exact for finite values (from ``max_abs``); an inf or NaN already present
         overflows at any scale.
         """
-        fmt = get_format(fmt)
+        fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
         if self.inf or self.nan:
             return True
         if self.max_abs == 0.0:

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypedDict
 
 from fp16probe import validation
-from fp16probe.errors import InputError, ReportError
+from fp16probe.errors import InputError, ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
+from fp16probe.blockscale import BlockStats
+from fp16probe.reading import read_report_text
 from fp16probe.recommendation import Recommendation
+from fp16probe.sections import SECTIONS, CaptureNotes, ForwardSection, ShadowRuns, register_section, split_legacy_extra
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -214,6 +217,8 @@ def _fromjson_float(v: Any) -> float | None:
 class MetadataExtra(TypedDict, total=False):
     """The keys fp16probe writes into ``Metadata.extra`` (free-form JSON; each appears only where it applies).
 
+    What a collector measured is not here: it is a typed section of the Report (:mod:`fp16probe.sections`).
+
     A documentation type: ``Metadata.extra`` stays a plain mapping so that reports from newer
     versions, and keys a user adds, still load.
     """
@@ -243,20 +248,11 @@ class MetadataExtra(TypedDict, total=False):
     training_arguments: dict[str, Any]
     loss_scaled: bool
     grad_scaler_found_at: str
-    # capture
-    unrecorded_modules: list[str]  # hooked modules with parameters of their own that recorded no gradient
-    gradient_free_modules: list[str]  # hooked modules that cannot carry one (no parameters of their own, or tied)
-    autocast_fp32_ops: list[str]  # ops left out because autocast keeps their gradients in fp32
-    weight_grad_sharding: str
-    scale_source: str  # where the Probe read the loss scale from
-    shadow: dict[str, Any]  # the fp32 reruns: every, steps, seconds, clock, next_step, off (why none ran), discarded
-    trace_since_step: int  # the trace and history start at this step (a live logger's window)
-    scaler_settings: dict[str, Any]  # the live GradScaler's growth/backoff settings, for the schedule replay
+    # merging the reports of ranks
     hook_errors: int
     weight_grad_merge: str  # how rank reports' weight gradients were merged
     weight_grads_identical_across_ranks: bool
     # scaled formats (FP8 recipes, MXFP8, NVFP4)
-    block_formats: dict[str, Any]  # the capture's statistics, read by fp16probe.blockscale.BlockStats
     block_advice: dict[str, Any]  # fp16probe.analysis.blockformats.BlockAdvice.to_dict()
 
 
@@ -279,6 +275,8 @@ class Metadata:
     world_size: int = 1
     partial: bool = False
     created: str = ""
+    target: str | None = None  # the device whose fp16 autocast rules the prediction applies
+    regime: str = "autocast"  # "autocast" (fp32 weights) or "pure_fp16" (a .half() model)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -287,6 +285,10 @@ class Metadata:
         d["captured"] = list(self.captured)
         d["hooked_modules"] = list(self.hooked_modules)
         d["extra"] = dict(self.extra)
+        if self.target is None:  # as reports made before it was a field read
+            del d["target"]
+        if self.regime == "autocast":
+            del d["regime"]
         return d
 
     @classmethod
@@ -310,8 +312,14 @@ class Report:
     recommendation: Recommendation | None = None
     schema_version: int = SCHEMA_VERSION
     verification: Verification | None = None  # the recommended setting run for real (profile --verify)
+    # The sections, one per collector (fp16probe.sections.SECTIONS reads and writes each):
     shadow: "Report | None" = None  # fp32 reruns of some live steps: the reference (capture.shadow)
     history: StepHistory | None = None  # every step's scale, found_inf and largest gradient
+    forward: ForwardSection | None = None  # the forward headroom (and the forward audit)
+    blocks: BlockStats | None = None  # scaled-format statistics (FP8, MXFP8, NVFP4)
+    shadow_runs: ShadowRuns | None = None  # the reruns' schedule and cost
+    capture: CaptureNotes | None = None  # what the capture noticed (silent modules, fp32 ops, errors)
+    sections: Mapping[str, Any] = field(default_factory=dict)  # registered sections that are not fields
 
     # -- accessors -----------------------------------------------------------------
     @property
@@ -344,6 +352,19 @@ class Report:
     def with_verification(self, verification: Verification | None) -> "Report":
         """Return a copy of this report carrying ``verification``."""
         return replace(self, verification=verification)
+
+    def section(self, key: str) -> Any:
+        """Return the section ``key`` (a field or a registered one), None when the report has none."""
+        entry = SECTIONS.get(key)
+        if entry is not None and entry.builtin:
+            return getattr(self, key)
+        return self.sections.get(key)
+
+    def with_sections(self, sections: Mapping[str, Any]) -> "Report":
+        """Return a copy carrying ``sections`` (by key): fields for the built-in ones, the rest in ``sections``."""
+        fields = {k: v for k, v in sections.items() if k in SECTIONS and SECTIONS[k].builtin}
+        others = {**self.sections, **{k: v for k, v in sections.items() if k not in fields}}
+        return replace(self, **fields, sections=others)
 
     # -- presentation (matplotlib and rich load only when these are called) ---------
     def plot(self, which: str = "all", **kwargs: Any) -> Any:
@@ -379,8 +400,7 @@ class Report:
             "trace": self.trace.to_dict(),
             "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
             **({} if self.verification is None else {"verification": self.verification.to_dict()}),
-            **({} if self.shadow is None else {"shadow": self.shadow.to_dict()}),
-            **({} if self.history is None else {"history": self.history.to_dict()}),
+            **_sections_json(self),
         }
 
     @classmethod
@@ -398,9 +418,9 @@ class Report:
             )
         try:
             _check_report_fields(d)
-            _check_block_formats(d["metadata"])
-            return cls(
-                metadata=Metadata.from_dict(d["metadata"]),
+            legacy, metadata = _legacy_sections(d["metadata"])
+            report = cls(
+                metadata=Metadata.from_dict(metadata),
                 modules=tuple(ModuleStats.from_dict(m, path=f"modules[{i}]") for i, m in enumerate(d["modules"])),
                 trace=StepTrace.from_dict(d["trace"]),
                 recommendation=(None if d.get("recommendation") is None
@@ -408,9 +428,8 @@ class Report:
                 schema_version=version,
                 verification=(None if d.get("verification") is None
                               else Verification.from_dict(d["verification"])),
-                shadow=None if d.get("shadow") is None else Report.from_dict(d["shadow"], source=f"{source} shadow"),
-                history=None if d.get("history") is None else StepHistory.from_dict(d["history"]),
             )
+            return report.with_sections(_sections_of({**legacy, **d}, source))
         except ReportError as e:
             raise ReportError(f"{source}: {e}; the file is corrupt or was edited: re-create it with fp16probe profile") from e
         except RecursionError as e:
@@ -432,14 +451,9 @@ class Report:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Report":
-        """Read a report file; a bad file raises ReportError naming the problem."""
+        """Read a report file; a bad file (not a regular file, over the size cap, malformed) raises ReportError naming the problem."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError as e:
-            raise ReportError(f"{path}: no such report file") from e
-        except (OSError, UnicodeDecodeError) as e:
-            raise ReportError(f"{path}: cannot read report: {e}") from e
+        text = read_report_text(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB
         if not text.strip():
             raise ReportError(f"{path}: the report file is empty")
         try:
@@ -507,7 +521,9 @@ def merge_reports(reports: Sequence[Report], *, how: str = "auto") -> Report:
         hooked_modules=tuple(hooked),
         captured=tuple(k for k in KINDS if any(k in r.metadata.captured for r in reports)),
     )
-    return Report(metadata=metadata, modules=tuple(by_key.values()), trace=trace)
+    # The collectors' sections as the first report holds them (per-run results, not summed).
+    return Report(metadata=metadata, modules=tuple(by_key.values()), trace=trace, forward=first.forward,
+                  blocks=first.blocks, shadow_runs=first.shadow_runs, capture=first.capture, sections=first.sections)
 
 
 def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
@@ -666,11 +682,46 @@ def atomic_write_text(path: str | os.PathLike[str], text: str | bytes) -> None:
         raise
 
 
-def _check_block_formats(metadata: Any) -> None:
-    """Validate the scaled-format statistics a report carries (reports without them pass)."""
+def _legacy_sections(metadata: Any) -> tuple[dict[str, Any], Any]:
+    """An older report's sections, out of its ``metadata.extra``: (their JSON by key, the metadata's JSON without them)."""
     extra = metadata.get("extra") if isinstance(metadata, Mapping) else None
-    if isinstance(extra, Mapping) and "block_formats" in extra:
-        from fp16probe.blockscale import BlockStats
+    if not isinstance(extra, Mapping):
+        return {}, metadata  # the metadata's own check names what is wrong
+    legacy, user_extra = split_legacy_extra(extra)
+    return legacy, {**metadata, **legacy.pop("metadata", {}), "extra": user_extra}
 
-        BlockStats.from_dict(extra["block_formats"])
+
+def _sections_json(report: Report) -> dict[str, Any]:
+    """Every section the report holds, by key: built-in ones at the top level, the others under ``sections``."""
+    out: dict[str, Any] = {}
+    for key, entry in SECTIONS.items():
+        value = getattr(report, key) if entry.builtin else None
+        if value is not None:
+            out[key] = entry.dump(value)
+    others = {key: value if key not in SECTIONS else SECTIONS[key].dump(value)  # unknown: kept as it was read
+              for key, value in report.sections.items()}
+    return {**out, **({"sections": others} if others else {})}
+
+
+def _sections_of(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Read every section of a report's JSON through SECTIONS (a section this version does not know stays JSON)."""
+    out: dict[str, Any] = {}
+    for key, entry in SECTIONS.items():
+        if entry.builtin and d.get(key) is not None:
+            out[key] = entry.load(d[key], path=f"{source} shadow" if key == "shadow" else key)
+    others = d.get("sections") or {}
+    if not isinstance(others, Mapping):
+        raise ReportFieldError("sections", f"sections: expected an object, got {type(others).__name__}")
+    for key, raw in others.items():
+        known = SECTIONS.get(key)
+        out[key] = raw if known is None or known.builtin else known.load(raw, path=f"sections.{key}")
+    return out
+
+
+register_section("shadow", lambda d, path: Report.from_dict(d, source=path), builtin=True)
+register_section("history", StepHistory.from_dict, builtin=True)
+register_section("forward", ForwardSection.from_dict, builtin=True)
+register_section("blocks", BlockStats.from_dict, builtin=True)
+register_section("shadow_runs", ShadowRuns.from_dict, builtin=True)
+register_section("capture", CaptureNotes.from_dict, builtin=True)
 

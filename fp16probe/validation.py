@@ -21,6 +21,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_DEPTH",
     "check_depth",
+    "check_extra",
     "check_histogram",
     "check_history",
     "check_metadata",
@@ -41,9 +42,15 @@ FP32_MAX = 2.0**128 * (1 - 2.0**-24)
 
 _KINDS = ("activation_grad", "weight_grad", "activation")
 _METADATA_STRINGS = ("fp16probe_version", "torch_version", "device", "model_class")
-_METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created")
+_METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created", "regime")
 _METADATA_COUNTS = {"steps_seen": 0, "steps_total": 0, "every": 1, "world_size": 1}
 _METADATA_BOOLS = ("grad_scaler", "partial")
+# metadata.extra is free-form, but these keys are read by every summary as they are typed here.
+_EXTRA_STRINGS = ("stopped", "inputs", "loss", "model_kind", "model_source", "target", "regime")
+_EXTRA_STRING_LISTS = ("notes",)
+_EXTRA_COUNT_LISTS = ("nonfinite_loss_steps",)
+_EXTRA_BOOLS = ("inputs_synthetic", "loss_synthetic")
+_EXTRA_COUNTS = ("steps_requested",)
 
 
 def _fail(path: str, expected: str, got: Any) -> ReportFieldError:
@@ -281,6 +288,10 @@ def check_metadata(d: Any, path: str = "metadata") -> None:
     for key in _METADATA_OPTIONAL_STRINGS:
         if key in d:
             _str(d[key], f"{path}.{key}")
+    if d.get("target") is not None and d["target"] not in ("cuda", "cpu"):
+        raise _fail(f"{path}.target", "cuda, cpu or null", d["target"])
+    if "regime" in d and d["regime"] not in ("autocast", "pure_fp16"):
+        raise _fail(f"{path}.regime", "autocast or pure_fp16", d["regime"])
     for key, lo in _METADATA_COUNTS.items():
         if key in d:
             _int(d[key], f"{path}.{key}", lo)
@@ -296,6 +307,21 @@ def check_metadata(d: Any, path: str = "metadata") -> None:
             _str(name, f"{path}.hooked_modules[{i}]")
     if "extra" in d:
         check_depth(_object(d["extra"], f"{path}.extra"), f"{path}.extra")
+        check_extra(d["extra"], f"{path}.extra")
+
+
+def check_extra(extra: Mapping[str, Any], path: str = "metadata.extra") -> None:
+    """Check the keys of ``metadata.extra`` that summaries read: strings, lists of strings or steps, flags, counts."""
+    checks: list[tuple[Iterable[str], Any]] = [(_EXTRA_STRINGS, _str), (_EXTRA_BOOLS, _bool), (_EXTRA_COUNTS, _int)]
+    for keys, check in checks:
+        for key in keys:
+            if extra.get(key) is not None:
+                check(extra[key], f"{path}.{key}")
+    for keys, check in ((_EXTRA_STRING_LISTS, _str), (_EXTRA_COUNT_LISTS, _int)):
+        for key in keys:
+            if extra.get(key) is not None:
+                for i, v in enumerate(_list(extra[key], f"{path}.{key}")):
+                    check(v, f"{path}.{key}[{i}]")
 
 
 def _optional(v: Any, path: str, check: Any, *args: Any) -> None:
@@ -315,8 +341,6 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
     d = _object(d, path)
     check_depth(d, path)
     _str(d.get("verdict"), f"{path}.verdict")
-    for key in ("format", "kind", "text"):
-        _optional(d.get(key), f"{path}.{key}", _str)
     for key in ("log2_scale", "headroom_bits"):
         _optional(d.get(key), f"{path}.{key}", _int, -1100, 1100)
     _optional(d.get("overflow_steps_at_scale"), f"{path}.overflow_steps_at_scale", _int)
@@ -338,3 +362,7 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
                 raise _fail(where, "a [name, fraction] pair", pair)
             _str(pair[0], f"{where}[0]")
             _fraction(pair[1], f"{where}[1]")
+    for key in ("format", "text"):  # required: every reader of a recommendation uses them
+        _str(d.get(key), f"{path}.{key}")
+    if "kind" in d:
+        _str(d["kind"], f"{path}.kind")

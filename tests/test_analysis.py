@@ -16,6 +16,7 @@ from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
 from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
+from fp16probe.sections import ForwardSection
 
 FAST = dict(horizon=2000)  # a shorter replay keeps these tests quick; the rule is the same
 
@@ -250,8 +251,7 @@ def with_forward(report, *, overflow=False, flushed=0, loss_fp16=False):
               "per_step_max": [8.2e4 if overflow else 1.0]}
     forward = {"regime": "autocast", "targets": ["cuda", "cpu"], "steps": [0], "tensors": [tensor],
                "loss_fp16_on": ["cuda", "cpu"] if loss_fp16 else [], "custom_functions": []}
-    md = dataclasses.replace(report.metadata, extra={**report.metadata.extra, "forward": forward})
-    return dataclasses.replace(report, metadata=md)
+    return dataclasses.replace(report, forward=ForwardSection(audit=forward))
 
 
 def test_every_verdict_is_reached_and_round_trips_through_json():

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from fp16probe import Probe
+from fp16probe.formats import SCALED_FORMATS
 from fp16probe.analysis.blockformats import RECIPES, advise, delayed_replay, parse_recipe
 from fp16probe.blockscale import (
-    BLOCK_FORMATS,
     ELEMENTS,
     BlockStats,
     DelayedRecipe,
@@ -137,12 +137,12 @@ def test_report_round_trip_validation_and_old_reports(tmp_path):
     again = Report.load(path)
     assert block_stats_of(again) == block_stats_of(report)
     plain = _train({}, steps=1)
-    assert "block_formats" not in plain.metadata.extra and block_stats_of(plain) is None
+    assert plain.blocks is None and block_stats_of(plain) is None
     d = json.loads(path.read_text())
-    d["metadata"]["extra"]["block_formats"]["tensors"][0]["relative"]["mx32"]["bins"]["999999"] = 1
+    d["blocks"]["tensors"][0]["relative"]["mx32"]["bins"]["999999"] = 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
-    with pytest.raises(ReportError, match=r"block_formats\.tensors\[0\]\.relative\.mx32\.bins"):
+    with pytest.raises(ReportError, match=r"blocks\.tensors\[0\]\.relative\.mx32\.bins"):
         Report.load(bad)
 
 
@@ -153,7 +153,7 @@ def test_without_a_block_format_nothing_is_registered():
         return len(net.fc1._forward_hooks), len(net.fc1.weight._post_accumulate_grad_hooks or {})
 
     with Probe(net) as probe:
-        assert probe._blocks is None
+        assert probe.collector("blocks") is None
         plain = hooks()
     with Probe(net, block_formats="fp16"):
         assert hooks() == plain  # fp16 and bf16 ask for nothing more
@@ -182,7 +182,7 @@ def test_recipe_names_parse_and_bad_ones_name_the_choices():
     for family, text in (("mx", "delayed"), ("fp8", "delayed:x"), ("nvfp4", "torchao:3")):
         with pytest.raises(AnalysisError):
             parse_recipe(family, text)
-    assert set(RECIPES) == {f["family"] for f in BLOCK_FORMATS.values()}
+    assert set(RECIPES) == {f.family.name for f in SCALED_FORMATS.values()}
 
 
 def test_torchao_code_imports_resolve():
@@ -209,7 +209,7 @@ def test_cli_block_format_names_match_the_library():
     from fp16probe import cli
     from fp16probe.formats import FORMATS
 
-    assert set(cli.BLOCK_FORMAT_NAMES) == set(BLOCK_FORMATS) - set(FORMATS)
+    assert set(cli.BLOCK_FORMAT_NAMES) == set(SCALED_FORMATS) - set(FORMATS)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4"])

@@ -114,7 +114,7 @@ def test_a_module_whose_forward_is_bypassed_is_named():
         out.square().sum().backward()
         probe.step()
     report = probe.report()
-    assert report.metadata.extra["unrecorded_modules"] == ["out_proj"]
+    assert list(report.capture.unrecorded_modules) == ["out_proj"]
     # The ceiling still sees out_proj's weight gradient and the attention internals.
     assert report.trace.ceiling[0] >= mha.out_proj.weight.grad.abs().max().item() > 0
 
@@ -245,16 +245,15 @@ def test_dtype_marks_are_reused_while_the_graph_repeats(monkeypatch):
     model = _NormNet()
     batches = [(torch.randn(4, 5, 16) * 0.05, False) for _ in range(6)]  # small: the norm's rsqrt grads are large
     reused, probe = _ceilings(model, batches)
-    assert (probe._ceiling.forwards_tracked, probe._ceiling.forwards_reused) == (1, 5)
+    assert (probe.collector("ceiling").hooks.forwards_tracked, probe.collector("ceiling").hooks.forwards_reused) == (1, 5)
     monkeypatch.setattr(ceiling_module, "_RECHECK_EVERY", 0)  # track every forward
     tracked, every = _ceilings(model, batches)
-    assert (every._ceiling.forwards_tracked, every._ceiling.forwards_reused) == (6, 0)
+    assert (every.collector("ceiling").hooks.forwards_tracked, every.collector("ceiling").hooks.forwards_reused) == (6, 0)
     assert reused == tracked
     monkeypatch.setattr(ceiling_module, "_RECHECK_EVERY", 2)
-    assert _ceilings(model, batches)[1]._ceiling.forwards_tracked == 2  # steps 1 and 4
+    assert _ceilings(model, batches)[1].collector("ceiling").hooks.forwards_tracked == 2  # steps 1 and 4
     # The marks matter: without them the norm's fp32 internals would set the ceiling.
-    blind = Probe(model)
-    blind._autocast_dtypes = False
+    blind = Probe(model, regime="pure_fp16")  # a .half() model: no gradient stays fp32, no dtype tracking
     with blind:
         for x, extra in batches:
             model.zero_grad(set_to_none=True)
@@ -275,7 +274,7 @@ def test_a_forward_without_a_graph_keeps_the_marks():
             with torch.no_grad():
                 model(x)
             probe.step()
-    assert (probe._ceiling.forwards_tracked, probe._ceiling.forwards_reused) == (1, 3)
+    assert (probe.collector("ceiling").hooks.forwards_tracked, probe.collector("ceiling").hooks.forwards_reused) == (1, 3)
 
 
 def test_a_graph_that_changes_is_tracked_again_and_never_undercounted(monkeypatch):
@@ -290,8 +289,8 @@ def test_a_graph_that_changes_is_tracked_again_and_never_undercounted(monkeypatc
     truth, _ = _ceilings(model, batches)
     # Steps 3 and 5 meet another graph than the marks': counted on the safe side (every node
     # after the first difference), and the next forward is tracked: steps 1, 4 and 6.
-    assert probe._ceiling.forwards_tracked == 3
-    assert probe._ceiling.forwards_reused == 1  # step 2 (steps 3 and 5 tried and met another graph)
+    assert probe.collector("ceiling").hooks.forwards_tracked == 3
+    assert probe.collector("ceiling").hooks.forwards_reused == 1  # step 2 (steps 3 and 5 tried and met another graph)
     for step, (g, t) in enumerate(zip(got, truth)):
         assert g >= t, step
     assert [got[i] == truth[i] for i in (0, 1, 3, 5)] == [True] * 4  # tracked, or the same graph again
@@ -307,7 +306,7 @@ def test_nodes_a_histogram_covers_get_no_hook_of_their_own():
             model.zero_grad(set_to_none=True)
             (model(x) * 2.0**8).pow(2).sum().backward()
             probe.step()
-        return probe.report().trace.ceiling, probe._ceiling.nodes_hooked
+        return probe.report().trace.ceiling, probe.collector("ceiling").hooks.nodes_hooked
 
     full, hooked = run()
     without_histograms, hooked_all = run(activation_grads=False)
@@ -373,7 +372,7 @@ def test_a_view_over_a_covered_node_counts_itself_once_that_node_has_another_con
         loss.backward()
         probe.step()
     assert probe.report().trace.ceiling == (max(float(m) for m in seen),) == (2.0**10,)
-    assert probe._ceiling.nodes_mirrored == 2  # the view, and lin.weight's transpose over its counted gradient
+    assert probe.collector("ceiling").hooks.nodes_mirrored == 2  # the view, and lin.weight's transpose over its counted gradient
 
 
 class _Splits(nn.Module):
@@ -415,7 +414,7 @@ def test_a_split_over_a_covered_node_reads_nothing_unless_that_node_has_another_
         if side:
             assert expected == 2.0**10 > 2.0**5 * max(probe.report().trace.global_max("activation_grad"))
         else:
-            assert probe._ceiling.nodes_hooked == 0, how  # the split, the view and lin.weight's transpose mirror
+            assert probe.collector("ceiling").hooks.nodes_hooked == 0, how  # the split, the view and lin.weight's transpose mirror
 
 
 class _Gain(nn.Module):

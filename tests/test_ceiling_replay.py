@@ -51,7 +51,7 @@ def _run(model: nn.Module, batches: list[torch.Tensor], brute: bool = False):
             if brute:
                 expected.append(max(float(m) for m in seen))
             probe.step()
-    return probe.report().trace.ceiling, probe._ceiling, expected
+    return probe.report().trace.ceiling, probe.collector("ceiling").hooks, expected
 
 
 @pytest.mark.parametrize("make, make_x", CASES, ids=[c[0].__name__ for c in CASES])
@@ -95,12 +95,12 @@ def test_another_graph_or_a_gradient_left_in_place_walks_in_full():
     def run(replay: bool):
         with Probe(model) as probe:
             if not replay:
-                probe._ceiling._replay = lambda *a: False
+                probe.collector("ceiling").hooks._replay = lambda *a: False
             for x, (extra, set_to_none) in zip(batches, steps):
                 model.zero_grad(set_to_none=set_to_none)
                 model(x, extra).pow(2).mean().backward()
                 probe.step()
-        return probe.report().trace.ceiling, probe._ceiling.forwards_replayed
+        return probe.report().trace.ceiling, probe.collector("ceiling").hooks.forwards_replayed
 
     got, replayed = run(True)
     # Step 2 replays step 1's plan; step 3 is another graph (walked in full, tracked again at
@@ -122,9 +122,9 @@ def test_a_later_walk_in_a_replayed_step_undoes_the_replay():
             out = model(x)
             loss = (out * 2.0**9).pow(2).mean()  # the loss side's gradients are the largest
             if i == 2:  # steps 1 and 2 had one walk each: step 2 replays, step 3 watches after it
-                assert probe._ceiling._replayed is not None
+                assert probe.collector("ceiling").hooks._replayed is not None
                 probe.watch(loss)
-                assert probe._ceiling._replayed is None
+                assert probe.collector("ceiling").hooks._replayed is None
             seen = _brute_force_max(loss)
             loss.backward()
             expected.append(max(float(m) for m in seen))
@@ -132,7 +132,7 @@ def test_a_later_walk_in_a_replayed_step_undoes_the_replay():
     got = probe.report().trace.ceiling
     assert got[2] == expected[2]  # watched: every node
     assert all(g <= e for g, e in zip(got, expected))  # unwatched: the model's side only
-    assert probe._ceiling.forwards_replayed == 1  # step 2; step 3's replay was undone, step 4 follows it
+    assert probe.collector("ceiling").hooks.forwards_replayed == 1  # step 2; step 3's replay was undone, step 4 follows it
 
 
 def test_replay_costs_less_than_the_walk():

@@ -105,6 +105,7 @@ def baseline(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_action_passes_an_equal_run_and_uploads_everything(tmp_path, baseline):
     run = run_action({"baseline": str(baseline), "model": "cli_models:TinyMLP", "install": "",
                       "profile-args": PROFILE.format(loss="mse_loss")}, tmp_path)
@@ -116,6 +117,7 @@ def test_action_passes_an_equal_run_and_uploads_everything(tmp_path, baseline):
     assert root.tag == "testsuites" and root.get("failures") == "0"
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_action_fails_a_regression_after_uploading(tmp_path, baseline):
     run = run_action({"baseline": str(baseline), "model": "cli_models:TinyMLP", "install": "",
                       "profile-args": PROFILE.format(loss="small_loss")}, tmp_path)

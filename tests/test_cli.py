@@ -367,6 +367,7 @@ def test_recommend_text_and_json(demo_report):
     assert bf16["format"] == "bf16"
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_plot_command_writes_each_format(demo_report):
     before = demo_report.read_bytes()
     for name in ("fig.png", "fig.svg", "fig.pdf"):

@@ -69,6 +69,14 @@ def test_user_code_failing_is_the_models_fault_and_keeps_the_steps_before(model,
         assert report.metadata.extra["stopped"] == "error"
 
 
+def test_a_model_that_removes_a_hooked_module_is_one_error_and_keeps_its_report():
+    result = run("profile", "faulty_models:DropsLayer", "--input-shape", "5,8", "--steps", "4", "--out", "r.json")
+    assert result.exit_code == EXIT_LOAD, result.output
+    assert one_error_line(result).startswith("error: the model removed 1 hooked module(s) during the run ('a')")
+    report = Report.load("r.json")
+    assert report.capture.removed_modules == ("a",) and report.metadata.steps_seen == 4
+
+
 @pytest.mark.parametrize("stop,code,what", [
     ("KeyboardInterrupt", EXIT_INTERRUPTED, "interrupted"),
     ("Terminated", EXIT_TERMINATED, "terminated (SIGTERM)"),

@@ -548,7 +548,7 @@ def test_junit_and_markdown_hold_any_module_name():
     assert not result.passed
     root = ET.fromstring(to_junit(result))
     failure = root.find("testsuite/testcase[@name='module_regressions']/failure")
-    assert "evil\ufffd|</testcase>" in failure.get("message")
+    assert 'evil\\x01|</testcase>"&[/bold]\\nnext' in failure.get("message")  # escaped visibly, one line
     md = to_markdown(result)
     row = next(line for line in md.splitlines() if line.startswith("| module_regressions"))
     assert row.count("|") - row.count(r"\|") == 4

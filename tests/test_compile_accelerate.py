@@ -45,6 +45,7 @@ def _plain_run(wrap=lambda m: m, probe_wrapper=False):
     return probe.report()
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("probe_wrapper", [False, True], ids=["probe-model", "probe-compiled"])
 def test_compiled_model_gives_the_plain_counts(backend, probe_wrapper):

@@ -163,9 +163,8 @@ def test_structurally_gradient_free_modules_are_not_reported():
             model.zero_grad()
             probe.step()
     report = probe.report()
-    extra = report.metadata.extra
-    assert extra["unrecorded_modules"] == ["bypassed"]
-    assert sorted(extra["gradient_free_modules"]) == ["drop", "rotary", "shared"]  # skip records its input's
+    assert report.capture.unrecorded_modules == ("bypassed",)
+    assert sorted(report.capture.gradient_free_modules) == ["drop", "rotary", "shared"]  # skip records its input's
     assert Caveat("silent_modules", {"count": 1, "modules": ["bypassed"]}) in analyze(report).caveats
 
 

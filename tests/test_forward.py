@@ -110,7 +110,7 @@ def test_a_model_with_the_printed_fix_applied_profiles_clean_and_verifies(make):
         report = fp16probe.profile(fixed, batches, _mse, steps=3, verify=device_type == "cpu")
         rec = report.recommendation
         assert rec.verdict not in ("forward_overflow", "forward_underflow"), (device_type, rec.verdict)
-        kept = [t["name"] for t in report.metadata.extra["forward"]["tensors"]
+        kept = [t["name"] for t in report.forward.audit["tensors"]
                 if device_type in t["fp16_on"] and any(t["module"] == m or t["module"].startswith(m + ".")
                                                        for m in fix)]
         assert kept == []  # nothing inside the kept modules is fp16 on the device the fix is for
@@ -144,7 +144,7 @@ def test_a_ctc_loss_is_fp32_under_cpu_autocast_as_torch_computes_it():
     with torch.autocast("cpu", dtype=torch.float16):
         assert ctc(model(batches[0]), None).dtype == torch.float32  # torch: fp32 on CPU autocast
     report = fp16probe.profile(copy.deepcopy(model), batches, ctc, steps=2)
-    assert "cpu" not in report.metadata.extra["forward"]["loss_fp16_on"]
+    assert "cpu" not in report.forward.audit["loss_fp16_on"]
     assert not any(c.code == "loss_fp16" for c in analyze(report, target="cpu").caveats)
 
 
@@ -221,7 +221,7 @@ def test_the_loss_dtype_follows_each_devices_autocast_and_caps_s(loss_fn, cuda_f
     with torch.autocast("cpu", dtype=torch.float16):
         assert (loss_fn(model(batches[0]), batches[0]).dtype == torch.float16) is cpu_fp16
     report = fp16probe.profile(copy.deepcopy(model), batches, loss_fn, steps=3)
-    assert report.metadata.extra["forward"]["loss_fp16_on"] == [t for t, v in (("cpu", cpu_fp16), ("cuda", cuda_fp16)) if v]
+    assert report.forward.audit["loss_fp16_on"] == [t for t, v in (("cpu", cpu_fp16), ("cuda", cuda_fp16)) if v]
     cpu = analyze(report, target="cpu")
     cuda = analyze(report, target="cuda")
     assert cpu.evidence["loss_fp16"] is cpu_fp16 and cuda.evidence["loss_fp16"] is cuda_fp16
@@ -293,7 +293,7 @@ def test_a_half_model_is_predicted_as_pure_fp16_and_its_scale_holds_in_a_real_ha
     model = DemoNet(depth=8, width=32).half()
     batches = [b for _, b in zip(range(3), demo_batches(width=32, batch=64))]
     report = fp16probe.profile(copy.deepcopy(model), batches, demo_loss, steps=3)
-    assert report.metadata.extra["regime"] == "pure_fp16"
+    assert report.metadata.regime == "pure_fp16"
     rec = report.recommendation
     assert rec.evidence["regime"] == "pure_fp16" and rec.evidence["loss_fp16"] is True
     assert rec.log2_scale is not None and rec.log2_scale <= 15
@@ -384,7 +384,7 @@ def test_verify_applies_the_forward_fix_and_proves_the_run_finite():
     report = fp16probe.profile(copy.deepcopy(model), batches, _mse, steps=3, verify=True)
     v = report.verification
     assert report.recommendation.verdict == "forward_overflow"
-    assert report.metadata.extra["target"] == "cpu"  # verify on a CPU checks the CPU's prediction
+    assert report.metadata.target == "cpu"  # verify on a CPU checks the CPU's prediction
     assert v.held and v.measured_overflow_steps == 0 and any("kept in fp32" in n for n in v.notes)
 
 
@@ -393,8 +393,7 @@ def test_verify_names_the_cause_it_sees_when_the_forward_overflows():
 
     model, batches = HotMLP(), _batches()
     report = fp16probe.profile(copy.deepcopy(model), batches, _mse, steps=3)
-    extra = {k: v for k, v in report.metadata.extra.items() if k not in ("forward", "forward_max")}
-    blind = dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
+    blind = dataclasses.replace(report, forward=None)
     blind = blind.with_recommendation(analyze(blind, target="cpu"))  # what the gradients alone would say
     assert blind.recommendation.verdict not in ("forward_overflow", "forward_underflow")
     v = fp16probe.verify(copy.deepcopy(model), blind, batches, _mse)
@@ -455,8 +454,9 @@ def test_a_probe_in_a_real_fp16_loop_sees_the_forward_overflow_where_it_happens(
             scaler.update()
             probe.step()
     report = probe.report()
-    fm = report.metadata.extra["forward_max"]
-    assert fm["modules"]["fc1"] == "inf" and fm["first_overflow_step"]["fc1"] == 0 and len(fm["step_max"]) == 4
+    fm = report.forward
+    assert fm.module_max["fc1"] == math.inf and fm.first_overflow_step["fc1"] == 0 and len(fm.step_max) == 4
+    assert report.to_dict()["forward"]["modules"]["fc1"] == "inf"
     rec = analyze(report)
     assert rec.verdict == "forward_overflow" and rec.evidence["forward_source"] == "modules"
     assert rec.evidence["forward_overflow"][0]["name"] == "fc1" and "fc1" in rec.evidence["fix_modules"]

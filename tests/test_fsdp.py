@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fp16probe.capture.distributed import merge_rank_reports
+from fp16probe.sections import CaptureNotes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ddp_worker  # noqa: E402
@@ -24,7 +25,7 @@ def test_empty_weight_gradients_on_every_rank_are_not_called_identical():
 def test_a_rank_marked_sharded_is_summed_even_when_shards_look_alike():
     a, b = _report({-20: 1}, {-30: 4}), _report({-20: 1}, {-30: 4})
     assert merge_rank_reports([a, b]).metadata.extra["weight_grad_merge"] == "replicated"
-    sharded = [replace(r, metadata=replace(r.metadata, extra={"weight_grad_sharding": "sharded"})) for r in (a, b)]
+    sharded = [replace(r, capture=CaptureNotes(weight_grads_sharded=True)) for r in (a, b)]
     merged = merge_rank_reports(sharded)
     assert merged.metadata.extra["weight_grad_merge"] == "sharded"
     assert merged.histogram("weight_grad").total == 8
@@ -37,7 +38,7 @@ def test_fsdp2_two_gloo_ranks_give_the_single_process_weight_gradient_counts(tmp
 
     for rep in (rank0, rank1, merged):
         assert "hook_errors" not in rep.metadata.extra
-        assert rep.metadata.extra["weight_grad_sharding"] == "sharded"
+        assert rep.capture.weight_grads_sharded
     # each rank holds a shard: neither alone has every parameter's values
     n_params = sum(p.numel() for p in ddp_worker.make_model().parameters())
     assert 0 < rank0.histogram("weight_grad").total < n_params * ddp_worker.STEPS

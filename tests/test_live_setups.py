@@ -99,9 +99,18 @@ def _nested():
     return probe.report()
 
 
+def _fp16_accelerator():
+    """A new ``Accelerator(mixed_precision="fp16")``: accelerate keeps one state per process, so an earlier
+    test's Accelerator (or Trainer) with another precision is forgotten first."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+
+
 def _accelerator():
     """``Accelerator(mixed_precision="fp16")`` as it sets up CUDA: autocast wrapped around forward, a GradScaler."""
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -120,9 +129,9 @@ SETUPS = {"plain GradScaler loop": _plain, "autocast(...)(forward)": _decorated_
 
 
 def _check(report, fp32_scale: int) -> None:
-    meta = report.metadata.extra["shadow"]
+    meta = report.shadow_runs
     assert report.metadata.precision == "fp16-autocast"
-    assert meta["steps"] == [0, 1, 2] and "discarded" not in meta, meta
+    assert meta.steps == (0, 1, 2) and not meta.discarded, meta
     assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
     rec = analyze(report)
     assert rec.verdict in ("constant", "dynamic"), rec.text
@@ -159,7 +168,7 @@ def test_each_setup_gives_the_fp32_profiles_scale_from_fp32_reruns(setup, fp32_s
 
 
 def test_an_accelerate_wrapped_forward_is_found():
-    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc = _fp16_accelerator()
     acc.native_amp = True
     model = acc.prepare(nn.Linear(2, 2))
     found = shadow_mod.forward_autocast(model.forward)
@@ -172,10 +181,10 @@ def test_a_rerun_that_is_not_fp32_is_discarded_and_never_judged(monkeypatch):
     """Plant a rerun that runs in fp16 (the model's own autocast left on): it is discarded, named, not judged."""
     monkeypatch.setattr(shadow_mod, "autocast_off", _no_change)
     report = _nested()
-    meta = report.metadata.extra["shadow"]
-    assert meta["steps"] == [] and report.shadow is None
-    assert [d["step"] for d in meta["discarded"]] == [0, 1, 2]
-    assert meta["discarded"][0]["dtype"] == "float16"
+    meta = report.shadow_runs
+    assert meta.steps == () and report.shadow is None
+    assert [d["step"] for d in meta.discarded] == [0, 1, 2]
+    assert meta.discarded[0]["dtype"] == "float16"
     rec = analyze(report)
     assert rec.verdict == "insufficient_evidence"
     assert "discarded" in rec.text and "float16" in rec.text

@@ -16,6 +16,7 @@ from torch import nn
 from fp16probe import Probe, Report
 from fp16probe.analysis.recommend import analyze
 from fp16probe.capture.shadow import shadow_due
+from fp16probe.sections import ShadowRuns
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,8 +69,8 @@ def test_live_fp16_run_gives_a_scale_verdict_near_the_fp32_profile(live_gpt2):
     # the reruns are named, with their cost
     assert rec.evidence["reference"] == "fp32 shadow reruns of the live run"
     assert rec.evidence["shadow_steps"] == [0, 1, 2, 4, 8, 16] == list(report.shadow.trace.steps)
-    meta = report.metadata.extra["shadow"]
-    assert meta["count"] == 6 and meta["seconds"] > 0 and meta["next_step"] == 32
+    meta = report.shadow_runs
+    assert meta.count == 6 and meta.seconds > 0 and meta.next_step == 32
     assert "Judged on 6 fp32 rerun(s)" in rec.text
     # without the reruns the same live report has no verdict: its zeros hide what flushed
     assert analyze(Report(report.metadata, report.modules, report.trace)).verdict == "insufficient_evidence"
@@ -161,7 +162,7 @@ def test_an_fp32_run_is_not_rerun():
             nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 8, (8,))).backward()
             p.step()
     report = p.report()
-    assert report.shadow is None and report.metadata.extra["shadow"]["count"] == 0
+    assert report.shadow is None and report.shadow_runs.count == 0
     assert not math.isnan(report.history.grad_max[0])
 
 
@@ -181,12 +182,9 @@ def test_the_json_schema_describes_shadow_and_history(live_gpt2):
 
 
 def test_before_the_first_rerun_the_verdict_says_when_it_comes(live_gpt2):
-    import dataclasses
-
     _, _, report = live_gpt2
-    meta = dataclasses.replace(report.metadata, extra={**report.metadata.extra,
-                                                       "shadow": {"every": 50, "steps": [], "count": 0, "next_step": 32}})
-    rec = analyze(Report(meta, report.modules, report.trace))
+    runs = ShadowRuns(every=50, steps=(), count=0, next_step=32)
+    rec = analyze(Report(report.metadata, report.modules, report.trace, shadow_runs=runs))
     assert rec.verdict == "insufficient_evidence"
     assert "No fp32 shadow rerun has run yet (the first comes at step 32, shadow_every=50)" in rec.text
 

@@ -44,7 +44,7 @@ def test_each_interval_brings_over_only_its_new_steps():
         live.step()
     assert len(windows) == 6
     for i, w in enumerate(windows):  # each holds its own five steps, no more
-        assert w.metadata.extra.get("trace_since_step") == (None if i == 0 else 5 * i)
+        assert w.capture.trace_since_step == (None if i == 0 else 5 * i)
         assert w.history.steps == tuple(range(5 * i, 5 * i + 5))
         assert w.trace.steps == tuple(s for s in range(5 * i, 5 * i + 5) if s % 2 == 0)
     # the module totals stay whole: the last window counts every sampled step's weight gradients

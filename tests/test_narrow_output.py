@@ -50,16 +50,18 @@ def outputs(tmp_path_factory):
         "schedule": ["schedule", fp32], "schedule scaled": ["schedule", scaled],
         "compare same": ["compare", fp32, fp32], "compare other": ["compare", fp32, scaled],
         "plot": ["plot", fp32, "--out", str(d / "fig.png")],
+        "export": ["export", fp32, str(d / "tb")],
     }
     for name, args in runs.items():
         out[name] = _run(args, code=None)
+    out["paths"] = {"fp32": fp32, "scaled": scaled}
     return out
 
 
 @pytest.mark.parametrize("command", [
     "profile", "profile fp16 scaled", "profile --explain --verify", "profile mxfp8", "show", "show --explain",
     "show verified", "show bf16", "show mxfp8", "recommend", "recommend --explain", "recommend scaled --explain",
-    "schedule", "schedule scaled", "compare same", "compare other", "plot",
+    "schedule", "schedule scaled", "compare same", "compare other", "plot", "export",
 ])
 def test_every_command_fits_80_columns(outputs, command):
     _fits(outputs[command])
@@ -71,6 +73,21 @@ def test_the_schedule_shows_every_rule_s_figures_and_the_whole_check_line(output
     assert "1024" in text  # this run's settings' final scale, whole
     for header in ("skip", "recovery", "final S"):
         assert header in text
+
+
+@pytest.mark.parametrize("columns", [99, 100, 119, 120, 160])
+def test_the_schedule_table_is_drawn_whole_or_stacked_at_any_width(outputs, columns, tmp_path):
+    from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.presentation.terminal import Fitted, schedule_view
+    from fp16probe.report import Report
+    from rich.console import Console
+    import io
+
+    table = judge_schedules(Report.load(outputs["paths"]["scaled"]), "fp16")
+    console = Console(width=columns, file=io.StringIO(), color_system=None)
+    console.print(Fitted(lambda width: schedule_view(table, width)))
+    text = console.file.getvalue()
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= columns, text
 
 
 def test_recommend_is_the_answer_and_the_paste_line_alone(outputs):

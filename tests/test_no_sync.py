@@ -243,8 +243,8 @@ def test_forward_headroom_capture_and_the_forward_audit_never_sync() -> None:
     with Probe(model, forward=True) as probe:
         calls = _probed_steps(model, x, probe, 3, guard=True)
     assert calls == []
-    forward = probe.report().metadata.extra["forward_max"]
-    assert forward["modules"] and len(forward["step_max"]) == 3 and all(v > 0 for v in forward["step_max"])
+    forward = probe.report().forward
+    assert forward.module_max and len(forward.step_max) == 3 and all(v > 0 for v in forward.step_max)
     audit = ForwardAudit(model)
     for step in range(2):
         with forbid_host_sync() as seen, audit.step(step):

@@ -63,12 +63,12 @@ def test_module_granularity_misses_functional_ops_that_op_granularity_finds():
         assert by_op[name].histogram.nonzero_finite > 0
     # x + att takes the fp32 input x: under autocast it stays fp32, and its only consumer
     # (* 0.5, fp32 too) leaves its gradient fp32; * 0.5 feeds the head's fp16 linear.
-    assert report.metadata.extra["autocast_fp32_ops"] == ["block/add"]
+    assert list(report.capture.autocast_fp32_ops) == ["block/add"]
     assert "block/add" not in by_op
     assert {"block.proj/linear", "head/linear", "block/matmul"} <= set(by_op)
     # views and reshapes carry no new numbers: never recorded
     assert not any(n.split("/")[1].split(".")[0] in LAYOUT_OPS for n in by_op)
-    assert report.metadata.extra["granularity"] == "op"
+    assert report.capture.granularity == "op"
     assert report.module("block/softmax").module_type == "softmax"
 
 
@@ -113,7 +113,7 @@ def test_repeated_ops_are_numbered_and_patterns_select():
     names = {m.name for m in report.modules_of("activation_grad")}
     # y = x + ... is fp32 under autocast (x is), and so is tanh(y); their gradients stay fp32
     assert {"0/add.1", "0/tanh", "0.inner/linear", "1/linear"} <= names
-    assert report.metadata.extra["autocast_fp32_ops"] == ["0/add", "0/tanh.1"]
+    assert list(report.capture.autocast_fp32_ops) == ["0/add", "0/tanh.1"]
     only = {m.name for m in _run("op", model, x, modules=["0"]).modules_of("activation_grad")}
     assert "1/linear" not in only and {"0/add.1", "0.inner/linear"} <= only
 
@@ -201,7 +201,7 @@ def test_rmsnorm_internals_that_autocast_keeps_in_fp32_are_left_out():
     model, x = NormNet(), torch.randn(2, 5, 16)
     report = _run("op", model, x)
     internals = ["norm/add", "norm/mean", "norm/pow", "norm/rsqrt"]
-    assert report.metadata.extra["autocast_fp32_ops"] == internals
+    assert list(report.capture.autocast_fp32_ops) == internals
     names = {m.name for m in report.modules_of("activation_grad")}
     assert not names & set(internals)
     # what the fp16 linears consume, and what is cast back to the input's dtype, counts
@@ -241,7 +241,7 @@ def test_autocast_decides_from_its_own_behaviour_not_a_list():
     with Probe(wrapped, granularity="op") as probe:
         wrapped(x).backward()
         probe.step()
-    assert "(model)/mse_loss" in probe.report().metadata.extra["autocast_fp32_ops"]
+    assert "(model)/mse_loss" in probe.report().capture.autocast_fp32_ops
 
 
 def test_the_left_out_ops_are_a_caveat_of_the_recommendation():

@@ -17,6 +17,7 @@ from torch import nn
 
 from fp16probe import Probe, Report
 from fp16probe.analysis.recommend import analyze
+from fp16probe.sections import CaptureNotes
 from fp16probe.analysis.replay import ScalerRule, replay_scaler
 from fp16probe.analysis.schedule import judge_schedules
 from fp16probe.report import Metadata, StepHistory
@@ -121,9 +122,8 @@ def test_schedule_without_a_history_is_one_error_line(monkeypatch, tmp_path):
 
 def _hand_report(scale, grad_max, ceiling=None, settings=None):
     h = StepHistory(0, tuple(scale), tuple(grad_max), tuple(ceiling or [None] * len(scale)))
-    meta = Metadata("0", torch.__version__, "cpu", "hand", precision="fp16-autocast",
-                    extra={"scaler_settings": settings} if settings else {})
-    return Report(meta, history=h)
+    meta = Metadata("0", torch.__version__, "cpu", "hand", precision="fp16-autocast")
+    return Report(meta, history=h, capture=CaptureNotes(scaler_settings=settings) if settings else None)
 
 
 def test_candidate_overflow_reads_known_cases_and_estimates_the_rest():
@@ -167,7 +167,7 @@ def test_flushed_shares_come_from_the_fp32_reference_moved_with_the_largest_grad
     shadow = Report(shadow_meta, trace=StepTrace(steps=(0,), histograms={"weight_grad": (hist(-30),)},
                                                  scale=(None,), found_inf=(False,)))
     base = _hand_report([1.0, 1.0], [0.25, 0.5])  # step 1's largest gradient is twice step 0's
-    report = Report(base.metadata, history=base.history, shadow=shadow)
+    report = Report(base.metadata, history=base.history, shadow=shadow, capture=base.capture)
     rules = [("S=1", ScalerRule(1.0, growth_interval=2000)), ("S=2^5", ScalerRule(2.0**5, growth_interval=2000)),
              ("S=2^6", ScalerRule(2.0**6, growth_interval=2000))]
     t = judge_schedules(report, rules=rules, kind="weight_grad")
@@ -224,7 +224,7 @@ def test_a_model_of_many_parameters_has_every_steps_largest_gradient():
         probe.step()
     probe.stop()
     h = probe.report().history
-    assert len(list(model.parameters())) == 60 and len(probe.history._handles) < 60
+    assert len(list(model.parameters())) == 60 and len(probe.collector("history")._handles) < 60
     assert list(h.grad_max) == real
 
 

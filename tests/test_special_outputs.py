@@ -119,6 +119,7 @@ def test_a_folder_or_a_symlink_to_one_is_refused_in_one_line():
         assert one_error_line(result).startswith(f"error: --out {where} is a folder")
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_plot_onto_a_device_is_written_in_place():
     dev = _null_device(Path("fig.png"))
     result = run("profile", *TINY, "--out", "r.json", "--plot", dev)

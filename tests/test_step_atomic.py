@@ -83,6 +83,7 @@ def _content(report: Report) -> dict:
     return d
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 @pytest.mark.parametrize("every", [1, 2])
 def test_a_keyboard_interrupt_anywhere_in_step_leaves_a_loadable_report(tmp_path, every):
     model = _model()

@@ -81,6 +81,7 @@ def test_held_back_takes_logs_and_prints_and_restores_stderr(capsys):
             print("printed", file=sys.stderr)
             own.warning("logged by its own handler")
             bare.warning("logged through the last resort")
+
         assert sys.stderr is before
         assert held.lines == 3 and held.sources == ["somelib", "otherlib"], held
         assert capsys.readouterr().err == ""
@@ -91,3 +92,18 @@ def test_held_back_takes_logs_and_prints_and_restores_stderr(capsys):
     with held_back(enabled=False) as shown:
         print("shown", file=sys.stderr)
     assert shown.lines == 0 and capsys.readouterr().err == "shown\n"
+
+
+def test_held_back_keeps_a_library_s_warnings_and_shows_fp16probe_s():
+    # In a fresh interpreter: pytest records warnings itself, so they never reach showwarning here.
+    code = ("import warnings\n"
+            "from fp16probe.running.thirdparty import held_back\n"
+            "with held_back() as held:\n"
+            "    warnings.warn('a library deprecation', DeprecationWarning)\n"
+            "    warnings.warn('fp16probe: a hook failed and was skipped', RuntimeWarning)\n"
+            "print(held.lines)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "always"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fp16probe: a hook failed" in done.stderr and "a library deprecation" not in done.stderr
+    assert int(done.stdout) == 1  # the deprecation, held (no source line under -c)

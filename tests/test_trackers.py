@@ -237,6 +237,7 @@ def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
 
 # -- MLflow (local file store) -----------------------------------------------------------------
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_mlflow_file_store_holds_metrics_figures_and_html(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     report = scaled_report()
@@ -260,6 +261,7 @@ def test_mlflow_file_store_holds_metrics_figures_and_html(tmp_path, monkeypatch)
     assert "MLFLOW_ALLOW_FILE_STORE" in __import__("os").environ  # our setenv, not left by export
 
 
+@pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
 def test_mlflow_export_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)

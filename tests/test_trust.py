@@ -189,7 +189,7 @@ def _weight_grads_flush_at_1(report: Report, rec: object) -> None:
 
 
 def _attention_finding(report: Report, rec: object) -> None:
-    assert report.metadata.extra["unrecorded_modules"] == ["attn.out_proj"]
+    assert list(report.capture.unrecorded_modules) == ["attn.out_proj"]
 
 
 def _q_k_recorded(report: Report, rec: object) -> None:
@@ -198,7 +198,7 @@ def _q_k_recorded(report: Report, rec: object) -> None:
 
 
 def _rmsnorm_internals_out(report: Report, rec: object) -> None:
-    assert report.metadata.extra["autocast_fp32_ops"] == ["norm/add", "norm/mean", "norm/pow", "norm/rsqrt"]
+    assert list(report.capture.autocast_fp32_ops) == ["norm/add", "norm/mean", "norm/pow", "norm/rsqrt"]
 
 
 def _backed_off(report: Report, rec: object) -> None:

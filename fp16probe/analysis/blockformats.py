@@ -21,8 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp16probe.blockscale import BLOCK_FORMATS, BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
+from collections.abc import Callable
+
+from fp16probe.blockscale import BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
 from fp16probe.errors import AnalysisError
+from fp16probe.formats import FAMILIES, SCALED_FORMATS, ElementFormat, Family, ScaledFormat, get_scaled
 
 __all__ = ["CITATIONS", "RECIPES", "THRESHOLDS", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
 
@@ -34,12 +37,8 @@ CITATIONS = (
     'NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149',
 )
 
-# Recipes by family, the default (what TransformerEngine does out of the box) first.
-RECIPES: dict[str, tuple[str, ...]] = {
-    "fp8": ("current", "delayed", "rowwise", "blockwise"),
-    "mx": ("rceil", "floor", "ceil", "even"),
-    "nvfp4": ("torchao", "cast", "16x16"),
-}
+# Recipes by family, the default (what TransformerEngine does out of the box) first: a view of the registry.
+RECIPES: dict[str, tuple[str, ...]] = {name: f.recipes for name, f in FAMILIES.items()}
 
 # Which operand reads are GEMM inputs: (kind, layout) pairs per family and recipe.
 _FWD, _BWD_GRAD = ("input", "weight"), ("output_grad",)
@@ -49,16 +48,17 @@ _TILE_READS = (("input", "tile128"), ("input", "tile128_t"), ("weight", "tile128
 _ROW_READS = (("input", "row"), ("weight", "row"), ("output_grad", "row"))
 
 
-def parse_recipe(family: str, text: str | None) -> tuple[str, DelayedRecipe | None]:
-    """Read a ``--recipe`` value: a name of :data:`RECIPES` for the family, or for FP8
+def parse_recipe(family: str | Family, text: str | None) -> tuple[str, DelayedRecipe | None]:
+    """Read a ``--recipe`` value: one of the family's recipes, or for FP8
     ``delayed[:history_len[:margin[:max|most_recent]]]``. Return (name, delayed recipe or None)."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
     if text is None:
-        return RECIPES[family][0], None
+        return fam.recipes[0], None
     name, _, rest = str(text).partition(":")
-    if name not in RECIPES[family]:
-        raise AnalysisError(f"recipe {text!r} does not apply here: expected one of {', '.join(RECIPES[family])}"
-                            + (" (delayed takes :history_len:margin:algo)" if family == "fp8" else ""))
-    if name != "delayed":
+    if name not in fam.recipes:
+        raise AnalysisError(f"recipe {text!r} does not apply here: expected one of {', '.join(fam.recipes)}"
+                            + "".join(f" ({p} takes :history_len:margin:algo)" for p in fam.parametrised))
+    if name not in fam.parametrised:
         if rest:
             raise AnalysisError(f"recipe {text!r}: only delayed takes parameters")
         return name, None
@@ -73,14 +73,6 @@ def parse_recipe(family: str, text: str | None) -> tuple[str, DelayedRecipe | No
     except ValueError as e:
         raise AnalysisError(f"recipe {text!r}: expected delayed:history_len:margin:algo, e.g. delayed:1024:0:max "
                             f"({e})") from None
-
-
-def _element_for(fmt: str, kind: str) -> str:
-    """The element format a tensor is cast to: e5m2 formats are TE's HYBRID (forward operands stay e4m3)."""
-    el = BLOCK_FORMATS[fmt]["element"]
-    if el == "e5m2" and kind in ("input", "weight"):
-        return "e4m3"
-    return el
 
 
 @dataclass(frozen=True)
@@ -125,39 +117,60 @@ class BlockAdvice:
         }
 
 
-def _reads(t: TensorBlockStats, fmt: str, family: str, recipe: str,
-           delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
-    """The counts of each read of one tensor under one recipe ({} when the recipe reads it not)."""
-    el = _element_for(fmt, t.kind)
+Reads = Callable[[TensorBlockStats, ElementFormat, str, "DelayedRecipe | None"], dict[str, BlockCounts]]
+_GEMM_KINDS = ("input", "weight", "output_grad")
+
+
+def _mx_reads(t: TensorBlockStats, el: ElementFormat, recipe: str, delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
+    """MX: 1x32 blocks along rows and columns, under the scale rule ``recipe``."""
+    return {f"{kind}/{'rows' if lay == 'mx32' else 'columns'}": t.counts(lay, el.name, recipe)
+            for kind, lay in _MX_READS if kind == t.kind and lay in t.relative}
+
+
+def _fp8_reads(t: TensorBlockStats, el: ElementFormat, recipe: str, delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
+    """FP8: one scale per tensor (current or delayed), per row, or per 128 tile."""
     out: dict[str, BlockCounts] = {}
-    if family == "mx":
-        for kind, lay in _MX_READS:
+    if t.kind not in _GEMM_KINDS:
+        return out
+    if recipe == "current" and el.name in t.current:
+        out[f"{t.kind}/tensor"] = t.current[el.name]
+    elif recipe == "delayed":
+        want = delayed or DelayedRecipe()
+        for r, e, c in t.delayed:
+            if r == want and e == el.name:
+                out[f"{t.kind}/tensor"] = c
+    else:  # (also "current" for an element not counted per tensor, as before the registry)
+        reads = _ROW_READS if recipe == "rowwise" else _TILE_READS
+        for kind, lay in reads:
             if kind == t.kind and lay in t.relative:
-                out[f"{kind}/{'rows' if lay == 'mx32' else 'columns'}"] = t.counts(lay, el, recipe)
-    elif family == "fp8":
-        if t.kind not in ("input", "weight", "output_grad"):
-            return out
-        if recipe == "current" and el in t.current:
-            out[f"{t.kind}/tensor"] = t.current[el]
-        elif recipe == "delayed":
-            want = delayed or DelayedRecipe()
-            for r, e, c in t.delayed:
-                if r == want and e == el:
-                    out[f"{t.kind}/tensor"] = c
-        else:
-            reads = _ROW_READS if recipe == "rowwise" else _TILE_READS
-            for kind, lay in reads:
-                if kind == t.kind and lay in t.relative:
-                    out[f"{kind}/{lay}"] = t.counts(lay, el, "pow2")
-    elif family == "nvfp4":
-        if t.kind not in ("input", "weight", "output_grad"):
-            return out
-        rows = {"torchao": "1x16", "cast": "1x16_cast", "16x16": "16x16" if t.kind == "weight" else "1x16"}[recipe]
-        cols = {"torchao": "1x16_t", "cast": "1x16_cast_t", "16x16": "16x16" if t.kind == "weight" else "1x16_t"}[recipe]
-        for variant, where in ((rows, "rows"), (cols, "columns")):
-            if variant in t.nvfp4:  # (reports made before the columns were counted have rows only)
-                out[f"{t.kind}/{where if variant != '16x16' else '16x16'}"] = t.nvfp4[variant]
+                out[f"{kind}/{lay}"] = t.counts(lay, el.name, "pow2")
     return out
+
+
+_NV_ROWS = {"torchao": "1x16", "cast": "1x16_cast", "16x16": "1x16"}
+_NV_COLS = {"torchao": "1x16_t", "cast": "1x16_cast_t", "16x16": "1x16_t"}
+
+
+def _nvfp4_reads(t: TensorBlockStats, el: ElementFormat, recipe: str, delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
+    """NVFP4: 1x16 blocks along rows and columns (16x16 blocks for the weight under the 16x16 recipe)."""
+    out: dict[str, BlockCounts] = {}
+    if t.kind not in _GEMM_KINDS:
+        return out
+    square = recipe == "16x16" and t.kind == "weight"
+    rows, cols = ("16x16", "16x16") if square else (_NV_ROWS[recipe], _NV_COLS[recipe])
+    for variant, where in ((rows, "rows"), (cols, "columns")):
+        if variant in t.nvfp4:  # (reports made before the columns were counted have rows only)
+            out[f"{t.kind}/{where if variant != '16x16' else '16x16'}"] = t.nvfp4[variant]
+    return out
+
+
+# Which operand reads each family's GEMMs make, one function per family (a new family: one function, one entry).
+READS: dict[str, Reads] = {"fp8": _fp8_reads, "mx": _mx_reads, "nvfp4": _nvfp4_reads}
+
+
+def _reads(t: TensorBlockStats, fmt: ScaledFormat, recipe: str, delayed: DelayedRecipe | None) -> dict[str, BlockCounts]:
+    """The counts of each read of one tensor under one recipe ({} when the recipe reads it not)."""
+    return READS[fmt.family.name](t, fmt.element_for(t.kind), recipe, delayed)
 
 
 def _loss(reads: Mapping[str, BlockCounts]) -> tuple[float, str]:
@@ -169,38 +182,37 @@ def _loss(reads: Mapping[str, BlockCounts]) -> tuple[float, str]:
     return worst, where
 
 
-def _layers(stats: BlockStats, fmt: str, family: str, recipe: str,
+def _layers(stats: BlockStats, fmt: ScaledFormat, recipe: str,
             delayed: DelayedRecipe | None) -> dict[str, tuple[str, dict[str, BlockCounts]]]:
     layers: dict[str, tuple[str, dict[str, BlockCounts]]] = {}
     for t in stats.tensors:
         entry = layers.setdefault(t.module, (t.type, {}))
-        entry[1].update(_reads(t, fmt, family, recipe, delayed))
+        entry[1].update(_reads(t, fmt, recipe, delayed))
     return layers
 
 
-# The loss a layer may take: 0.1% as for fp16 (the project's max_flushed_fraction); for NVFP4 10%,
-# since E2M1 flushes what lies more than log2(6 / 0.25) = 4.6 binades below its block's max: a
-# block of 16 Gaussian values loses about 6-7% by design, and the NVFP4 paper trains with that.
-THRESHOLDS = {"fp8": 1e-3, "mx": 1e-3, "nvfp4": 0.1}
+# The loss a layer may take, per family (see :data:`fp16probe.formats.FAMILIES`): a view of the registry.
+THRESHOLDS = {name: f.threshold for name, f in FAMILIES.items()}
 
 
-def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
+def advise(stats: BlockStats, format: str | ScaledFormat, recipe: str | None = None, *,
            threshold: float | None = None) -> BlockAdvice:
     """Per layer, what ``format`` loses under ``recipe`` (default: TE's), which recipe keeps every layer's
-    loss at or under ``threshold`` (a share of nonzero values; default :data:`THRESHOLDS`), and which
+    loss at or under ``threshold`` (a share of nonzero values; default: the family's), and which
     layers to keep in bf16."""
-    if format not in BLOCK_FORMATS:
-        raise AnalysisError(f"format {format!r} is not a scaled format: expected one of {', '.join(BLOCK_FORMATS)}")
-    family = BLOCK_FORMATS[format]["family"]
+    fmt = get_scaled(format)
+    if fmt is None:
+        raise AnalysisError(f"format {format!r} is not a scaled format: expected one of {', '.join(SCALED_FORMATS)}")
+    format, family = fmt.name, fmt.family.name
     if family not in stats.families:
         raise AnalysisError(f"this report's block statistics cover {', '.join(stats.families) or 'nothing'}, "
                             f"not {family}: profile again with --format {format}")
-    name, delayed = parse_recipe(family, recipe)
+    name, delayed = parse_recipe(fmt.family, recipe)
     if threshold is None:
-        threshold = THRESHOLDS[family]
-    candidates = list(RECIPES[family])
-    per_recipe = {r: _layers(stats, format, family, r, delayed if r == "delayed" else None) for r in candidates}
-    if family == "fp8" and delayed is not None and not any(rc == delayed for t in stats.tensors for rc, _, _ in t.delayed):
+        threshold = fmt.family.threshold
+    candidates = list(fmt.family.recipes)
+    per_recipe = {r: _layers(stats, fmt, r, delayed if r == "delayed" else None) for r in candidates}
+    if delayed is not None and not any(rc == delayed for t in stats.tensors for rc, _, _ in t.delayed):
         raise AnalysisError(f"delayed scaling {delayed.to_dict()} was not captured live; profile with "
                             f"--recipe delayed:{delayed.history_len}:{delayed.margin}:{delayed.algo}")
     chosen = per_recipe[name]
@@ -242,7 +254,7 @@ def advise(stats: BlockStats, format: str, recipe: str | None = None, *,
 def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> tuple[list[float], list[int]]:
     """Replay TE's delayed scaling over a tensor's amax trace: the scale of each step, and the steps whose
     amax exceeds what that scale can hold (some values saturate there)."""
-    from fp16probe.blockscale import ELEMENTS
+    from fp16probe.formats import ELEMENTS
 
     scales = delayed_scales(t.amax_trace, element, history_len=recipe.history_len, margin=recipe.margin,
                             algo=recipe.algo)
@@ -253,8 +265,8 @@ def delayed_replay(t: TensorBlockStats, element: str, recipe: DelayedRecipe) -> 
 
 def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecipe | None = None) -> str:
     """TransformerEngine code for the recipe: the recipe object and the modules to keep in bf16."""
-    fmt = "Format.HYBRID" if BLOCK_FORMATS[format]["element"] == "e5m2" else "Format.E4M3"
-    family = BLOCK_FORMATS[format]["family"]
+    fmt = "Format.HYBRID" if SCALED_FORMATS[format].element.name == "e5m2" else "Format.E4M3"
+    family = SCALED_FORMATS[format].family.name
     if family == "fp8":
         if recipe == "delayed":
             d = delayed or DelayedRecipe()
@@ -284,7 +296,7 @@ def te_code(format: str, recipe: str, keep: Sequence[str], delayed: DelayedRecip
 
 def torchao_code(format: str, recipe: str, keep: Sequence[str]) -> str:
     """torchao code for the recipe, leaving the ``keep`` modules in high precision."""
-    family = BLOCK_FORMATS[format]["family"]
+    family = SCALED_FORMATS[format].family.name
     # One name a line: the code stays within 80 columns however many layers are kept.
     keep_line = ("KEEP = {\n" + "".join(f"    {name!r},\n" for name in sorted(set(keep))) + "}") if keep else "KEEP = set()"
     keep_fn = ["def fp8_linear(m, fqn):", "    return isinstance(m, torch.nn.Linear) and fqn not in KEEP"]

@@ -36,7 +36,7 @@ FP32_LOG2_MAX = 127
 
 def largest_safe_log2_scale(fmt: str | Format, max_abs: float) -> int | None:
     """Return the largest k with ``max_abs * 2^k`` still below the format's overflow threshold."""
-    fmt = get_format(fmt)
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
     if not max_abs > 0.0 or not math.isfinite(max_abs):
         return None
     k = math.floor(math.log2(fmt.overflow_threshold) - math.log2(max_abs))

@@ -1,9 +1,8 @@
 """The forward pass and the loss of the target fp16 run: what no loss scale fixes.
 
-Pure functions over ``metadata.extra["forward"]`` (written by
-:class:`fp16probe.capture.forward.ForwardAudit` during a profile) and
-``metadata.extra["forward_max"]`` (the Probe's own per-module maxima of forward outputs,
-in any training loop). They answer, for one target (the device whose autocast rules apply):
+Pure functions over the report's ``forward`` section: its audit (written by
+:class:`fp16probe.capture.forward.ForwardAudit` during a profile), else the Probe's own
+per-module maxima of forward outputs (in any training loop). They answer, for one target (the device whose autocast rules apply):
 
 * does some tensor that is fp16 there pass fp16's max in forward (it becomes inf, the loss
   NaN, at every loss scale), and which comes first in the forward order;
@@ -94,8 +93,7 @@ def target_device(report: Report, target: str | None = None) -> str:
     """The target device: as asked, else as the profile recorded, else CUDA (where fp16 training runs)."""
     if target:
         return target
-    got = report.metadata.extra.get("target")
-    return str(got) if isinstance(got, str) and got else "cuda"
+    return report.metadata.target or "cuda"
 
 
 def _num(v: Any) -> float | None:
@@ -121,8 +119,10 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
                      low_headroom_bits: float = LOW_HEADROOM_BITS) -> ForwardFindings | None:
     """Read the forward measurements for ``target``; None when the report holds none."""
     tgt = target_device(report, target)
-    extra = report.metadata.extra
-    audit = extra.get("forward")
+    section = report.forward
+    if section is None:
+        return None
+    audit = section.audit
     rows: list[TensorFinding] = []
     if isinstance(audit, Mapping) and isinstance(audit.get("tensors"), Sequence):
         source, regime = "audit", str(audit.get("regime", "autocast"))
@@ -143,19 +143,18 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
         loss_fp16: bool | None = tgt in (audit.get("loss_fp16_on") or ())
         custom = tuple(str(c) for c in audit.get("custom_functions") or ())
     else:
-        fm = extra.get("forward_max")
-        if not isinstance(fm, Mapping) or not isinstance(fm.get("modules"), Mapping):
+        if not section.module_max:
             return None
-        source, regime, loss_fp16, custom = "modules", str(fm.get("regime", "autocast")), None, ()
+        source, regime, loss_fp16, custom = "modules", report.metadata.regime, None, ()
         if target is None and "fp16" in str(report.metadata.precision):  # values seen in a real fp16 run
             tgt = str(report.metadata.device).split(":")[0] or tgt
         steps = list(report.trace.steps)
-        for name, v in fm["modules"].items():
-            m = _num(v)
-            over = m is not None and (math.isinf(m) or m >= _FP16.overflow_threshold)
-            rows.append(TensorFinding(name=str(name), module=str(name), op="output", role="module_output",
+        for name, m in section.module_max.items():
+            over = math.isinf(m) or m >= _FP16.overflow_threshold
+            first = section.first_overflow_step.get(name, int(steps[0]) if steps else 0)
+            rows.append(TensorFinding(name=name, module=name, op="output", role="module_output",
                                       max_abs=m, headroom_bits=_headroom(m), nonzero=0, flushed=0, subnormal=0,
-                                      first_overflow_step=_first_step(fm, str(name), steps) if over else None))
+                                      first_overflow_step=first if over else None))
     overflowing = tuple(r for r in rows if r.overflows)
     low = tuple(sorted((r for r in rows if not r.overflows and r.headroom_bits is not None
                         and r.headroom_bits < low_headroom_bits), key=lambda r: r.headroom_bits or 0.0))
@@ -169,9 +168,3 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
     return ForwardFindings(target=tgt, regime=regime, source=source, overflowing=overflowing, low_headroom=low,
                            flushing=flushing, loss_fp16=loss_fp16, custom_functions=custom, tensors=len(rows))
 
-
-def _first_step(fm: Mapping[str, Any], name: str, steps: Sequence[int]) -> int:
-    first = fm.get("first_overflow_step")
-    if isinstance(first, Mapping) and isinstance(first.get(name), int):
-        return int(first[name])
-    return int(steps[0]) if steps else 0

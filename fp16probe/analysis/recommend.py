@@ -46,6 +46,7 @@ from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
 from fp16probe.histogram import Histogram
+from fp16probe.sections import CaptureNotes
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
 from fp16probe.report import ACTIVATION_GRAD, Report
 
@@ -151,7 +152,7 @@ def analyze(
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
     format, kind = target_of(report, format, kind)
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
         return shadow.checked_scale(report, shadow.with_reference(report, analyze(
@@ -312,12 +313,13 @@ def _caveats(report: Report, m: _Measured) -> tuple[Caveat, ...]:
         others = [k for k in GRAD_KINDS if k not in m.kinds and report.histogram(k).total]
         if others:
             out.append(Caveat("narrowed_kind", {"kind": m.kind, "others": others}))
-    gradient_free = set(md.extra.get("gradient_free_modules") or ())  # no finding: see Probe._silent_modules
-    silent = list(md.extra.get("unrecorded_modules") or ()) or [
+    notes = report.capture or CaptureNotes()
+    gradient_free = set(notes.gradient_free_modules)  # no finding: see ModuleHooks.silent_modules
+    silent = list(notes.unrecorded_modules) or [
         x.name for x in report.modules_of(ACTIVATION_GRAD) if x.histogram.total == 0 and x.name not in gradient_free]
     if silent and md.steps_seen:
         out.append(Caveat("silent_modules", {"count": len(silent), "modules": silent[:5]}))
-    fp32_ops = list(md.extra.get("autocast_fp32_ops") or ())
+    fp32_ops = list(notes.autocast_fp32_ops)
     if fp32_ops:
         out.append(Caveat("autocast_fp32_ops", {"count": len(fp32_ops), "ops": fp32_ops[:5]}))
     if md.partial:

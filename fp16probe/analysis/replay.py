@@ -314,7 +314,7 @@ def simulate(
     the flush threshold at that scale. This assumes future steps look like the profiled
     ones; a profile cannot see the drift that training brings.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     overrides: dict[str, float] = {}
     if hysteresis is not None:
         overrides["hysteresis"] = hysteresis
@@ -451,7 +451,7 @@ def score_growth_intervals(
     rows come from the rule, not from the luck of the draw. The row for 2000 is marked as
     GradScaler's default, which is what it is.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     cands = sorted({int(c) for c in candidates})
     if not cands or cands[0] < 1:
         raise AnalysisError(f"growth_interval candidates must be positive integers, got {list(candidates)!r}")

@@ -275,12 +275,12 @@ def judge_schedules(
             "(Probe(model, scaler=scaler), probe.step() every optimizer step) and fp16probe 0.x or later")
     if not 0.0 <= max_flushed_fraction < 1.0:
         raise AnalysisError(f"max_flushed_fraction must be in [0, 1), got {max_flushed_fraction!r}: e.g. 1e-3 for 0.1%")
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     refs, ref_words = _flush_refs(report, kind)
     steps = _arrays(history, refs)
     first = next((s for s in history.scale if s is not None), None)
     init_scale = first if first is not None else float(GRADSCALER_DEFAULTS["init_scale"])
-    settings = report.metadata.extra.get("scaler_settings")
+    settings = None if report.capture is None else report.capture.scaler_settings
     run = settings if isinstance(settings, Mapping) and first is not None else None
     chosen = list(rules) if rules is not None else candidate_rules(run, init_scale)
     rows: list[ScheduleRow] = []

@@ -81,11 +81,12 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
     shadow = report.shadow
     assert shadow is not None
     steps = list(shadow.trace.steps)
-    meta = dict(report.metadata.extra.get("shadow") or {})
+    runs = report.shadow_runs
+    next_step = None if runs is None else runs.next_step
     ev = dict(rec.evidence)
     ev["reference"] = "fp32 shadow reruns of the live run"
     ev["shadow_steps"] = steps
-    ev["shadow_next_step"] = meta.get("next_step")
+    ev["shadow_next_step"] = next_step
     split = zero_split(report, kind)
     words = (f"Judged on {len(steps)} fp32 rerun(s) of this run's own steps ({_steps_words(steps)}): the same "
              f"batch, weights and random state in fp32, the reference for the live {report.metadata.precision} "
@@ -98,7 +99,7 @@ def with_reference(report: Report, rec: Recommendation, kind: str = "all") -> Re
                   f"{count(split['structural_zero_values'])} are zero in fp32 too (structural) and "
                   f"{count(split['flushed_in_live_run'])} flushed at the scale in force "
                   f"({percent(split['flushed_fraction_in_live_run'])} of the nonzero values).")
-    caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": meta.get("next_step")}),)
+    caveats = rec.caveats + (Caveat("rerun_steps", {"count": len(steps), "next_step": next_step}),)
     discarded = discarded_reruns(report)
     if discarded:
         caveats += (Caveat("reruns_discarded", {"count": len(discarded), "first": discarded[0]}),)
@@ -129,18 +130,16 @@ def _one_answer(report: Report, rec: Recommendation, kind: str) -> dict[str, Any
 
 def discarded_reruns(report: Report) -> list[dict[str, Any]]:
     """The reruns thrown away because they did not run in fp32 (step, module, dtype each)."""
-    meta = report.metadata.extra.get("shadow")
-    found = meta.get("discarded") if isinstance(meta, dict) else None
-    return [d for d in found if isinstance(d, dict)] if isinstance(found, list) else []
+    return [] if report.shadow_runs is None else [dict(d) for d in report.shadow_runs.discarded]
 
 
 def pending_words(report: Report) -> str:
     """For a live fp16/bf16 report with no shadow yet: why, and when one comes ("" when not applicable)."""
-    meta = report.metadata.extra.get("shadow")
-    if not isinstance(meta, dict) or report.shadow is not None or run_format(str(report.metadata.precision)) is None:
+    runs = report.shadow_runs
+    if runs is None or report.shadow is not None or run_format(str(report.metadata.precision)) is None:
         return ""
-    if meta.get("off"):
-        return f" No fp32 shadow rerun could run: {meta['off']}."
+    if runs.off:
+        return f" No fp32 shadow rerun could run: {runs.off}."
     discarded = discarded_reruns(report)
     if discarded:
         d = discarded[0]
@@ -148,9 +147,9 @@ def pending_words(report: Report) -> str:
                 f"{d['step']}, {d['module']} returned {d['dtype']} with every autocast disabled; something in the "
                 "forward casts to low precision itself), so there is no fp32 reference for this run; profile it in "
                 "fp32 with fp16probe.profile.")
-    nxt = meta.get("next_step")
+    nxt = runs.next_step
     when = f"the first comes at step {nxt}" if nxt is not None else "none is scheduled"
-    return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={meta.get('every')}); the report after "
+    return (f" No fp32 shadow rerun has run yet ({when}, shadow_every={runs.every}); the report after "
             "it carries a verdict.")
 
 

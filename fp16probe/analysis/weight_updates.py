@@ -115,7 +115,7 @@ def weight_update_loss(
     ``.grad`` (a Module is required then); parameters without a gradient are left out.
     This reads tensors (one host sync per parameter); call it outside the training loop.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     named: dict[str, torch.Tensor]
     if isinstance(weights, torch.nn.Module):
         named = {n: p for n, p in weights.named_parameters() if p.requires_grad}

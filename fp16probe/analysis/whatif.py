@@ -167,7 +167,7 @@ def what_if(
     ``analyze``'s largest safe scale. Per module, it counts the steps in which the module's
     largest finite value overflows; a module whose histogram holds inf/NaN counts at least one.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     kinds = kinds_of(kind)
     scales = [int(k) for k in log2_scales]
     hist = merged(report, kinds)
@@ -226,7 +226,7 @@ def worst_modules(
     Ties go to the module with more flushed values, then to the earlier one in forward
     order, then by name. Modules where nothing flushes are left out.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     ranked = []
     for kd in kinds_of(kind):
         for m in report.modules_of(kd):

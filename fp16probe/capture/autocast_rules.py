@@ -22,9 +22,10 @@ the suite checks the CPU answers against CPU autocast.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "CPU_FP32_OPS",
     "REGIMES",
     "TARGETS",
+    "around_autocast",
     "cast_is_low",
     "compare_with_device",
     "op_name",
@@ -335,3 +337,24 @@ def _check_case(name: str, run: Callable[[Callable[..., torch.Tensor]], Any], de
         run(stand_in)
     predicted = recorded[-1] if recorded else None
     return {"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got}
+
+
+@contextlib.contextmanager
+def around_autocast(enter: Callable[..., Any] | None = None, exit: Callable[..., Any] | None = None) -> Iterator[None]:
+    """Wrap ``torch.autocast``'s ``__enter__`` (``enter(original, ctx)``) and ``__exit__``
+    (``exit(original, ctx, *exc)``) while the block runs; the originals come back after.
+
+    The one place the package patches autocast (its subclasses and its decorator form go through
+    these two methods): the forward audit notes the contexts entered, the fp32 rerun enters each disabled.
+    The patch is on the class, so it holds for the process while the block runs.
+    """
+    cls = torch.amp.autocast_mode.autocast
+    original_enter, original_exit = cls.__enter__, cls.__exit__
+    if enter is not None:
+        cls.__enter__ = lambda ctx: enter(original_enter, ctx)  # type: ignore[method-assign]
+    if exit is not None:
+        cls.__exit__ = lambda ctx, *exc: exit(original_exit, ctx, *exc)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = original_enter, original_exit  # type: ignore[method-assign]

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.blockscale import BLOCK_KINDS, ELEMENTS, FAMILIES, RELATIVE_BINS, DelayedRecipe
+from fp16probe.blockscale import BLOCK_KINDS, ELEMENTS, FAMILIES, RELATIVE_BINS, BlockStats, DelayedRecipe
 from fp16probe.capture import blockstats
+from fp16probe.capture.collector import Collected, Collector
 
 __all__ = ["BlockCapture", "layouts_for"]
 
@@ -67,7 +68,7 @@ class _Slot:
         self.calls = 0
 
 
-class BlockCapture:
+class BlockCapture(Collector):
     """Hooks that count scaled-format statistics for the Linear-like modules of ``model``.
 
     ``families`` picks what is counted: ``"mx"`` (MXFP8 blocks of 32, rows and columns),
@@ -78,6 +79,8 @@ class BlockCapture:
     ``sampling`` says whether the current step is recorded; ``inv_scale(device)`` returns the
     loss scale's inverse (or None) so scaled gradients are counted unscaled.
     """
+
+    key = "blocks"
 
     def __init__(self, model: nn.Module, families: Iterable[str], *, modules: Sequence[str] = (),
                  delayed: Sequence[DelayedRecipe] = (DelayedRecipe(),),
@@ -198,7 +201,7 @@ class BlockCapture:
                 slot.nvfp4[i] += counts
                 slot.sr[i] += sr
 
-    def close_step(self) -> None:
+    def close_step(self, sampled: bool = True) -> None:
         """End a step: each tensor's amax joins its trace and its delayed-scaling windows."""
         if not self._step_has_data:
             return
@@ -213,8 +216,12 @@ class BlockCapture:
             slot.step_amax = None
 
     # -- report --------------------------------------------------------------------
-    def collect(self) -> dict[str, Any]:
-        """Bring the counts to the host (one transfer per tensor): the report's ``block_formats`` JSON.
+    def collect(self, got: Collected | None = None) -> dict[str, Any]:
+        """The report's ``blocks`` section (see :meth:`counts`)."""
+        return {"blocks": BlockStats.from_dict(self.counts())}
+
+    def counts(self) -> dict[str, Any]:
+        """Bring the counts to the host (one transfer per tensor), as the JSON of :class:`BlockStats`.
 
         A step still open is included in the counts and, as its own entry, in the trace.
         This synchronises with the device.

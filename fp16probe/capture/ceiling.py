@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+
 __all__ = ["CAST_VIEW", "CHANNEL", "COVERED", "FP32_ONLY", "CeilingHooks", "mark_covered", "mark_node_covered",
            "step_ceilings"]
 
@@ -588,3 +589,4 @@ def step_ceilings(
     for nodes, hist, inf in zip(node_max, step_max, found_inf):
         out.append(math.inf if inf or not math.isfinite(nodes) else max(nodes, hist))
     return tuple(out)
+

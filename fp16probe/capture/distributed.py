@@ -171,7 +171,7 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
     # Nothing on every rank is no evidence of replication (FSDP2 once lost every weight
     # gradient and the merge called the empty reports identical).
     any_values = any(m.histogram.total > 0 for w in weights for m in w.modules)
-    sharded = any(rep.metadata.extra.get("weight_grad_sharding") == "sharded" for rep in reports)
+    sharded = any(rep.capture is not None and rep.capture.weight_grads_sharded for rep in reports)
     identical: bool | None = (
         all(_weight_view(w) == _weight_view(weights[0]) for w in weights[1:]) if any_values else None
     )
@@ -206,9 +206,7 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
     extra = dict(first.extra)
     extra["weight_grad_merge"] = how
     extra["weight_grads_identical_across_ranks"] = identical
-    errors = sum(int(rep.metadata.extra.get("hook_errors", 0)) for rep in reports)
-    if errors:
-        extra["hook_errors"] = errors
+    errors = sum(rep.capture.hook_errors for rep in reports if rep.capture is not None)
     metadata = replace(
         local.metadata,
         world_size=sum(rep.metadata.world_size for rep in reports),
@@ -216,8 +214,12 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
         extra=extra,
     )
     modules = tuple(m for m in local.modules) + tuple(m for m in weight.modules)
+    # The other sections as rank 0 saw them, its capture notes with every rank's hook errors.
+    head = reports[0]
+    capture = None if head.capture is None else replace(head.capture, hook_errors=errors)
     return Report(metadata=metadata, modules=modules, trace=trace,
-                  history=merge_histories([rep.history for rep in reports]))
+                  history=merge_histories([rep.history for rep in reports]), forward=head.forward,
+                  blocks=head.blocks, shadow_runs=head.shadow_runs, capture=capture, sections=head.sections)
 
 
 def _only(report: Report, *, keep_weight: bool) -> Report:

@@ -21,7 +21,7 @@ sentinels the fp32 run holds as well: they are left out of the maximum and of th
 ``"<module>/<op>:in"`` for casts into a lowered op (role ``input``) and for fp16 tensors a
 module takes in from another module (role ``consumer``: the same values as their producer's,
 named so that a fix knows which modules consume an overflowing tensor). Everything comes to the host in
-:meth:`ForwardAudit.result`, as JSON for ``metadata.extra["forward"]``.
+:meth:`ForwardAudit.result`, as JSON for the report's ``forward.audit``.
 
 It also finds custom ``torch.autograd.Function`` nodes in the graph: their backward is
 opaque to the overflow ceiling (only what flows in and out of them is seen).
@@ -30,6 +30,7 @@ opaque to the overflow ceiling (only what flows in and out of them is seen).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -39,10 +40,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.autocast_rules import (CAST_OPS, REGIMES, TARGETS, around_autocast, cast_is_low, op_name,
+                                              output_is_low)
+from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.formats import get_format
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
+from fp16probe.sections import ForwardSection
 
 __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
 
@@ -99,34 +103,35 @@ def _watch_autocast(frames: list[tuple[str, bool]]) -> Iterator[None]:
     ``torch.autocast`` (its subclasses and its decorator form go through these two methods) is
     noted instead: ``(device_type, enabled)``, innermost last.
     """
-    cls = torch.amp.autocast_mode.autocast
-    enter, leave = cls.__enter__, cls.__exit__
     thread = threading.get_ident()
     entered: set[int] = set()
 
-    def watched_enter(ctx: Any) -> Any:
+    def watched_enter(enter: Any, ctx: Any) -> Any:
         got = enter(ctx)
         if threading.get_ident() == thread:
             frames.append((str(ctx.device), bool(ctx._enabled)))
             entered.add(id(ctx))
         return got
 
-    def watched_exit(ctx: Any, *exc: Any) -> Any:
+    def watched_exit(leave: Any, ctx: Any, *exc: Any) -> Any:
         if id(ctx) in entered and frames:
             entered.discard(id(ctx))
             frames.pop()
         return leave(ctx, *exc)
 
-    cls.__enter__, cls.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
     try:
-        yield
+        with around_autocast(watched_enter, watched_exit):
+            yield
     finally:
-        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
         frames.clear()
 
 
-class ForwardAudit:
+class ForwardAudit(Collector):
     """Measure what the target fp16 run computes in forward; see the module docstring.
+
+    A collector (:meth:`fp16probe.capture.probe.Probe.add`): its result joins the report's
+    ``forward`` section as ``audit``. The caller enters :meth:`step` around each step's forward
+    and loss, and hands it the loss (:meth:`note_loss`).
 
     Args:
         model: the module whose forward is audited (names come from its ``named_modules``).
@@ -134,6 +139,8 @@ class ForwardAudit:
             converted with ``.half()``: every tensor fp16 unless explicitly cast up).
         targets: the devices whose autocast rules to apply (``"cuda"``, ``"cpu"``).
     """
+
+    key = "forward_audit"
 
     def __init__(self, model: nn.Module, *, regime: str = "autocast", targets: Sequence[str] = TARGETS) -> None:
         if regime not in REGIMES:
@@ -319,8 +326,13 @@ class ForwardAudit:
         entry.steps[self.step_index] = (amax, stats)
 
     # -- results ----------------------------------------------------------------------------
+    def collect(self, got: Collected) -> dict[str, Any]:
+        """The ``forward`` section with this audit in it."""
+        forward = got.sections.get("forward") or ForwardSection()
+        return {"forward": dataclasses.replace(forward, audit=self.result())}
+
     def result(self) -> dict[str, Any]:
-        """Bring everything to the host (one transfer) as the JSON of ``metadata.extra["forward"]``."""
+        """Bring everything to the host (one transfer) as the JSON of the report's ``forward.audit``."""
         entries = sorted(self.entries.values(), key=lambda e: e.order)
         flat_max: list[torch.Tensor] = []
         flat_stats: list[torch.Tensor] = []

@@ -18,13 +18,15 @@ device memory. It comes to the host in :meth:`History.collect`, with the report.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fp16probe.capture import distributed as _distributed
 from fp16probe.capture import engine
+from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.recorder import FORWARD
 from fp16probe.report import StepHistory, StepTrace
 
 __all__ = ["History"]
@@ -33,11 +35,14 @@ _FIRST_CAPACITY = 1024
 _TRIGGERS = 16  # parameters whose gradient accumulation queues the end-of-backward read
 
 
-class History:
+class History(Collector):
     """Per-step scale, found_inf and largest gradient, kept on the device (see the module docstring)."""
 
-    def __init__(self, recorder: Any) -> None:
-        self.recorder = recorder
+    key = "history"
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.recorder = probe.recorder
         self._params: list[torch.Tensor] = []
         self._handles: list[Any] = []
         self._buf: torch.Tensor | None = None  # [capacity, 3] float32: scale, grad_max, forward_max
@@ -46,8 +51,8 @@ class History:
         self._start_step = 0
 
     # -- hooks ----------------------------------------------------------------------------
-    def attach(self, params: Sequence[torch.Tensor]) -> None:
-        """Hook the gradient accumulation of a few parameters spread over ``params``; the first to
+    def start(self) -> None:
+        """Hook the gradient accumulation of a few of the probed parameters; the first to
         fire in a backward queues the read, which reads every parameter's gradient.
 
         A hook per parameter would cost a Python call per parameter and step (0.8 ms a step
@@ -57,14 +62,14 @@ class History:
         """
         if self._handles:
             return
-        self._params = list(params)
+        self._params = [p for _, _, p in self.probe.collector("modules").params]
         self._start_step = self.recorder.step_index if self._buf is None else self._start_step
         n = len(self._params)
         picks = sorted({round(k * (n - 1) / (_TRIGGERS - 1)) for k in range(_TRIGGERS)}) if n > _TRIGGERS else range(n)
         for k in picks:
             self._handles.append(self._params[k].register_post_accumulate_grad_hook(self._grad_ready))
 
-    def detach(self) -> None:
+    def stop(self) -> None:
         """Remove the hooks; what was recorded stays."""
         for h in self._handles:
             h.remove()
@@ -141,7 +146,7 @@ class History:
             buf = self._buf = grown
         return buf[i]
 
-    def close_step(self) -> None:
+    def close_step(self, sampled: bool = True) -> None:
         """A step ended (nothing to do on the device: the row was written at the end of backward)."""
         self._queued_for = -1
 
@@ -159,8 +164,17 @@ class History:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     # -- to the host --------------------------------------------------------------------------
-    def collect(self, trace: StepTrace, since_step: int | None = None,
-                forward: Sequence[float] | None = None) -> StepHistory | None:
+    def collect(self, got: Collected) -> Mapping[str, Any]:
+        """The ``history`` section (the sampled steps' ceilings and forward maxima folded in); the
+        live GradScaler's settings go to the capture notes."""
+        settings = self.scaler_settings(self.probe.scaler)
+        if settings:
+            got.notes["scaler_settings"] = settings
+        history = self.steps(got.trace, got.since_step, got.maxima.get(FORWARD))
+        return {} if history is None else {"history": history}
+
+    def steps(self, trace: StepTrace, since_step: int | None = None,
+              forward: Sequence[float] | None = None) -> StepHistory | None:
         """Bring the history to the host (one transfer); fold in the sampled steps' ceilings.
 
         ``since_step``: only the steps from that one on. ``forward``: the largest forward

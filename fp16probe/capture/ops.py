@@ -25,7 +25,7 @@ out means autocast lowers it), and dtypes flow through the other ops by type pro
 and explicit casts. An op whose output would be fp32 and whose every consumer computes in
 fp32 (no lowered op, no cast) never holds an fp16 gradient: it is left out of the
 histograms and the overflow ceiling, and named in the report
-(``metadata.extra["autocast_fp32_ops"]``). When the profile itself runs under autocast the
+(the report's ``capture.autocast_fp32_ops``). When the profile itself runs under autocast the
 real dtypes are used.
 
 This is capture plumbing for :class:`fp16probe.capture.probe.Probe` (``granularity="op"``):
@@ -35,6 +35,7 @@ it names the ops and hands their outputs to the recorder through its public inte
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
@@ -434,3 +436,40 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
     handles.append(model.register_forward_hook(root_post, always_call=True))
     handles.append(mode)  # its remove() leaves the mode if an interrupted forward left it on
     return handles
+
+
+class OpRecording(Collector):
+    """Op granularity as a collector: every differentiable op's output gradient inside the selected modules."""
+
+    key = "ops"
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.capture = new_capture(probe.recorder, True, probe.target)
+
+    def sample(self, handles: list[Any]) -> None:
+        """Run the mode over this step's forward."""
+        handles.extend(attach(self.probe.model, self.probe.hooked, self.probe.recorder, capture=self.capture))
+
+    def close_step(self, sampled: bool) -> None:
+        """Leave the mode if a forward was cut short."""
+        self.capture.reset()
+
+    def discard_step(self) -> None:
+        """Leave the mode if a forward was cut short."""
+        self.capture.reset()
+
+    def collect(self, got: Collected) -> dict[str, Any]:
+        """Drop the rows of gradients that autocast kept in fp32 (made at forward time, never filled), and note them."""
+        fp32_rows = self.capture.autocast_fp32_rows
+        if not fp32_rows:
+            return {}
+        got.notes["autocast_fp32_ops"] = tuple(fp32_rows)
+        drop = {m.name for m in got.modules if m.kind == ACTIVATION_GRAD and m.name in fp32_rows
+                and m.histogram.total == 0}
+        got.modules = tuple(m for m in got.modules if not (m.kind == ACTIVATION_GRAD and m.name in drop))
+        module_max = dict(got.trace.module_max)
+        if ACTIVATION_GRAD in module_max:
+            module_max[ACTIVATION_GRAD] = {n: v for n, v in module_max[ACTIVATION_GRAD].items() if n not in drop}
+        got.trace = dataclasses.replace(got.trace, module_max=module_max)
+        return {}

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fp16probe.capture import distributed as _distributed
+from fp16probe.errors import message_of
 from fp16probe.capture import engine
 from fp16probe.capture.ceiling import CHANNEL, mark_node_covered
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
@@ -537,7 +538,7 @@ class Recorder:
         """Count a failed hook; warn once, with the first failure's message."""
         self.errors += 1
         if self.first_error is None:
-            self.first_error = f"{type(e).__name__}: {e}"
+            self.first_error = f"{type(e).__name__}: {message_of(e)}"
             warnings.warn(
                 f"fp16probe: a hook failed and was skipped ({self.first_error}); training goes on",
                 RuntimeWarning,

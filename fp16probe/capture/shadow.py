@@ -32,6 +32,7 @@ autocast itself) and returns the loss; the Probe calls it only on shadowed steps
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -40,10 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.capture.autocast_rules import around_autocast
+from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.recorder import iter_tensors
+from fp16probe.sections import ShadowRuns
 
-__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "autocast_off", "forward_autocast", "loss_of",
-           "shadow_due"]
+__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "ShadowReruns", "autocast_off", "forward_autocast",
+           "loss_of", "shadow_due"]
 
 DEFAULT_SHADOW_EVERY = 50
 # Sampled steps shadowed before the regular schedule starts, so a short run has a reference
@@ -120,22 +124,16 @@ def autocast_off() -> Iterator[None]:
     the autocast class, so it holds for the process while the block runs (a rerun, on the
     training thread) and is undone after.
     """
-    cls = torch.amp.autocast_mode.autocast
-    enter = cls.__enter__
-
-    def disabled_enter(self: Any) -> Any:
-        saved = self._enabled
-        self._enabled = False
+    def disabled_enter(enter: Any, ctx: Any) -> Any:
+        saved = ctx._enabled
+        ctx._enabled = False
         try:
-            return enter(self)
+            return enter(ctx)
         finally:
-            self._enabled = saved
+            ctx._enabled = saved
 
-    cls.__enter__ = disabled_enter  # type: ignore[method-assign]
-    try:
+    with around_autocast(disabled_enter):
         yield
-    finally:
-        cls.__enter__ = enter  # type: ignore[method-assign]
 
 
 class _DtypeCheck:
@@ -290,8 +288,8 @@ class Shadow:
                 finally:
                     if recorded:
                         self.probe.step()
-                    else:
-                        self.probe.discard_step()
+                    else:  # a replay that found no loss recorded only its forward: drop it, or the
+                        self.probe.discard_step()  # reference would hold a step no rerun is listed for
                     self.probe.stop()
         finally:
             for p, g in zip(params, grads):
@@ -343,3 +341,49 @@ def _device_of(args: Any, kwargs: Any, model: nn.Module) -> torch.device:
         return t.device
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+class ShadowReruns(Collector):
+    """The fp32 reruns as a collector: the ``shadow`` section (their statistics) and ``shadow_runs`` (schedule, cost)."""
+
+    key = "shadow"
+
+    def __init__(self, probe: Any, every: int) -> None:
+        o = probe.options
+        reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
+                                activation_grads=o["activation_grads"], weight_grads=o["weight_grads"],
+                                activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
+                                target=probe.target, shadow_every=0, history=False)
+        self.live = probe.recorder
+        self.shadow = Shadow(probe.model, reference, every, probe.recorder)
+
+    def start(self) -> None:
+        """Watch the model's forward calls (not under torch.distributed: a rerun would run DDP's collectives)."""
+        if not self.live.defer_to_ddp:
+            self.shadow.attach()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self.shadow.detach()
+
+    def close_step(self, sampled: bool) -> None:
+        """Count the step when it was sampled."""
+        self.shadow.close_step(sampled)
+
+    def collect(self, got: Collected) -> dict[str, Any]:
+        """The reruns as a report of their own, their steps numbered as the live run's, and their schedule."""
+        sh = self.shadow
+        off = ("not under torch.distributed (a rerun would run DDP's collectives)" if self.live.defer_to_ddp
+               else sh.skipped)
+        cost = sh.cost()
+        out: dict[str, Any] = {"shadow_runs": ShadowRuns(every=sh.every, steps=tuple(sh.steps), count=cost["count"],
+                                                         seconds=cost["seconds"], clock=cost["clock"],
+                                                         next_step=sh.next_step(), off=off,
+                                                         discarded=tuple(dict(x) for x in sh.discarded))}
+        if sh.steps:
+            ref = sh.probe.report()
+            steps = tuple(sh.steps[: len(ref.trace)])
+            out["shadow"] = dataclasses.replace(
+                ref, trace=dataclasses.replace(ref.trace, steps=steps),
+                metadata=dataclasses.replace(ref.metadata, steps_total=len(steps), steps_seen=len(steps)))
+        return out

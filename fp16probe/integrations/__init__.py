@@ -63,12 +63,21 @@ class ProbeCallback:
         self.log_every, self.log_modules, self.trackers = log_every, log_modules, trackers
         self.live: Any = None
         self.extra: dict[str, Any] = {}  # what the report records of the run (the framework's settings)
+        self.guard: Any = None  # under torch.distributed: the ranks' guard (fp16probe.integrations.guard)
+        self.steps = 0  # optimizer steps this rank finished
+        self.folder: Path | None = None  # where the main process writes
+        self.trainer_name = ""
 
-    def _start(self, model: Any, scaler: Any, *, main: bool, step_offset: int, trackers: Any) -> None:
+    def _start(self, model: Any, scaler: Any, *, main: bool, step_offset: int, trackers: Any,
+               folder: str | Path, trainer: str) -> None:
         """Start the Probe; with ``log_every``, its live logger (``trackers(live)``: the framework's own,
-        from :mod:`fp16probe.integrations.live`, imported only then)."""
+        from :mod:`fp16probe.integrations.live`, imported only then). Under torch.distributed every
+        rank first joins the ranks' guard (a collective, which refuses models that differ)."""
         from fp16probe.capture.probe import Probe
+        from fp16probe.integrations.guard import rank_guard
 
+        self.folder, self.trainer_name, self.steps = Path(folder), trainer, 0
+        self.guard = rank_guard(model)
         self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
         if self.log_every:
             from fp16probe.integrations import live
@@ -81,8 +90,54 @@ class ProbeCallback:
         """Close the Probe's step (one per optimizer step) and log when it is time."""
         if self.probe is not None:
             self.probe.step()
+            self.steps += 1
             if self.live is not None:
                 self.live.step()
+
+    def _before_backward(self) -> None:
+        """Under torch.distributed: agree that every rank got here; raise the failing rank's error if one did not."""
+        if self.guard is not None and self.probe is not None:
+            self.guard.check(self.steps, self._settle)
+
+    def _failed(self, error: BaseException) -> None:
+        """This rank's training raised: under torch.distributed, stop every rank with it (rank 0 writes).
+
+        The failure the ranks settled on is added to ``error`` as a note (Python 3.11+).
+        """
+        if self.guard is None or self.probe is None:
+            return
+        settled = self.guard.failed(self.steps, error, self._settle)
+        if settled is not None and hasattr(error, "add_note"):
+            # The framework raises its own error (a collective's timeout, say); the note names the failing rank.
+            error.add_note(f"fp16probe: {settled}")
+
+    def _finish_ranks(self) -> None:
+        """At the end of training: agree that every rank finished; raise the failing rank's error if one did not."""
+        if self.guard is not None:
+            self.guard.check(self.steps, self._settle)
+            self.guard.close()
+
+    def _settle(self, error: BaseException | None, statuses: tuple[int, ...], finished: tuple[int, ...]) -> Any:
+        """A rank stopped: stop the Probe, and make and write the report of the steps every rank finished."""
+        from fp16probe.running.profile import conclude
+
+        self.live = None  # no final flush: it is a collective on the default group, which may be broken
+        probe, self.probe = self.probe, None
+        probe.discard_step()  # a step some rank did not finish is no step every rank finished
+        probe.stop()
+        self.guard.close()
+        meta = {"trainer": self.trainer_name, "global_step": self.steps, **self.extra}
+
+        def report(extra: dict[str, Any], group: Any) -> Any:
+            notes = [*meta.get("notes", ()), *extra.pop("notes", ())]
+            return conclude(probe, partial=True, extra={**meta, **extra, **({"notes": notes} if notes else {})},
+                            format=self.format, group=group)
+
+        def write(made: Any) -> Path:
+            self.report = write_outputs(made, self.folder or Path("."))
+            return (self.folder or Path(".")) / REPORT_NAME
+
+        return self.guard.settle(error, statuses, finished, done=self.steps, report=report, write=write)
 
     def _stop(self) -> Any:
         """Close the live logger (its last flush) and hand over the Probe, or None if none ran."""

@@ -118,7 +118,19 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
         self.extra = {"training_arguments": training_arguments(args), "loss_scaled": scaler is not None,
                       "grad_scaler_found_at": found_at if scaler is not None else None}
         self._start(model, scaler, main=state.is_world_process_zero, step_offset=state.global_step + 1,
-                    trackers=lambda live: live.hf_trackers(args))
+                    trackers=lambda live: live.hf_trackers(args), folder=self.output_dir or args.output_dir,
+                    trainer="transformers")
+        if self.guard is not None:
+            # The Trainer tells a callback of no failure: torch runs this hook even when the forward
+            # raises, so the failing rank joins the agreement from there (see fp16probe.integrations.guard).
+            self.guard.hook_forward(model, self._after_forward)
+
+    def _after_forward(self, error: BaseException | None) -> None:
+        """After each training forward (before backward): agree with the other ranks, or stop them with ``error``."""
+        if error is None:
+            self._before_backward()
+        else:
+            self._failed(error)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Close the Probe's step: one per optimizer step (after gradient accumulation)."""
@@ -126,6 +138,7 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Stop probing; merge ranks, analyse and write the report on the main process."""
+        self._finish_ranks()
         probe = self._stop()
         if probe is None:
             return

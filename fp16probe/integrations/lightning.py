@@ -14,6 +14,7 @@ the plugin's scaler and every histogram is of the unscaled gradients.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
                                            "gradient_clip_val": getattr(trainer, "gradient_clip_val", None)},
                       "loss_scaled": scaler is not None}
         self._start(pl_module, scaler, main=trainer.is_global_zero, step_offset=trainer.global_step + 1,
-                    trackers=lambda live: live.lightning_trackers(trainer))
+                    trackers=lambda live: live.lightning_trackers(trainer),
+                    folder=self.dirpath or trainer.default_root_dir, trainer="lightning")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one.
@@ -73,12 +75,17 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
         if self.probe is not None and getattr(pl_module, "automatic_optimization", True):
             self.probe.shadow(lambda: _quiet_training_step(pl_module, batch, batch_idx))
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """Under torch.distributed: agree with the other ranks before DDP's all-reduce (raises when one failed)."""
+        self._before_backward()
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """Close the Probe's step: one per optimizer step (after accumulation)."""
         self._step()  # once per optimizer step, after the (accumulated) backward passes of it
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         """Stop probing; merge ranks, analyse and write the report on global rank 0."""
+        self._finish_ranks()
         probe = self._stop()
         if probe is None:
             return
@@ -87,7 +94,14 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
                              format=self.format, extra=self.extra)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """Stop probing and remove every hook when training fails."""
+        """Stop probing and remove every hook when training fails; under torch.distributed, stop every rank
+        with this failure (rank 0 writes the report of the steps every rank finished)."""
+        try:
+            self._failed(exception)
+        except Exception as e:  # never mask the run's own failure with a bookkeeping one
+            warnings.warn(f"fp16probe could not settle the ranks after the failure: {e}", stacklevel=2)
+        if self.guard is not None:
+            self.guard.close()
         self.live = None  # no final flush: it is a collective, and the run is failing
         if self.probe is not None:
             self.probe.stop()

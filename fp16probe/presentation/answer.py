@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fp16probe import formatting as num
 from fp16probe.formatting import KIND_WORDS
+from fp16probe.presentation import escape
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.verification import Verification
@@ -58,6 +59,8 @@ VERDICT_WORDS = {
     Verdict.GRADIENT_ERROR: "rounding puts the gradients off fp32 (no loss scale fixes it)",
 }
 ELLIPSIS = "…"
+NOTES_SHOWN = 10  # notes a summary lists; "and N more notes" stands for the rest
+_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
 
 
@@ -90,6 +93,10 @@ def scaler_device(report: Report | None, requested: str | None = None) -> tuple[
     if requested:
         return requested, f"for {requested}, as asked"
     ran = report.metadata.device.split(":")[0] if report is not None else ""
+    if not _DEVICE_TYPE.fullmatch(ran):  # the device goes into code to paste: a plain name or nothing
+        ran = escape.text(ran) if ran else ""
+        where = f"; this report's device '{ran}' is not a device type" if ran else ""
+        return "cuda", f"for CUDA, where fp16 training runs{where}"
     if ran and ran != "cpu":
         return ran, f"for {ran}, where this profile ran"
     where = f"; this profile ran on {ran}" if ran else ""
@@ -132,9 +139,10 @@ def _python(v: Any) -> str:
 def run_header(report: Report) -> str:
     """Return one sentence saying what was profiled: model, steps, precision, device, modules."""
     md = report.metadata
-    state = f" (partial: {md.extra.get('stopped') or 'interrupted'})" if md.partial else ""
-    return (f"{md.model_class}: {num.count(md.steps_seen)} step(s){state} in {md.precision} on "
-            f"{md.device}, {num.count(len(md.hooked_modules))} module(s) hooked")
+    state = f" (partial: {escape.text(md.extra.get('stopped') or 'interrupted')})" if md.partial else ""
+    return (f"{escape.text(md.model_class)}: {num.count(md.steps_seen)} step(s){state} in "
+            f"{escape.text(md.precision)} on {escape.text(md.device)}, "
+            f"{num.count(len(md.hooked_modules))} module(s) hooked")
 
 
 def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
@@ -439,13 +447,41 @@ def findings(report: Report) -> list[str]:
     """Return what the run itself noted besides the histograms: loading notes, a non-finite loss,
     weight updates lost without fp32 master copies."""
     extra = report.metadata.extra
-    out = [f"note: {n}" for n in extra.get("notes") or ()]
+    notes = extra.get("notes") or ()
+    out = [f"note: {escape.text(n)}" for n in notes[:NOTES_SHOWN]]
+    if len(notes) > NOTES_SHOWN:  # a report may hold any number; the rest stay in the report
+        out.append(f"note: and {num.count(len(notes) - NOTES_SHOWN)} more notes (metadata.extra.notes)")
+    removed = report.capture.removed_modules if report.capture is not None else ()
+    if removed:
+        out.append(f"note: the model removed {num.count(len(removed))} hooked module(s) during the run "
+                   f"({', '.join(escape.text(n) for n in removed[:NOTES_SHOWN])}"
+                   f"{' and more' if len(removed) > NOTES_SHOWN else ''}); their statistics cover only the steps before")
     if extra.get("nonfinite_loss_steps"):
         out.append(f"finding: the loss was inf/NaN at step(s) {extra['nonfinite_loss_steps']}")
     wul = extra.get("weight_update_loss")
     if wul:
         out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
                    f"would be lost in {wul['format']} weights without fp32 master copies")
+    return out
+
+
+# How each registered section that is not a field of the Report is told (one line; the default lists its
+# fields). A collector that wants its own words registers them here, beside its section.
+SECTION_WORDS: dict[str, Callable[[Any], str]] = {}
+
+
+def section_lines(report: Report) -> list[str]:
+    """One line per registered section the report carries beyond the built-in ones, in key order."""
+    out = []
+    for key in sorted(report.sections):
+        value = report.sections[key]
+        words = SECTION_WORDS.get(key)
+        if words is not None:
+            out.append(f"{key}: {words(value)}")
+            continue
+        data = value.to_dict() if hasattr(value, "to_dict") else value
+        shown = ", ".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, Mapping) else str(data)
+        out.append(f"{key}: {shown}")
     return out
 
 

@@ -59,7 +59,7 @@ def block_advice_lines(advice: Mapping[str, Any], *, top: int | None = None, wid
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in shown]
     else:
-        short = ["flushed", "subn", "sat"] + [h.removeprefix("lost: ") for h in head[6:]]
+        short = ["flushed", "subn", "sat"] + list(next(iter(advice["layers"]), {}).get("by_recipe", {}))
         legend = [("subn", "subnormal"), ("sat", "saturated")] + ([(
             ", ".join(short[3:]), "lost under each recipe")] if short[3:] else [])
         out += stacked_table(["layer (type, worst read)", *short],

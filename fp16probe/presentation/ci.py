@@ -2,8 +2,9 @@
 
 Each function turns a :class:`fp16probe.analysis.gate.GateResult` into text; writing the
 text (atomically) and deciding whether GitHub Actions is watching are the CLI's job.
-Module names and messages are data: pipes are escaped in Markdown table cells, XML is
-escaped, and annotation text is escaped the way GitHub's workflow commands require.
+Module names and messages are data: every string goes through
+:mod:`fp16probe.presentation.escape` (Markdown for the summary, XML for JUnit, workflow-command
+data for the annotations).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from xml.sax.saxutils import escape as _xml_escape
 from xml.sax.saxutils import quoteattr as _xml_quoteattr
 
 from fp16probe.analysis.gate import GateResult
+from fp16probe.presentation import escape as safe
 
 __all__ = ["error_junit", "error_markdown", "github_annotations", "github_error_annotation", "to_junit", "to_markdown"]
 
@@ -25,17 +27,17 @@ _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 def escape(text: str) -> str:
     """Escape text for an XML element, replacing characters XML cannot hold with U+FFFD."""
-    return _xml_escape(_NOT_XML.sub("\ufffd", str(text)))
+    return _xml_escape(_NOT_XML.sub("\ufffd", safe.text(text)))
 
 
 def quoteattr(text: str) -> str:
     """Quote text as an XML attribute value, replacing characters XML cannot hold with U+FFFD."""
-    return _xml_quoteattr(_NOT_XML.sub("\ufffd", str(text)))
+    return _xml_quoteattr(_NOT_XML.sub("\ufffd", safe.text(text)))
 
 
 def _cell(text: str) -> str:
     # GitHub renders an escaped pipe inside a table cell as a pipe: "max |g|" stays readable.
-    return " ".join(str(text).split()).replace("|", "\\|")
+    return safe.markdown(text)
 
 
 def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
@@ -47,10 +49,11 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
     n, failed = len(result.checks), len(result.failures)
     outcome = f"passed ({n} checks)" if result.passed else f"FAILED ({failed} of {n} checks)"
     lines = [
-        f"### {title}: {outcome}",
+        f"### {safe.markdown(title)}: {outcome}",
         "",
-        f"Format {result.current.format}, {result.current.kind}; baseline `{_code(result.baseline.source)}` "
-        f"({result.baseline.verdict}), current `{_code(result.current.source)}` ({result.current.verdict}).",
+        f"Format {_cell(result.current.format)}, {_cell(result.current.kind)}; baseline "
+        f"`{_code(result.baseline.source)}` ({_cell(result.baseline.verdict)}), current "
+        f"`{_code(result.current.source)}` ({_cell(result.current.verdict)}).",
         "",
         "| check | result | details |",
         "|---|---|---|",
@@ -59,12 +62,12 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
         lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {_cell(c.message)} |")
     if result.warnings:
         lines.append("")
-        lines.extend(f"> **warning:** {' '.join(w.split())}" for w in result.warnings)
+        lines.extend(f"> **warning:** {_cell(w)}" for w in result.warnings)
     return "\n".join(lines) + "\n\n"
 
 
 def _code(text: str) -> str:
-    return str(text).replace("`", "'")
+    return safe.markdown_code(text)
 
 
 def to_junit(result: GateResult, *, seconds: float | None = None, suite: str = SUITE,
@@ -95,21 +98,18 @@ def to_junit(result: GateResult, *, seconds: float | None = None, suite: str = S
         out.append(f'    <testcase classname="{suite}" name={quoteattr(c.name)} time="{c.seconds:.6f}">')
         if not c.passed:
             out.append(f"      <failure message={quoteattr(c.message)} type=\"regression\">{escape(c.message)}</failure>")
-        details = f"{c.message}\nbaseline: {c.baseline}\ncurrent: {c.current}\nlimit: {c.limit}"
-        out.append(f"      <system-out>{escape(details)}</system-out>")
+        details = "\n".join(escape(line) for line in (c.message, f"baseline: {c.baseline}", f"current: {c.current}",
+                                                      f"limit: {c.limit}"))
+        out.append(f"      <system-out>{details}</system-out>")
         out.append("    </testcase>")
     if result.warnings:
-        out.append(f"    <system-err>{escape(chr(10).join(result.warnings))}</system-err>")
+        out.append(f"    <system-err>{chr(10).join(escape(w) for w in result.warnings)}</system-err>")
     out += ["  </testsuite>", "</testsuites>", ""]
     return "\n".join(out)
 
 
-def _data(text: str) -> str:
-    return str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-
-
-def _property(text: str) -> str:
-    return _data(text).replace(":", "%3A").replace(",", "%2C")
+_data = safe.workflow_data
+_property = safe.workflow_property
 
 
 def github_annotations(result: GateResult) -> list[str]:
@@ -126,7 +126,7 @@ def github_annotations(result: GateResult) -> list[str]:
 
 def error_markdown(message: str, title: str = "fp16probe compare") -> str:
     """Return the Markdown summary of a comparison that could not be made (a report that failed to load)."""
-    return f"### {title}: ERROR\n\n{_cell(message)}\n\nNo check ran; the gate did not pass.\n\n"
+    return f"### {safe.markdown(title)}: ERROR\n\n{_cell(message)}\n\nNo check ran; the gate did not pass.\n\n"
 
 
 def error_junit(message: str, *, seconds: float = 0.0, suite: str = SUITE,

@@ -27,17 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.colors import LogNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
-from fp16probe.errors import Fp16ProbeError
+from fp16probe.errors import Fp16ProbeError, MissingExtraError
+
+try:  # matplotlib is the plot extra's: the text answer and the CLI need none of its ~90 MiB
+    from matplotlib.axes import Axes
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
+except ImportError as e:
+    raise MissingExtraError("matplotlib", "plot", "drawing figures") from e
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.histogram import MIN_EXP
 from fp16probe.analysis.whatif import flushed_fraction, what_if, worst_modules
 from fp16probe.presentation.answer import recommendation_for, shorten_name, wrap_text
+from fp16probe.presentation import escape
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, atomic_write_text
 
@@ -73,7 +78,7 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
     ``flush``: half the smallest subnormal, the largest magnitude that rounds to 0;
     ``min_normal``; ``max``: the largest finite value (log2(65504) for fp16).
     """
-    fmt = get_format(fmt)
+    fmt = fmt if isinstance(fmt, Format) else get_format(fmt)
     return {
         "flush": float(fmt.log2_flush_threshold),
         "min_normal": float(fmt.log2_min_normal),
@@ -82,8 +87,8 @@ def format_bounds(fmt: str | Format) -> dict[str, float]:
 
 
 def _literal(text: str) -> str:
-    """Text from a report drawn as it is: a '$' would start matplotlib's mathtext."""
-    return str(text).replace("$", r"\$")
+    """Text from a report drawn safely (:func:`fp16probe.presentation.escape.figure`: no control character, no mathtext)."""
+    return escape.figure(text)
 
 
 def _recommendation(report: Report | None, given: Recommendation | None, fmt: Format) -> Recommendation | None:
@@ -187,7 +192,7 @@ def plot_distribution(
     The y-axis is the share of all values counted (zeros, infinities and NaNs
     included); the annotations give the share of *nonzero* values that flush to zero.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     if isinstance(report, Histogram):
         hist, source = report, None
     else:
@@ -228,7 +233,7 @@ def plot_distribution(
     chars = max(int(ax.get_position().width * ax.figure.get_figwidth() * 72 / 8.0 * 0.55), 24)
     y = 0.86
     for _k, gid, text in lines:
-        wrapped = "\n".join(wrap_text(text, chars))
+        wrapped = "\n".join(_literal(line) for line in wrap_text(text, chars))
         ax.text(0.99, y, wrapped, transform=ax.transAxes, ha="right", va="top",
                 fontsize=8, zorder=6, gid=gid,
                 bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#999999", "alpha": 0.9})
@@ -268,7 +273,7 @@ def plot_module_heatmap(
     keep their labels legible, at most 60 on a new figure), the rows are the modules that
     flush the most, still in forward order, and the title says how many of how many.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     modules = list(report.modules_of(kind))
     if max_modules is None:
         max_modules = _HEATMAP_MAX_ROWS if ax is None else _rows_that_fit(ax)
@@ -346,7 +351,7 @@ def plot_what_if(
     overflowing S is the recommendation's limit (drawn dashed). The recommended log2 S is a
     solid line; the overflow steps use the right-hand axis; the legend sits below the plot.
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     if isinstance(report, Report):
         table = what_if(report, fmt, kind=kind, modules=False)
         recommendation = _recommendation(report, recommendation, fmt)
@@ -409,7 +414,7 @@ def plot_scale_timeline(
     """
     from fp16probe.analysis.replay import simulate
 
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     recommendation = _recommendation(report, recommendation, fmt)
     ax = _new_axes(ax, (8, 4.5))
     n = len(report.trace)
@@ -483,7 +488,7 @@ def figure(
     ``timeline``) or ``all`` of them in a 2x2 grid."""
     if which not in FIGURE_KINDS:
         raise Fp16ProbeError(f"unknown figure {which!r}: expected one of {', '.join(FIGURE_KINDS)}")
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     recommendation = _recommendation(report, recommendation, fmt)
     draw = {
         "distribution": lambda ax: plot_distribution(report, fmt, recommendation=recommendation,
@@ -505,7 +510,7 @@ def figure(
     if recommendation is not None and recommendation.caveats:
         chars = int(fig.get_figwidth() * 14)  # about 8 pt text across the figure
         lines = [line for c in recommendation.caveats for line in wrap_text(f"caveat: {c}", chars)]
-        fig.supxlabel(_literal("\n".join(lines)), fontsize=8, color="#8a4b00", gid="caveats")
+        fig.supxlabel("\n".join(_literal(line) for line in lines), fontsize=8, color="#8a4b00", gid="caveats")
     return fig
 
 

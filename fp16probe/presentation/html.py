@@ -9,11 +9,11 @@ numbers and URLs never. matplotlib loads (through ``figures``) only for the inli
 from __future__ import annotations
 
 import base64
-import html
 import io
 import re
 
 from fp16probe.analysis.whatif import worst_modules
+from fp16probe.errors import MissingExtraError
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
@@ -22,6 +22,7 @@ from fp16probe.presentation.answer import (
     run_header,
     short_answer,
 )
+from fp16probe.presentation import escape
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION_GRAD, Report
 
@@ -39,19 +40,24 @@ _STYLE = ("<style>.fp16probe table{border-collapse:collapse;margin:4px 0}"
 _URL = re.compile(r"(https?://\S+?)([.,;)]?(?:\s|$))")
 
 
+def _escape(text: str) -> str:
+    """Report text for HTML: the one rule (:func:`fp16probe.presentation.escape.xml`)."""
+    return escape.xml(text)
+
+
 def _esc(text: object) -> str:
     """Escape report text; URLs become links that do not break."""
-    return _URL.sub(lambda m: f"<a href='{m.group(1)}'>{m.group(1)}</a>{m.group(2)}", html.escape(str(text)))
+    return _URL.sub(lambda m: f"<a href='{m.group(1)}'>{m.group(1)}</a>{m.group(2)}", _escape(str(text)))
 
 
 def _name(name: str) -> str:
     """A module name that may wrap only after its dots."""
-    return ".<wbr>".join(html.escape(part) for part in name.split("."))
+    return ".<wbr>".join(_escape(part) for part in name.split("."))
 
 
 def _table(header: list[str], rows: list[list[str]], names: int | None = None) -> str:
     """An HTML table of escaped cells; column ``names`` holds module names."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    head = "".join(f"<th>{_escape(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(f"<td class='name'>{_name(c)}</td>" if i == names else f"<td>{_esc(c)}</td>"
                          for i, c in enumerate(r)) + "</tr>" for r in rows)
@@ -63,10 +69,10 @@ def _answer(rec: Recommendation, report: Report | None) -> str:
     parts = []
     for line in short_answer(report, rec, width=80):
         if line.kind == "verdict":
-            parts.append(f"<p><span class='verdict' style='background:{color}'>{html.escape(str(rec.verdict))}"
+            parts.append(f"<p><span class='verdict' style='background:{color}'>{_escape(str(rec.verdict))}"
                          f"</span> {_esc(line.text)}</p>")
         elif line.kind == "code":
-            parts.append(f"<pre>{html.escape(line.text)}</pre>")
+            parts.append(f"<pre>{_escape(line.text)}</pre>")
         elif line.kind in ("caveat", "invented"):
             parts.append(f"<p class='caveat'>{_esc(line.text)}</p>")
         else:
@@ -111,7 +117,7 @@ def report_html(report: Report, format: str | Format | None = None, *, kind: str
     md = report.metadata
     rec = recommendation if recommendation is not None else recommendation_for(report, format and get_format(format).name)
     fmt = get_format(format or (rec.format if rec is not None else "fp16"))
-    parts = [f"<h4>fp16probe report: {html.escape(md.model_class)}</h4>",
+    parts = [f"<h4>fp16probe report: {_escape(md.model_class)}</h4>",
              f"<p>{_esc(run_header(report))}"
              + ("; gradients recorded unscaled from a GradScaler" if md.grad_scaler else "") + "</p>"]
     if rec is not None:
@@ -131,14 +137,17 @@ def report_html(report: Report, format: str | Format | None = None, *, kind: str
                          "inf/NaN", "overflows at S = 1"], rows))
     worst = worst_modules(report, fmt, kind=kind, count=5)
     if worst:
-        parts.append(f"<p>modules that flush the most ({html.escape(kind)}) in {fmt.name} at S = 1:</p>"
+        parts.append(f"<p>modules that flush the most ({_escape(kind)}) in {fmt.name} at S = 1:</p>"
                      + _table(["module", "type", "flushed"],
                               [[w.name, w.module_type, num.percent(w.fraction)] for w in worst], names=0))
     if rec is not None:
         parts.append(_explanation(rec))
     if figure and report.modules_of(kind):
-        parts.append(f"<img alt='{html.escape(kind)} distribution vs {fmt.name}' "
-                     f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        try:
+            parts.append(f"<img alt='{_escape(kind)} distribution vs {fmt.name}' "
+                         f"src='data:image/png;base64,{_figure_png(report, rec, kind)}'/>")
+        except MissingExtraError as e:  # no matplotlib: the tables above are the whole answer
+            parts.append(f"<p>(no figure: {_escape(str(e))})</p>")
     return f"{_STYLE}<div class='fp16probe'>{''.join(parts)}</div>"
 
 

@@ -19,7 +19,10 @@ from fp16probe.analysis.gate import GateResult
 from fp16probe.analysis.whatif import numerically_zero, worst_modules
 from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
+from fp16probe.presentation import escape
+from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.answer import (
+    section_lines,
     brief_answer,
     evidence_rows,
     KIND_WORDS,
@@ -54,16 +57,42 @@ _STYLES = {"verdict": "bold", "todo": "bold", "caveat": "yellow", "invented": "y
 
 
 def make_console(stderr: bool = True) -> Any:
-    """Return a rich Console on stderr (human output never goes to stdout).
+    """Return a rich Console on stderr (human output never goes to stdout) that prints report text safely.
 
+    Every piece of text it prints is escaped by :func:`fp16probe.presentation.escape.text`
+    (rich's own styles and cursor moves are not text and pass), and every line it writes goes
+    through a :class:`~fp16probe.presentation.escape.GuardedStream`, so no line starts with
+    ``::``: a renderer that forgets to escape a report string still cannot reach the terminal raw.
     The stream is the one in place now, bound: while third-party output is held back
     (:func:`fp16probe.running.thirdparty.held_back` swaps ``sys.stderr``), ours still shows.
     """
     import sys
 
-    from rich.console import Console
+    return _safe_console_class()(file=GuardedStream(sys.stderr if stderr else sys.stdout), highlight=False,
+                                 soft_wrap=False)
 
-    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=False)
+
+_SAFE_CONSOLE: list[type] = []
+
+
+def _safe_console_class() -> type:
+    """rich's Console with every text segment escaped as it is rendered (made once, when rich is first needed)."""
+    if not _SAFE_CONSOLE:
+        from rich.console import Console
+        from rich.segment import Segment
+
+        class SafeConsole(Console):
+            def render(self, renderable: Any, options: Any = None) -> Iterator[Any]:
+                for seg in super().render(renderable, options):
+                    # Line breaks are rich's own (text is split into lines before it is laid out).
+                    if seg.control or seg.text == "\n" or not seg.text:
+                        yield seg
+                    else:
+                        yield Segment("\n".join(escape.text(part) for part in seg.text.split("\n")),
+                                      seg.style, seg.control)
+
+        _SAFE_CONSOLE.append(SafeConsole)
+    return _SAFE_CONSOLE[0]
 
 
 def print_error(console: Any, message: str) -> None:
@@ -73,19 +102,13 @@ def print_error(console: Any, message: str) -> None:
     console.print(Text.assemble(("error: ", "bold red"), one_line(message)), soft_wrap=True)
 
 
-_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
 def one_line(message: str) -> str:
-    """``message`` with its control characters escaped (a newline as ``\\n``, others as ``\\xNN``).
+    """``message`` as one safe line: :func:`fp16probe.presentation.escape.text` (a newline shows as ``\\n``).
 
     A path or a name with a newline in it would otherwise split the one error line, or
     forge a second ``error:`` line for a script that reads them.
     """
-    return "".join(
-        _CONTROL_ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 else c)
-        for c in message
-    )
+    return escape.text(message)
 
 
 @contextlib.contextmanager
@@ -105,7 +128,10 @@ def progress(console: Any, total: int, enabled: bool) -> Iterator[Callable[[int]
 
     with Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True,
+                  # stderr is not redirected through the bar: what libraries write there while the
+                  # model runs stays held back (fp16probe.running.thirdparty), not printed above the bar.
+                  redirect_stderr=False) as bar:
         task = bar.add_task("steps", total=total)
         yield lambda done: bar.update(task, completed=done)
 
@@ -156,6 +182,8 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
         judged = rec is None or rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE
         if top and report.modules_of(kind) and judged:
             yield from _worst_table(report, kind, fmt, k, top, width)
+        for line in section_lines(report):
+            yield from _para(line, width)
         if explain and report.verification is not None:
             yield from _verification(report.verification, width)
         if explain and rec is not None:
@@ -308,15 +336,11 @@ def _explanation(rec: Recommendation, width: int) -> Iterator[Any]:
         yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
 
 
-# Under this many columns a table with many numeric columns is stacked (see answer.stacked_table).
-NARROW = 100
-
-
 def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
     """The schedule replay (:class:`fp16probe.analysis.schedule.ScheduleTable`): the table, then the answer.
 
-    Under :data:`NARROW` columns each rule's figures go on the line under its name, under short
-    headers with a legend, so an 80-column CI log shows every number whole.
+    When the table is wider than ``width``, each rule's figures go on the line under its name,
+    under short headers with a legend, so an 80-column CI log shows every number whole.
     """
     from rich.table import Table
 
@@ -335,7 +359,11 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                      num.percent(r.mean_flushed_fraction) if flush else "n/a",
                      num.percent(r.worst_flushed_fraction) if flush else "n/a",
                      recovery, num.magnitude(r.final_scale)])
-    if width < NARROW:
+    columns = ["rule", "skipped", "flushing > " + threshold, "mean flushed", "worst flushed",
+               "recovery mean/max", "final S"]
+    # rich's box: each column is its widest cell plus a space either side and a border; one border closes.
+    natural = sum(max([len(h)] + [len(r[i]) for r in rows]) + 3 for i, h in enumerate(columns)) + 1
+    if natural > width:
         yield from _lines(wrap_text(title, width), "italic")
         legend = [("skip", "steps skipped (overflow)"), (f">{threshold}", f"steps flushing more than {threshold}"),
                   ("mean, worst", "flushed share of nonzero values over the steps"),
@@ -344,8 +372,6 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                                         rows, width, legend))
     else:
         t = Table(title=title, title_justify="left")
-        columns = ["rule", "skipped", "flushing > " + threshold, "mean flushed", "worst flushed",
-                   "recovery mean/max", "final S"]
         for i, col in enumerate(columns):
             t.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
         for cells in rows:
@@ -374,7 +400,8 @@ def _cells(values: Iterable[str]) -> list[Any]:
     """Table cells as Text: report strings (module names) are data, never markup."""
     from rich.text import Text
 
-    return [Text(str(v)) for v in values]
+    # A cell's own line breaks (a name fitted after its dots) are kept; the data in it was escaped before fitting.
+    return [Text("\n".join(escape.text(line) for line in str(v).split("\n"))) for v in values]
 
 
 def _distribution_table(h: Histogram, fmt: Format, log2_scale: int | None, kind: str) -> Any:
@@ -465,11 +492,12 @@ def _worst_table(report: Report, kind: str, fmt: Format, log2_scale: int | None,
     table = Table()
     cancelled = numerically_zero(report)
     marks = {m.name: " *" if m.name in cancelled else "" for m in ranked}
-    table.add_column("module", width=min(room, max([len("module")] + [len(m.name + marks[m.name]) for m in ranked])))
+    table.add_column("module", width=min(room, max([len("module")] + [len(escape.text(m.name) + marks[m.name])
+                                                                      for m in ranked])))
     for head, w in zip(header, fixed):
         table.add_column(head, justify="left" if head == "type" else "right", no_wrap=True, min_width=w)
     for m, cells in zip(ranked, rows):
-        table.add_row(*_cells(["\n".join(fit_name(m.name + marks[m.name], room))] + cells))
+        table.add_row(*_cells(["\n".join(fit_name(escape.text(m.name) + marks[m.name], room))] + cells))
     yield table
     shown = {m.name: cancelled[m.name] for m in ranked if m.name in cancelled}
     if shown:
@@ -487,11 +515,11 @@ def print_compare(console: Any, result: GateResult) -> None:
     table.add_column("result")
     table.add_column("details")
     for c in result.checks:
-        table.add_row(Text(c.name), Text("pass") if c.passed else Text("FAIL", style="bold red"),
-                      Text(c.message))
+        table.add_row(Text(escape.text(c.name)), Text("pass") if c.passed else Text("FAIL", style="bold red"),
+                      Text(escape.text(c.message)))
     console.print(table)
     for w in result.warnings:
-        console.print(Group(*_para(f"warning: {w}", console.width, "yellow", "  ")))
+        console.print(Group(*_para(f"warning: {escape.text(w)}", console.width, "yellow", "  ")))
     if result.passed:
         console.print(Text("no regression", style="green"))
     else:

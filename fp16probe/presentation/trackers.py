@@ -29,18 +29,19 @@ gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
 from __future__ import annotations
 
 import contextlib
-import html
+import importlib.util
 import math
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 from fp16probe.analysis.whatif import flushed_fraction, fraction
 from fp16probe.errors import Fp16ProbeError, InputError, require
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
+from fp16probe.presentation import escape
 from fp16probe.presentation.answer import recommendation_for
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
@@ -151,7 +152,7 @@ def tracker_series(
     the report's own for ``format``, or a fresh analysis (none when the report has no
     ``kind`` values yet).
     """
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     return _series(report, fmt, _recommendation(report, recommendation, fmt, kind), modules=modules,
                    axis=axis, step_offset=step_offset, since_step=since_step)
 
@@ -170,8 +171,7 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
     scalars: list[tuple[str, int, float]] = []
     skipped = skipped_before
     last_step = step_offset
-    fwd = report.metadata.extra.get("forward_max")
-    forward_steps = list(fwd.get("step_max") or ()) if isinstance(fwd, Mapping) else []
+    forward_steps = list(report.forward.step_max) if report.forward is not None else []
     for i, raw_step in enumerate(trace.steps):
         step = int(raw_step) + step_offset
         last_step = max(last_step, step)
@@ -223,7 +223,7 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
         for m in report.modules:
             lh = log_histogram(m.histogram, axis)
             if lh is not None:
-                histograms.append((f"{PREFIX}/{m.kind}/{m.name}", last_step, lh))
+                histograms.append((f"{PREFIX}/{m.kind}/{escape.text(m.name)}", last_step, lh))
     texts = []
     if rec is not None:
         caveats = rec.caveats
@@ -231,7 +231,8 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
         if caveats:
             body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
         if body.strip():
-            texts.append((f"{PREFIX}/recommendation", body.strip()))
+            # The stored text and caveats are report data: each line escaped, the line breaks kept.
+            texts.append((f"{PREFIX}/recommendation", "\n".join(escape.text(line) for line in body.strip().split("\n"))))
     return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
 
 
@@ -340,7 +341,7 @@ class _MlflowSink:
         with tempfile.TemporaryDirectory(prefix="fp16probe-mlflow-") as tmp:
             folder = Path(tmp)
             report.save(folder / "fp16probe-report.json")
-            if report.modules_of(kind):
+            if report.modules_of(kind) and importlib.util.find_spec("matplotlib") is not None:
                 from fp16probe.presentation.figures import save_figures
 
                 save_figures(report, folder / "fp16probe-figures.png", recommendation=recommendation,
@@ -348,7 +349,7 @@ class _MlflowSink:
             page = report_html(report, fmt, kind=kind, recommendation=recommendation)
             (folder / "fp16probe-report.html").write_text(
                 "<!doctype html>\n<html><head><meta charset='utf-8'><title>fp16probe report: "
-                f"{html.escape(report.metadata.model_class)}</title></head><body>{page}</body></html>\n",
+                f"{escape.xml(report.metadata.model_class)}</title></head><body>{page}</body></html>\n",
                 encoding="utf-8",
             )
             self.client.log_artifacts(self.run_id, str(folder), artifact_path="fp16probe")
@@ -447,7 +448,7 @@ def export(
     """
     if to not in TRACKERS:
         raise InputError(f"--to {to!r}: expected one of {', '.join(TRACKERS)}")
-    fmt = get_format(format)
+    fmt = format if isinstance(format, Format) else get_format(format)
     rec = _recommendation(report, recommendation, fmt, kind)
     series = _series(report, fmt, rec, modules=modules, axis=axis, step_offset=step_offset)
     with _file_store_allowed(to, dest):
@@ -549,7 +550,7 @@ class TrackerLog:
         rec = _recommendation(report, recommendation, self.format, self.kind) if self.recommend else recommendation
         # A windowed report (Probe.report(since_step=...)) starts where the last one ended: carry
         # the skipped-step count over, less the steps it sends again.
-        windowed = report.metadata.extra.get("trace_since_step") is not None
+        windowed = report.capture is not None and report.capture.trace_since_step is not None
         prev = self.last_step
         trace = report.trace
         again = sum(1 for st, f in zip(trace.steps, trace.found_inf)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.capture.probe import iter_tensors
-from fp16probe.errors import InputError, ModelLoadError, first_line
+from fp16probe.errors import InputError, ModelLoadError, first_line, message_of
 from fp16probe.running import families
 from fp16probe.running.loading import DEMO, HF, LoadedModel, quiet_transformers, read_hf_config, resolve_import
 
@@ -137,7 +137,7 @@ def make_batches(
             source = fn() if callable(fn) else fn
             iterator = iter(source)
         except Exception as e:
-            raise InputError(f"batches={batches!r}: calling it raised {type(e).__name__}: {e}",
+            raise InputError(f"batches={batches!r}: calling it raised {type(e).__name__}: {message_of(e)}",
                              parameter="batches") from e
         return Batches(_to_device(iterator, device), f"--batches {batches}", synthetic=False)
     if loaded.kind == DEMO and input_shape is None:

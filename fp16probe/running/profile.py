@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.blockscale import BLOCK_FORMATS
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
-from fp16probe.formats import FORMATS
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
+from fp16probe.formats import FORMATS, SCALED_FORMATS
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
                                       move_to, pick_device)
@@ -207,6 +206,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             from fp16probe.capture.forward import ForwardAudit
 
             audit = ForwardAudit(model, regime=regime)
+            probe.add(audit)
         with probe:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
@@ -229,10 +229,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             raise KeyboardInterrupt()
         raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
     extra = dict(extra or {})
-    extra["target"] = target
-    extra["regime"] = regime
-    if audit is not None:
-        extra["forward"] = audit.result()
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
         extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
@@ -241,7 +237,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         gather = "local"
     report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
                      gather=gather)
-    if report is not None and "block_formats" in report.metadata.extra:
+    if report is not None and report.blocks is not None:
         report = _with_block_advice(report, format, r.recipe)
     if report is not None and precision == "fp32" and guard is None and result.error is None:
         report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
@@ -249,6 +245,15 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
     if result.error is not None:
         result.error.report = report
         raise result.error
+    removed = report.capture.removed_modules if report is not None and report.capture is not None else ()
+    if removed:  # the model changed under the hooks: its statistics describe no one model
+        error = ModelError(
+            f"the model removed {len(removed)} hooked module(s) during the run ({', '.join(map(repr, removed[:3]))}"
+            f"{' and more' if len(removed) > 3 else ''}): their statistics cover only the steps before it, so the "
+            "verdict does not describe one model; the report is kept with that note. Profile a model whose modules "
+            "stay as they are")
+        error.report = report
+        raise error
     if verify and report is not None and not report.metadata.partial:
         report = _verified(report, initial, result.batches, loss, dev, target)
     return report
@@ -340,9 +345,9 @@ def _block_options(format: str, recipe: str | None, options: Mapping[str, Any]) 
     from fp16probe.blockscale import DelayedRecipe
 
     out = dict(options)
-    if format not in BLOCK_FORMATS:
+    if format not in SCALED_FORMATS:
         return out
-    delayed = parse_recipe(BLOCK_FORMATS[format]["family"], recipe)[1]  # the request checked it
+    delayed = parse_recipe(SCALED_FORMATS[format].family, recipe)[1]  # the request checked it
     out.setdefault("block_formats", [format])
     recipes = [DelayedRecipe()] + ([delayed] if delayed is not None and delayed != DelayedRecipe() else [])
     out.setdefault("delayed_recipes", recipes)
@@ -355,7 +360,7 @@ def _with_block_advice(report: Report, format: str, recipe: str | None) -> Repor
     from fp16probe.blockscale import block_stats_of
 
     stats = block_stats_of(report)
-    if stats is None or format not in BLOCK_FORMATS:
+    if stats is None or format not in SCALED_FORMATS:
         return report
     advice = advise(stats, format, recipe)
     extra = {**report.metadata.extra, "block_advice": advice.to_dict()}
@@ -579,7 +584,7 @@ def _step_error(step: int, what: str, e: BaseException, batch: Any, *, first_ok:
     name = "SystemExit" if isinstance(e, SystemExit) else type(e).__name__
     message = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {name}: {first_line(e)}"
     if (what == "forward" and not first_ok and not isinstance(e, (SystemExit, KeyError, AttributeError))
-            and _MISMATCH.search(str(e))):
+            and _MISMATCH.search(message_of(e))):
         from fp16probe.running.families import forward_signature
 
         wants = f"{forward_signature(model)} is what it takes: " if model is not None else ""

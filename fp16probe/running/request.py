@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from fp16probe.analysis.blockformats import parse_recipe
-from fp16probe.blockscale import BLOCK_FORMATS
 from fp16probe.capture.autocast_rules import TARGETS
 from fp16probe.errors import AnalysisError, InputError, UnknownFormatError
-from fp16probe.formats import FORMATS, get_format
+from fp16probe.formats import FORMATS, SCALED_FORMATS, get_format
 from fp16probe.report import ALL_GRADS, KINDS
 from fp16probe.running.inputs import DTYPES, parse_shape
 from fp16probe.running.losses import check_loss_spec
@@ -69,9 +68,9 @@ class ProfileRequest:
     def __post_init__(self) -> None:
         fmt = self.format or ("bf16" if self.precision == "bf16" else "fp16")
         try:
-            fmt = fmt if fmt in BLOCK_FORMATS else get_format(fmt).name  # an alias (half, float16) named once
+            fmt = fmt if fmt in SCALED_FORMATS else get_format(fmt).name  # an alias (half, float16) named once
         except UnknownFormatError:
-            raise InputError(f"format={fmt!r}: expected one of {', '.join({**FORMATS, **BLOCK_FORMATS})}",
+            raise InputError(f"format={fmt!r}: expected one of {', '.join({**FORMATS, **SCALED_FORMATS})}",
                              parameter="format") from None
         object.__setattr__(self, "format", fmt)
         self._check_run()
@@ -84,7 +83,7 @@ class ProfileRequest:
                              parameter="input_dtype")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise InputError(f"seed={self.seed!r}: expected a whole number in [0, 2**63), e.g. 0", parameter="seed")
-        if self.plot is not None and fmt in BLOCK_FORMATS:
+        if self.plot is not None and fmt in SCALED_FORMATS:
             raise InputError(f"plot={self.plot}: the figures draw fp16/bf16/fp8 histograms, and {fmt} answers with "
                              "its per-layer table instead; drop it", parameter="plot")
 
@@ -129,12 +128,12 @@ class ProfileRequest:
 
 def check_recipe(format: str, recipe: str | None) -> None:
     """Refuse a ``recipe`` that ``format`` has not."""
-    if format not in BLOCK_FORMATS:
+    if format not in SCALED_FORMATS:
         if recipe is not None:
-            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(BLOCK_FORMATS)}), "
+            raise InputError(f"recipe={recipe!r} applies to the scaled formats ({', '.join(SCALED_FORMATS)}), "
                              f"not {format}", parameter="recipe")
         return
     try:
-        parse_recipe(BLOCK_FORMATS[format]["family"], recipe)
+        parse_recipe(SCALED_FORMATS[format].family, recipe)
     except AnalysisError as e:
         raise InputError(str(e), parameter="recipe") from None

@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -97,11 +98,20 @@ def held_back(enabled: bool = True) -> Iterator[HeldBack]:
     last_resort = logging.lastResort
     for h in [h for h, _ in swapped] + ([last_resort] if last_resort is not None else []):
         h.addFilter(source)
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        # fp16probe's own warnings (a hook that failed) are the tool's lines: they still show.
+        own = str(message).startswith("fp16probe")
+        shown(message, category, filename, lineno, real if own and file is None else file, line)
+
+    warnings.showwarning = show
     sys.stderr = buffer  # type: ignore[assignment]
     try:
         yield result
     finally:
         sys.stderr = real
+        warnings.showwarning = shown
         buffer.holding = False
         for h, old in swapped:
             if old is not None:

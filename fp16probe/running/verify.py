@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.errors import Fp16ProbeError, InputError, ModelError
+from fp16probe.errors import Fp16ProbeError, InputError, ModelError, message_of
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 from fp16probe.running.inputs import call_model, map_tensors, move_to
 from fp16probe.running.losses import Loss, as_loss
@@ -81,7 +81,7 @@ def verify(
         raise InputError("batches: no batch to verify on")
     notes: list[str] = []
     kwargs = dict(rec.grad_scaler_kwargs)
-    pure = report.metadata.extra.get("regime") == "pure_fp16"
+    pure = report.metadata.regime == "pure_fp16"
     fix = (list(rec.evidence.get("fix_modules") or ())
            if rec.verdict in ("forward_overflow", "forward_underflow", "gradient_error") else [])
     emulate = target if target is not None and target != dev.type and not pure else None
@@ -230,7 +230,7 @@ def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, de
             raise
         except Exception as e:  # the profile ran these batches; a failure now is the model's
             where = "fp32 reference" if dtype is None else f"{str(dtype).removeprefix('torch.')} run"
-            raise ModelError(f"verification step {step + 1} ({where}): {type(e).__name__}: {e}") from e
+            raise ModelError(f"verification step {step + 1} ({where}): {type(e).__name__}: {message_of(e)}") from e
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -1,0 +1,110 @@
+"""A 2-rank gloo training run under a framework callback where rank 1 raises, for tests/test_callback_rank_faults.py.
+
+Usage: torchrun --nproc-per-node 2 tests/callback_rank_worker.py {hf,lightning} OUT_DIR [FAIL_AT]
+The model's forward raises on rank 1 at training forward FAIL_AT (1-based; 0: never), after
+noting the time in OUT_DIR/fault_time. Each rank writes OUT_DIR/exit.RANK (its exit code and
+the time it ended), OUT_DIR/error.RANK (the first line of what training raised) and trace.RANK; rank 0's
+callback writes its report into OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 5
+BATCH = 4
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Net(nn.Module):
+    """6 -> 2 whose forward raises on rank 1 at training forward ``fail_at``."""
+
+    def __init__(self, out: Path, fail_at: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.out, self.fail_at, self.forwards = out, fail_at, 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if self.training and torch.is_grad_enabled():
+            self.forwards += 1
+            if RANK == 1 and self.forwards == self.fail_at:
+                (self.out / "fault_time").write_text(str(time.time()))
+                raise RuntimeError("the model broke on purpose")
+        y = self.net(x)
+        return {"logits": y} if labels is None else {"loss": F.mse_loss(y, labels), "logits": y}
+
+
+def rows(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7 + RANK)
+    return [{"x": torch.randn(6, generator=g), "labels": torch.randn(2, generator=g) * 1e-3} for _ in range(n)]
+
+
+def run_hf(out: Path, fail_at: int, timeout: int) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from fp16probe.integrations.huggingface import Fp16ProbeCallback
+
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, use_cpu=True,
+                             report_to="none", ddp_backend="gloo", ddp_timeout=timeout, save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, learning_rate=0.1)
+    Trainer(model=Net(out, fail_at), args=args, train_dataset=rows(BATCH * STEPS * 2),
+            callbacks=[Fp16ProbeCallback(output_dir=out)]).train()
+
+
+def run_lightning(out: Path, fail_at: int, timeout: int) -> None:
+    from datetime import timedelta
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    from fp16probe.integrations.lightning import Fp16ProbeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Net(out, fail_at)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(batch["x"], batch["labels"])["loss"]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # SHADOW_EVERY=0: no fp32 reruns, whose forwards (outside DDP, before the real one) would count too
+    shadow = {"shadow_every": int(os.environ["SHADOW_EVERY"])} if os.environ.get("SHADOW_EVERY") else {}
+    data = DataLoader(rows(BATCH * STEPS * 2), batch_size=BATCH)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, max_steps=STEPS, logger=False,
+                         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=timeout)),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[Fp16ProbeCallback(dirpath=out, **shadow)])
+    trainer.fit(Module(), data)
+
+
+def main() -> None:
+    which, out = sys.argv[1], Path(sys.argv[2])
+    fail_at = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    timeout = int(os.environ.get("FP16PROBE_DIST_TIMEOUT", "60"))
+    code = 0
+    try:
+        (run_hf if which == "hf" else run_lightning)(out, fail_at, timeout)
+    except Exception as e:
+        code = 1
+        (out / f"error.{RANK}").write_text(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        (out / f"trace.{RANK}").write_text(traceback.format_exc())
+    finally:
+        (out / f"exit.{RANK}").write_text(f"{code} {time.time()}")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

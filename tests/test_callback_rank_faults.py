@@ -1,0 +1,117 @@
+"""The HF Trainer and Lightning callbacks under torchrun: a failing rank stops every rank in time, and rank 0
+writes the report of the steps every rank finished. Real 2-rank gloo jobs (tests/callback_rank_worker.py).
+
+A rank that raises in its forward or loss is caught by the ranks' agreement before backward: every
+rank ends at once (well under ``FP16PROBE_DIST_TIMEOUT``). One that raises before its DDP forward
+(Lightning's fp32 rerun) leaves the others waiting in DDP's own collective: that ends when the
+framework's process-group timeout (set to the same bound) runs out, and the report is still written.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fp16probe.report import Report
+
+pytest.importorskip("transformers")
+pytest.importorskip("pytorch_lightning")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "callback_rank_worker.py"
+TIMEOUT_S = 10  # FP16PROBE_DIST_TIMEOUT, and the frameworks' process-group timeout, for these jobs
+SLACK_S = 20  # process exit and torchrun's monitoring on a loaded 2-core machine
+AT_ONCE = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    framework: str
+    fail_at: int  # the training forward that raises on rank 1 (0: none)
+    shadow_every: str  # "" for the callback's default (Lightning reruns early steps in fp32 first)
+    steps_kept: int  # steps in rank 0's report
+    fast: bool  # stopped by the agreement, with no timeout waited
+
+
+JOBS = {
+    "hf_ok": Job("hf", 0, "", 5, True),
+    "hf_forward": Job("hf", 3, "", 2, True),
+    "lightning_ok": Job("lightning", 0, "0", 5, True),
+    "lightning_forward": Job("lightning", 3, "0", 2, True),
+    # forwards 1, 2: step 1's rerun and real one; forward 3 is step 2's rerun, outside DDP
+    "lightning_rerun": Job("lightning", 3, "", 1, False),
+}
+
+
+def _launch(name: str, job: Job, base: Path) -> tuple[subprocess.Popen, Path]:
+    where = base / name
+    where.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_COLOR="1",
+               FP16PROBE_DIST_TIMEOUT=str(TIMEOUT_S), SHADOW_EVERY=job.shadow_every)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(WORKER), job.framework, str(where), str(job.fail_at)]
+    proc = subprocess.Popen(cmd, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, where
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """Run every job (AT_ONCE at a time); each one's output and folder."""
+    base = tmp_path_factory.mktemp("callback_rank_faults")
+    done: dict[str, tuple[str, Path]] = {}
+    names = list(JOBS)
+    for i in range(0, len(names), AT_ONCE):
+        running = {n: _launch(n, JOBS[n], base) for n in names[i:i + AT_ONCE]}
+        for n, (proc, where) in running.items():
+            try:
+                out, _ = proc.communicate(timeout=4 * TIMEOUT_S + 120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                pytest.fail(f"{n}: the torchrun job hung past {4 * TIMEOUT_S + 120} s:\n{out[-3000:]}")
+            done[n] = (out, where)
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(JOBS))
+def test_every_rank_ends_in_time_and_rank_0_reports_the_finished_steps(name, jobs):
+    job = JOBS[name]
+    out, where = jobs[name]
+    ended = {}
+    for rank in (0, 1):
+        f = where / f"exit.{rank}"
+        assert f.exists(), f"rank {rank} left no exit code:\n{out[-3000:]}"
+        code, when = f.read_text().split()
+        ended[rank] = (int(code), float(when))
+    if job.fail_at == 0:
+        assert ended[0][0] == ended[1][0] == 0, out[-3000:]
+    else:
+        fault = float((where / "fault_time").read_text())
+        for rank, (code, when) in ended.items():
+            assert code == 1, (rank, out[-3000:])
+            bound = TIMEOUT_S if job.fast else 2 * TIMEOUT_S + SLACK_S
+            assert when - fault < bound, (rank, when - fault)
+        # every rank raises the failing rank's error, naming it and the report
+        said = (where / "error.0").read_text()
+        if not job.fast:  # rank 0 raises DDP's own timeout; the note names the failing rank
+            assert "collective operation timeout" in said or "Timed out" in said, said
+            note = (where / "trace.0").read_text().splitlines()[-1]
+            assert note.startswith("fp16probe: rank 1: "), note
+            said = "ModelError: " + note.removeprefix("fp16probe: ")
+        assert said.startswith("ModelError: rank 1: RuntimeError: the model broke on purpose; every rank stopped"), said
+        assert f"the {job.steps_kept} step(s) before it are in the partial report" in said, said
+        assert (where / "error.1").read_text() == "RuntimeError: the model broke on purpose"
+    report = Report.load(where / "fp16probe-report.json")
+    assert report.metadata.steps_seen == job.steps_kept
+    assert report.metadata.world_size == 2
+    assert report.metadata.partial == (job.fail_at != 0)
+    if job.fail_at:
+        assert report.metadata.extra["rank_fault"]["rank"] == 1
+        assert report.metadata.extra["rank_fault"]["steps_finished_per_rank"] == [job.steps_kept] * 2
+    assert (where / "fp16probe-recommendation.txt").read_text().strip()
