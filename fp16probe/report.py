@@ -21,6 +21,7 @@ from fp16probe.histogram import Histogram
 from fp16probe.blockscale import BlockStats
 from fp16probe.reading import read_report_text
 from fp16probe.recommendation import Recommendation
+from fp16probe.emulation import Emulation
 from fp16probe.sections import SECTIONS, CaptureNotes, ForwardSection, ShadowRuns, register_section, split_legacy_extra
 from fp16probe.verification import Verification
 
@@ -724,4 +725,5 @@ register_section("forward", ForwardSection.from_dict, builtin=True)
 register_section("blocks", BlockStats.from_dict, builtin=True)
 register_section("shadow_runs", ShadowRuns.from_dict, builtin=True)
 register_section("capture", CaptureNotes.from_dict, builtin=True)
+register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
 

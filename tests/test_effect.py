@@ -310,3 +310,20 @@ def test_bf16_reports_its_own_error_and_when_fp16_with_a_scale_is_closer():
     assert rec.format == "bf16" and em["log2_scale"] == 0 and em["worst_modules"]
     caveat = next(c for c in rec.caveats if c.code == "bf16_worse_than_fp16")
     assert caveat.data["error"] > 2 * caveat.data["fp16_error"] and em["fp16"]["error"] == caveat.data["fp16_error"]
+
+
+def test_the_emulation_section_round_trips_and_a_bad_field_is_named(tmp_path):
+    from fp16probe.emulation import Emulation
+    from fp16probe.errors import ReportError
+    from fp16probe.report import Report
+
+    report = profiled(Gain(2.0**-20), _batches(), _ce)
+    path = report.save(tmp_path / "r.json")
+    back = Report.load(path)
+    assert back.section("emulation") == report.section("emulation")
+    assert isinstance(back.section("emulation"), Emulation) and back.section("emulation").settings
+    text = path.read_text().replace('"loss_low": false, "batches": 2', '"loss_low": false, "batches": -2', 1)
+    assert text != path.read_text()
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(ReportError, match=r"sections\.emulation\.settings\[0\]\.batches"):
+        Report.load(tmp_path / "bad.json")

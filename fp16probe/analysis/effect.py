@@ -1,7 +1,7 @@
 """Judge a verdict by what the target's precision does to the gradients: the emulated step's error.
 
 The histograms say what flushes and what overflows; the emulated step
-(:mod:`fp16probe.capture.emulate`, ``metadata.extra["emulation"]``) says how far the
+(:mod:`fp16probe.capture.emulate`, the report's ``emulation`` section) says how far the
 gradients of the target run are from fp32's, per parameter, at the scales it was run at.
 A forward finding (a flush, an overflow) is the verdict only when the emulated gradients
 show its effect; otherwise it is a caveat and the loss-scale verdict leads. Gradients more
@@ -113,17 +113,20 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
     for s in data.get("settings") or ():
         if int(s["log2_scale"]) != log2_scale or sorted(s.get("keep_fp32") or ()) != sorted(keep):
             continue
-        rows = s["params"]
+        # a parameter whose fp32 gradient was not finite cannot be judged against it: left out
+        pairs = [(n, r) for n, r in zip(names, s["params"]) if r[1] is not None]
+        names_kept = [n for n, _ in pairs]
+        rows = [r for _, r in pairs]
         total_ref = sum(float(r[1]) for r in rows)
         params = []
-        for name, r in zip(names, rows):
+        for name, r in zip(names_kept, rows):
             err, ref, zeroed, nonzero, nonfinite = r
             if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref and zeroed <= ZEROED_COUNTS * nonzero:
                 continue
             error = None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
             params.append(ModuleEffect(_module_of(name), error, int(zeroed), int(nonzero), int(nonfinite), name))
         by_module: dict[str, list[Any]] = {}
-        for name, r in zip(names, rows):
+        for name, r in zip(names_kept, rows):
             acc = by_module.setdefault(_module_of(name), [0.0, 0.0, 0, 0, 0])
             acc[0] = None if r[0] is None or acc[0] is None else acc[0] + float(r[0])
             acc[1] += float(r[1])
@@ -139,7 +142,7 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
         whole = (None if nonfinite_all or any(e is None for e in errs) or total_ref <= 0
                  else math.sqrt(sum(float(e) for e in errs) / total_ref))
         outputs = []
-        for name, (err_o, ref_o) in s.get("outputs") or ():
+        for name, (err_o, ref_o) in s.get("outputs") or ():  # JSON form: [name, [error^2, fp32^2]]
             if ref_o is None or ref_o <= 0:
                 continue
             outputs.append((str(name), None if err_o is None else math.sqrt(err_o / ref_o)))
@@ -193,7 +196,7 @@ def fixes_to_try(rec: Recommendation, data: Mapping[str, Any]) -> list[list[str]
 
 def judged(rec: Recommendation, data: Mapping[str, Any] | None,
            gradients_only: Recommendation | None = None, any_flush: Recommendation | None = None) -> Recommendation:
-    """``rec`` judged by the emulated step in ``data`` (``metadata.extra["emulation"]``).
+    """``rec`` judged by the emulated step in ``data`` (the ``emulation`` section's JSON form, :func:`effect_of`).
 
     ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
     forward_verdicts=False)``): it leads when a forward verdict's effect is within TOLERANCE.
@@ -292,6 +295,9 @@ def _with(rec: Recommendation, emulated: Mapping[str, Any], caveats: tuple[Cavea
 
 
 def effect_of(report: Report) -> Mapping[str, Any] | None:
-    """The emulation data a report carries (``metadata.extra["emulation"]``), if any."""
-    data = report.metadata.extra.get("emulation")
-    return data if isinstance(data, Mapping) else None
+    """The emulation data a report carries (its ``emulation`` section, JSON form), None without a finished pass."""
+    section = report.section("emulation")
+    if section is None or section.error is not None:
+        return None
+    data: Mapping[str, Any] = section.to_dict()
+    return data

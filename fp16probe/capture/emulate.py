@@ -463,10 +463,14 @@ def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[st
     return torch.stack([t.to(rows[0].device) for t in rows]) if rows else torch.zeros((0, 5), dtype=torch.float64)
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON holds no inf/NaN: None says "not finite"
+
+
 def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]], *, format: str = "fp16",
                    target: str = "cuda", regime: str = "autocast",
                    settings: Sequence[tuple[int, Sequence[str]]] = ((0, ()),)) -> dict[str, Any]:
-    """Emulated steps against fp32 steps on the same batches, as the JSON of ``metadata.extra["emulation"]``.
+    """Emulated steps against fp32 steps on the same batches, as the JSON of the report's ``emulation`` section (fp16probe.emulation.Emulation).
 
     ``runs``: one call per batch, each making that batch's loss. ``settings``: (log2 of the loss
     scale, modules kept in fp32) pairs, each emulated on every batch. Per setting and parameter
@@ -500,9 +504,9 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
                     "ops": ops, "rounded": rounded,
                     # the first batch's module outputs, in the order their forwards finished:
                     # [name, [||out - out_fp32||^2, ||out_fp32||^2]]
-                    "outputs": [[n, [a if math.isfinite(a) else None, b]] for n, (a, b) in outputs],
+                    "outputs": [[n, [_finite(a), _finite(b)]] for n, (a, b) in outputs],
                     # the error of a gradient that held inf/NaN is None: its non-finite count says it
-                    "params": [[r[0] if math.isfinite(r[0]) else None, r[1], int(r[2]), int(r[3]), int(r[4])]
+                    "params": [[_finite(r[0]), _finite(r[1]), int(r[2]), int(r[3]), int(r[4])]
                                for r in rows_host]})
     return {
         "source": "fp16probe.capture.emulate: the profile's model and batches stepped with every value the target run "

@@ -5,14 +5,13 @@ weights at the end of the run) on the first :data:`EMULATED_BATCHES` batches, em
 target run computes (:mod:`fp16probe.capture.emulate`) at the verdict's S (its neighbours on the
 first batch),
 against fp32 steps of the same weights and batches; measures the kept-in-fp32 fix the verdict
-names; stores the numbers in ``metadata.extra["emulation"]``; and re-judges the verdict by
+names; stores the numbers in the report's ``emulation`` section; and re-judges the verdict by
 them (:func:`fp16probe.analysis.effect.judged`). A failure of the pass (an op the emulation
 cannot follow) is noted in the report and leaves the histogram verdict as it was.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from torch import nn
 
 from fp16probe.analysis.effect import fixes_to_try, judged, scales_to_check
 from fp16probe.analysis.recommend import analyze
+from fp16probe.emulation import Emulation
 from fp16probe.recommendation import Verdict
 from fp16probe.report import Report
 from fp16probe.running.inputs import call_model
@@ -72,14 +72,12 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
                                   settings=[(k, fix)])
             data["settings"] += more["settings"]
     except Exception as e:  # the emulation must never cost the user the profile
-        return _with_extra(report, {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+        why = (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
+        return report.with_sections({"emulation": Emulation(error=why)})
     data["seconds"] = round(time.perf_counter() - began, 3)
-    report = _with_extra(report, data)
+    report = report.with_sections({"emulation": Emulation.from_dict(data)})
+    data = Emulation.from_dict(data).to_dict()  # the form the analysis reads, as a saved report gives it
     forward_off = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
     any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
     return report.with_recommendation(judged(rec, data, forward_off, any_flush))
 
-
-def _with_extra(report: Report, data: dict[str, Any]) -> Report:
-    extra = {**report.metadata.extra, "emulation": data}
-    return dataclasses.replace(report, metadata=dataclasses.replace(report.metadata, extra=extra))
