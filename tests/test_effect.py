@@ -327,3 +327,14 @@ def test_the_emulation_section_round_trips_and_a_bad_field_is_named(tmp_path):
     (tmp_path / "bad.json").write_text(text)
     with pytest.raises(ReportError, match=r"sections\.emulation\.settings\[0\]\.batches"):
         Report.load(tmp_path / "bad.json")
+
+
+def test_invented_labels_are_the_same_in_the_fp32_and_the_emulated_step():
+    """The default loss draws random labels from a generator of its own on every call: the emulation
+    pass must compare the fp32 and emulated gradients of one loss (else 100%+ "error" on a fine model)."""
+    from tests.fixtures.cli_models import make_long_names
+
+    g = torch.Generator().manual_seed(0)
+    report = fp16probe.profile(make_long_names(), [torch.randn(4, 8, generator=g) for _ in range(3)], steps=3)
+    em = report.recommendation.evidence["emulated"]
+    assert em["error"] < 0.01 and report.recommendation.verdict not in BAD

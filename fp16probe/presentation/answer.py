@@ -171,9 +171,6 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("todo", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
-    emulated = emulated_sentence(rec)
-    if emulated:
-        lines.append(Line("emulated", emulated))
     fix = str(rec.evidence.get("fix_code") or "")
     if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
         lines.append(Line("device", "fix (or train in bf16):"))
@@ -182,6 +179,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         least_bad = "if you keep one scale, the least bad; " if todo else ""
         lines.append(Line("device", f"paste ({least_bad}{how}):"))
         lines.append(Line("code", code))
+    emulated = emulated_sentence(rec)  # after the code: the answer leads with what to paste
+    if emulated:
+        lines.append(Line("emulated", emulated))
     if report is not None:
         invented = invented_sentence(report)
         if invented:

@@ -34,9 +34,34 @@ __all__ = ["EMULATED_BATCHES", "with_effect"]
 EMULATED_BATCHES = 2
 
 
+def _generators(obj: Any, depth: int = 0) -> list[torch.Generator]:
+    """The torch.Generator objects a loss keeps (the invented labels' own), a few attributes deep."""
+    if isinstance(obj, torch.Generator):
+        return [obj]
+    if depth >= 3 or isinstance(obj, (torch.Tensor, nn.Module, str, bytes, int, float)):
+        return []
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        values = list(obj)
+    else:
+        values = list(getattr(obj, "__dict__", {}).values())
+    return [g for v in values for g in _generators(v, depth + 1)]
+
+
 def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable[[], torch.Tensor]]:
+    """One call per batch making its loss; a loss that draws its own labels draws the same ones on every call,
+    so the fp32 and the emulated steps of a batch compare gradients of one loss."""
+    gens = _generators(loss.fn)
+    states = [g.get_state() for g in gens]
+
     def run(batch: Any) -> Callable[[], torch.Tensor]:
-        return lambda: loss.fn(call_model(model, batch), batch).reshape(())
+        def call() -> torch.Tensor:
+            for g, s in zip(gens, states):
+                g.set_state(s)
+            return loss.fn(call_model(model, batch), batch).reshape(())
+
+        return call
 
     return [run(b) for b in batches]
 
