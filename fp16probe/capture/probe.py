@@ -9,6 +9,7 @@ Counts stay on the device; no hook synchronises with the host. They come to the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,9 +68,8 @@ class Probe:
     weight gradients are read once backward has finished, after DDP's all-reduce, so
     they are the gradients the optimizer steps with (see :mod:`fp16probe.capture.distributed`).
 
-    Use as a context manager (hooks are removed on exit, also by exception) or with
-    :meth:`start`/:meth:`stop`; call :meth:`step` at each optimizer step and
-    :meth:`report` to bring the statistics to the host.
+    Use as a context manager (hooks are removed on exit, also by exception) or with :meth:`start`/
+    :meth:`stop`; call :meth:`step` at each optimizer step and :meth:`report` for the statistics.
     """
 
     def __init__(self, model: nn.Module, *, modules: Sequence[str] | str | None = None,
@@ -168,10 +168,8 @@ class Probe:
     def _detach(self) -> None:
         handles, self._handles = self._handles, []
         for h in handles:
-            try:
+            with contextlib.suppress(Exception):  # a hook handle whose owner is gone
                 h.remove()
-            except Exception:  # a hook handle whose owner is gone
-                pass
 
     # -- steps -----------------------------------------------------------------------
     def step(self) -> None:
@@ -182,8 +180,7 @@ class Probe:
         After :meth:`stop` it raises ProbeError: a stopped Probe counts no more steps.
         """
         if self._stopped:
-            raise ProbeError("Probe.step() after stop(): a stopped Probe records nothing, so the step would be an "
-                             "empty one; call step() before stop(), or start() the Probe again")
+            raise ProbeError("Probe.step() after stop() would count an empty step; call start() again first")
         self.recorder.close_forward()
         sampled = self.recorder.sampling
         for c in self.collectors:
@@ -204,8 +201,8 @@ class Probe:
     def watch(self, loss: torch.Tensor) -> None:
         """Also cover the gradients between the model's output and ``loss`` in the overflow ceiling.
 
-        Call it before ``loss.backward()`` when code outside the model sits between the model's output
-        and the loss (the gradient at the model's output is covered without it). Costs no host sync.
+        Call it before ``loss.backward()`` when code outside the model sits between its output and the
+        loss (the output's own gradient is covered without it). Costs no host sync.
         """
         ceiling = self.collector("ceiling")
         if ceiling is not None and self._active:
@@ -214,12 +211,11 @@ class Probe:
     def shadow(self, compute_loss: Any) -> bool:
         """Rerun this step's batch in fp32 as the reference, if this step is a shadowed one.
 
-        ``compute_loss()`` runs the forward and the loss for the step's batch and returns the loss; it
-        must not enter autocast itself (the Probe runs it with autocast off). Call it every step, before
-        the optimizer step (the weights must be those the step used): on steps that are not shadowed it
-        returns False at once, without calling ``compute_loss``. Called before the step's own forward,
-        dropout draws the same masks in both. Only needed when the loss is computed outside the model;
-        a model that returns its loss is rerun without it. Gradients, buffers and random state are restored.
+        ``compute_loss()`` runs the forward and the loss for the step's batch and returns the loss (the
+        Probe runs it with every autocast off). Call it every step, before the optimizer step (the weights
+        must be those the step used): on steps that are not shadowed it returns False at once. Called before
+        the step's own forward, dropout draws the same masks in both. Only needed when the loss is computed
+        outside the model. Gradients, buffers and random state are restored.
         """
         reruns = self.collector("shadow")
         if reruns is None or not self._active:
@@ -236,13 +232,10 @@ class Probe:
                since_step: int | None = None) -> Report:
         """Bring the statistics to the host (one transfer per table) and return a Report.
 
-        A step still open (recorded but not yet closed by :meth:`step`) is included without closing it,
-        so calling report() twice, or mid-step and then again after :meth:`step`, never counts a value
-        twice. ``since_step``: the per-step trace and history hold only the steps from that one on (module
-        totals, the shadow and the verdict's evidence stay whole), as
-        :class:`~fp16probe.integrations.live.LiveLogger` asks at each interval. ``extra``: the caller's
-        own metadata (``metadata.extra``). This synchronises with the device; call it outside the
-        training hot path.
+        A step still open (not yet closed by :meth:`step`) is included without closing it: no value counts
+        twice. ``since_step``: the trace and history hold the steps from that one on (module totals, the
+        shadow and the evidence stay whole), as :class:`~fp16probe.integrations.live.LiveLogger` asks.
+        ``extra``: the caller's own metadata. This synchronises with the device: not in the hot path.
         """
         for c in self.collectors:  # each folds what the open step saw before the recorder reads
             c.flush()
