@@ -271,10 +271,11 @@ class Recommendation:
     __str__ = __repr__
 
     def explanation(self, width: int = 88) -> str:
-        """Return :attr:`text`, the reasoning, wrapped at spaces to ``width`` (URLs and numbers stay whole)."""
-        from fp16probe.presentation.answer import wrap_text
+        """Return :attr:`text`, the reasoning, wrapped at spaces to ``width`` (URLs and numbers stay whole);
+        a verdict the emulated step gave leads with what it measured."""
+        from fp16probe.presentation.answer import explanation_text, wrap_text
 
-        return "\n".join(wrap_text(self.text, width))
+        return "\n".join(wrap_text(explanation_text(self), width))
 
     def _repr_html_(self) -> str:
         from fp16probe.presentation.html import recommendation_html

@@ -192,6 +192,7 @@ def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():
     assert error > TOLERANCE and rec.verdict == "gradient_error"
     assert rec.evidence["fix_modules"] == ["norm"] and rec.evidence["emulated"]["module"] == "norm"
     assert rec.evidence["emulated"]["fix"]["error"] < TOLERANCE  # the fix, proved by a second emulated step
+    assert rec.explanation(200).startswith("The emulated fp16 step") and "Keeping norm in fp32" in rec.explanation(200)
     assert real_run(model, batches, _ce, checked_scale(rec), fp32_modules=["norm"])[0] < TOLERANCE
 
     # The model with the printed fix applied profiles clean.

@@ -407,6 +407,27 @@ def emulated_sentence(rec: Recommendation) -> str:
             f"{'; ' + around if around else ''}{fixed}")
 
 
+def explanation_text(rec: Recommendation) -> str:
+    """The reasoning: :attr:`Recommendation.text`, led for ``gradient_error`` by what the emulated step measured
+    (the scale reasoning that follows is the gradients' verdict, for once the error is fixed)."""
+    if rec.verdict is not Verdict.GRADIENT_ERROR:
+        return rec.text
+    em = rec.evidence.get("emulated") or {}
+    fix = em.get("fix") or {}
+    k = em.get("log2_scale")
+    at = f"S = {num.power_of_two(k)}" if k else "S = 1"
+    where = (f"the first module whose output is more than {num.percent(em.get('tolerance'))} off fp32's is "
+             f"{em.get('module')} ({num.percent(em.get('module_output_error'))} off)"
+             if em.get("module_output_error") is not None else
+             f"the error is made in backward, at or just after {em.get('module')}")
+    fixed = (f" Keeping {', '.join(fix.get('keep_fp32') or [])} in fp32 (fp16probe.keep_in_fp32) brings the "
+             f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}." if fix else "")
+    return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
+            f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
+            f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
+            f"Once that is fixed, the gradients alone give: {rec.evidence.get('backward_verdict')}. {rec.text}")
+
+
 def _what_to_do(rec: Recommendation) -> str:
     """When no single scale fits: the fixes, before any scaler line ('' for other verdicts)."""
     if rec.verdict is not Verdict.NO_SINGLE_SCALE:
