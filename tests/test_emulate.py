@@ -259,3 +259,19 @@ def test_emulated_bf16_step_equals_cpu_bf16_autocast(name):
     names = list(ref)
     assert off(real, ref, names) > 1e-3
     assert off(emu, real, names) <= 8 * MODEL_TOL, (off(emu, real, names), off(real, ref, names))
+
+
+def test_a_failing_step_leaves_the_gradients_and_the_mode_stack_as_they_were():
+    model = nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    before = model.weight.grad.clone()
+
+    def broken() -> torch.Tensor:
+        model(torch.randn(3, 4))
+        raise RuntimeError("the model's own failure")
+
+    for step in (lambda: emulated_step(model, broken), lambda: reference_step(model, broken)):
+        with pytest.raises(RuntimeError, match="own failure"):
+            step()
+        assert torch.equal(model.weight.grad, before)
+        assert not torch.overrides._get_current_function_mode_stack()

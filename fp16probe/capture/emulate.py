@@ -323,11 +323,18 @@ def _saved_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 @contextlib.contextmanager
-def _step_state(model: nn.Module) -> Iterator[None]:
-    """Leave the model's buffers, .grad and the RNG state as they were; same dropout masks each time."""
+def _step_state(model: nn.Module, saved: dict[str, torch.Tensor | None] | None = None) -> Iterator[None]:
+    """Leave the model's buffers and the RNG state as they were (same dropout masks each time); on a
+    failure, put back the ``.grad`` tensors ``saved`` took too."""
     restore = _restore_state(model)
     try:
         yield
+    except BaseException:
+        if saved is not None:
+            for n, p in model.named_parameters():
+                if n in saved:
+                    p.grad = saved[n]
+        raise
     finally:
         restore()
 
@@ -355,7 +362,7 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
 
     hook = nn.modules.module.register_module_forward_hook(keep) if keep_outputs else None
     try:
-        with _step_state(model):
+        with _step_state(model, saved):
             loss = run()
             loss.backward()
             grads = _take_grads(model, saved)
@@ -419,7 +426,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
     Returns the unscaled fp32 gradients. Synchronises with the device once (the loss).
     """
     saved = _saved_grads(model)
-    with _step_state(model):
+    with _step_state(model, saved):
         with emulating(model, format=format, target=target, regime=regime, keep_fp32=keep_fp32,
                        reference_outputs=reference_outputs) as em:
             loss = run()
