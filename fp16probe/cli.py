@@ -218,10 +218,11 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
 
 def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
-    from fp16probe.analysis.recommend import analyze, target_of
+    from fp16probe.analysis.effect import judge_report
+    from fp16probe.analysis.recommend import target_of
 
     fmt, knd = target_of(report, format, kind)
-    return fmt, knd, analyze(report, fmt, kind=knd)
+    return fmt, knd, judge_report(report, fmt, kind=knd)  # the emulated step's judgement kept, when it applies
 
 
 def _stored_format(report: Report) -> str:

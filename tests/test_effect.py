@@ -326,7 +326,7 @@ def test_the_emulation_section_round_trips_and_a_bad_field_is_named(tmp_path):
     text = path.read_text().replace('"loss_low": false, "batches": 2', '"loss_low": false, "batches": -2', 1)
     assert text != path.read_text()
     (tmp_path / "bad.json").write_text(text)
-    with pytest.raises(ReportError, match=r"sections\.emulation\.settings\[0\]\.batches"):
+    with pytest.raises(ReportError, match=r"sections\.emulation\.settings\[\d+\]\.batches: expected a finite number"):
         Report.load(tmp_path / "bad.json")
 
 
@@ -339,3 +339,16 @@ def test_invented_labels_are_the_same_in_the_fp32_and_the_emulated_step():
     report = fp16probe.profile(make_long_names(), [torch.randn(4, 8, generator=g) for _ in range(3)], steps=3)
     em = report.recommendation.evidence["emulated"]
     assert em["error"] < 0.01 and report.recommendation.verdict not in BAD
+
+
+def test_a_saved_report_is_judged_again_by_its_emulated_step(tmp_path):
+    """``recommend`` and ``show`` re-analyse a saved report: the emulation section keeps the judgement."""
+    from fp16probe.analysis.effect import judge_report
+    from fp16probe.report import Report
+
+    report = profiled(NormNet(), _batches(), _ce)
+    back = Report.load(report.save(tmp_path / "r.json"))
+    assert analyze(back, "fp16").verdict not in BAD  # the histograms alone
+    again = judge_report(back, "fp16")
+    assert again.verdict == "gradient_error" and again.evidence["fix_modules"] == ["norm"]
+    assert again.evidence["emulated"] == report.recommendation.evidence["emulated"]

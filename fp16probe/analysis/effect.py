@@ -23,7 +23,8 @@ from typing import Any
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 
-__all__ = ["TOLERANCE", "Effect", "ModuleEffect", "effect_at", "fixes_to_try", "judged", "scales_to_check"]
+__all__ = ["TOLERANCE", "Effect", "ModuleEffect", "effect_at", "effect_of", "fixes_to_try", "judge_report", "judged",
+           "scales_to_check"]
 
 # A gradient within 5% of fp32's (relative L2 error) counts as unharmed. Rounding alone costs
 # 0.04-0.5% on the models measured (docs/fp16-run.md); a flush that matters costs 20-100%. The
@@ -107,12 +108,18 @@ def _module_of(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else "(model)"
 
 
-def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()) -> Effect | None:
-    """The emulated step's effect at S = 2^log2_scale with ``keep`` in fp32; None when it was not run."""
+def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = (), *,
+              batches: int | None = None) -> Effect | None:
+    """The emulated step's effect at S = 2^log2_scale with ``keep`` in fp32; None when it was not run.
+
+    Over the most batches it was run on, or over exactly ``batches`` (the neighbours of S run on
+    the first batch only; ``batches=1`` sets S beside them on that same batch).
+    """
     names = list(data.get("parameters") or ())
-    for s in data.get("settings") or ():
-        if int(s["log2_scale"]) != log2_scale or sorted(s.get("keep_fp32") or ()) != sorted(keep):
-            continue
+    found = [s for s in data.get("settings") or ()
+             if int(s["log2_scale"]) == log2_scale and sorted(s.get("keep_fp32") or ()) == sorted(keep)
+             and (batches is None or int(s.get("batches", 1)) == batches)]
+    for s in sorted(found, key=lambda s: -int(s.get("batches", 1)))[:1]:
         # a parameter whose fp32 gradient was not finite cannot be judged against it: left out
         pairs = [(n, r) for n, r in zip(names, s["params"]) if r[1] is not None]
         names_kept = [n for n, _ in pairs]
@@ -278,11 +285,13 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
 
 
 def _emulated_evidence(data: Mapping[str, Any], eff: Effect, k: int) -> dict[str, Any]:
-    around = []
-    for j in (k - 1, k + 1):
-        e = effect_at(data, j)
+    around = []  # S and its neighbours on the first batch, where all three ran
+    for j in (k - 1, k, k + 1):
+        e = effect_at(data, j, batches=1)
         if e is not None:
             around.append([j, e.error, e.nonfinite])
+    if len(around) < 2:
+        around = []
     return {**eff.to_dict(), "target": data.get("target"), "regime": data.get("regime"),
             "batches": data.get("batches"), "tolerance": TOLERANCE, "neighbours": around,
             "source": data.get("source")}
@@ -292,6 +301,33 @@ def _with(rec: Recommendation, emulated: Mapping[str, Any], caveats: tuple[Cavea
     ev = dict(rec.evidence)
     ev["emulated"] = dict(emulated)
     return dataclasses.replace(rec, evidence=ev, caveats=rec.caveats + caveats)  # type: ignore[arg-type]
+
+
+def judge_report(report: Report, format: str | None = None, *, kind: str | None = None,
+                 target: str | None = None) -> Recommendation:
+    """``analyze(report, format, kind=...)`` judged by the report's emulation section, when it has one.
+
+    What ``fp16probe profile`` gives, again from the saved report alone (``recommend``, ``show``):
+    the emulated step's numbers are the report's, measured at the S of the profile's verdict, so
+    a re-analysis for another S or format finds no emulated step to judge by and stays the
+    histograms' verdict.
+    """
+    from fp16probe.analysis.recommend import analyze
+
+    rec = analyze(report, format, kind=kind, target=target)
+    data = effect_of(report)
+    if data is None or data.get("format") != rec.format:
+        return rec
+    k = _checked_log2(rec) if rec.format != "bf16" else 0
+    eff = effect_at(data, k) if k is not None else None
+    if eff is None:
+        return rec
+    gradients_only = any_flush = None
+    if rec.verdict in FORWARD:
+        gradients_only = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
+    elif not eff.harmless:
+        any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
+    return judged(rec, data, gradients_only, any_flush)
 
 
 def effect_of(report: Report) -> Mapping[str, Any] | None:

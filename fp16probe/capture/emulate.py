@@ -49,7 +49,7 @@ from fp16probe.capture.forward import _watch_autocast
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 
-__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "reference_step"]
+__all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "merged_setting", "reference_step"]
 
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LAYOUT = (LAYOUT_OPS - CAST_OPS) | {"repeat"}
@@ -468,6 +468,20 @@ def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[st
             (nonzero & (e == 0)).sum().double(), nonzero.sum().double(), (~torch.isfinite(e)).sum().double(),
         ]))
     return torch.stack([t.to(rows[0].device) for t in rows]) if rows else torch.zeros((0, 5), dtype=torch.float64)
+
+
+def merged_setting(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two of :func:`measure_effect`'s settings (same S, same modules, other batches) as one over both batches.
+
+    The sums add (an error that was not finite in either stays None); the module outputs are ``a``'s.
+    """
+    def add(x: Any, y: Any) -> Any:
+        return None if x is None or y is None else x + y
+
+    rows = [[add(p[0], q[0]), add(p[1], q[1]), p[2] + q[2], p[3] + q[3], p[4] + q[4]]
+            for p, q in zip(a["params"], b["params"])]
+    return {**a, "batches": a["batches"] + b["batches"], "loss_low": a["loss_low"] or b["loss_low"],
+            "ops": a["ops"] + b["ops"], "rounded": a["rounded"] + b["rounded"], "params": rows}
 
 
 def _finite(x: float) -> float | None:

@@ -195,7 +195,7 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
 
 
 # What `recommend` keeps of the short answer: the verdict, the numbers it rests on, what to do and the code.
-_BRIEF_KINDS = ("verdict", "flushed", "margin", "schedule", "todo", "device", "code")
+_BRIEF_KINDS = ("verdict", "flushed", "margin", "schedule", "todo", "device", "code", "emulated")
 _MORE_WORDS = {"invented": "note on invented inputs", "finding": "finding", "verification": "verification",
                "caveat": "caveat"}
 
@@ -395,7 +395,8 @@ def emulated_sentence(rec: Recommendation) -> str:
     worst = em.get("worst_parameters") or []
     tail = (f" (worst {shorten_name(str(worst[0][0]), 36)}: {_error_words(worst[0][1], 0)})"
             if worst and worst[0][1] is not None and not em.get("nonfinite") else "")
-    around = "; ".join(f"S = {num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
+    around = "; ".join(f"{num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
+    around = f"first batch at S = {around}" if around else ""
     fix = em.get("fix")
     fixed = (f"; with {', '.join(fix['keep_fp32'])} in fp32: {_error_words(fix.get('error'), fix.get('nonfinite'))}"
              if fix else "")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.analysis.effect import fixes_to_try, judged, scales_to_check
+from fp16probe.analysis.effect import fixes_to_try, judge_report, scales_to_check
 from fp16probe.analysis.recommend import analyze
 from fp16probe.emulation import Emulation
 from fp16probe.recommendation import Verdict
@@ -69,7 +69,7 @@ def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable
 def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: Loss, *,
                 target: str, regime: str, kind: str) -> Report:
     """``report`` with the emulation pass's numbers and its verdict judged by them (see the module docstring)."""
-    from fp16probe.capture.emulate import measure_effect
+    from fp16probe.capture.emulate import measure_effect, merged_setting
 
     rec = report.recommendation
     if rec is None or rec.format not in ("fp16", "bf16") or not batches:
@@ -81,11 +81,16 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
     began = time.perf_counter()
     try:
         k = scales[len(scales) // 2]
-        data = measure_effect(model, runs, format=rec.format, target=target, regime=regime, settings=[(k, ())])
-        if len(scales) > 1:  # the neighbours on the first batch only: a third less time on GPT-2 small
-            around = measure_effect(model, runs[:1], format=rec.format, target=target, regime=regime,
-                                    settings=[(j, ()) for j in scales if j != k])
-            data["settings"] += around["settings"]
+        # S and its neighbours on the first batch (so they compare like with like), S alone on the others,
+        # and S over all of them: a third less time than every scale on every batch (GPT-2 small)
+        data = measure_effect(model, runs[:1], format=rec.format, target=target, regime=regime,
+                              settings=[(j, ()) for j in scales])
+        if len(runs) > 1:
+            rest = measure_effect(model, runs[1:], format=rec.format, target=target, regime=regime,
+                                  settings=[(k, ())])
+            first = next(s for s in data["settings"] if s["log2_scale"] == k)
+            data["settings"].append(merged_setting(first, rest["settings"][0]))
+            data["batches"] = len(runs)
         if rec.format == "bf16":  # bf16 needs no scale for its range; its precision is set beside fp16's at its S
             fp16 = analyze(report, "fp16", kind=kind, target=target)
             k16 = fp16.log2_scale if fp16.verdict in (Verdict.NONE_NEEDED, Verdict.CONSTANT, Verdict.DYNAMIC) else None
@@ -101,8 +106,5 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
         return report.with_sections({"emulation": Emulation(error=why)})
     data["seconds"] = round(time.perf_counter() - began, 3)
     report = report.with_sections({"emulation": Emulation.from_dict(data)})
-    data = Emulation.from_dict(data).to_dict()  # the form the analysis reads, as a saved report gives it
-    forward_off = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
-    any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
-    return report.with_recommendation(judged(rec, data, forward_off, any_flush))
+    return report.with_recommendation(judge_report(report, rec.format, kind=kind, target=target))
 
