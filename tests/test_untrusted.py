@@ -237,6 +237,20 @@ def test_a_module_removed_mid_run_is_one_error_with_the_report_kept(tmp_path):
     assert "removed 1 hooked module(s) during the run (a)" in result.output
 
 
+def test_a_step_recorded_before_stop_is_still_closed_after_it():
+    """start/stop around part of a step (a micro-batch), then step(): the step holds data and counts."""
+    model = nn.Linear(4, 2)
+    probe = Probe(model)
+    for _ in range(2):
+        probe.start()
+        model(torch.randn(2, 4)).sum().backward()
+        probe.stop()
+        probe.step()
+    assert probe.report().metadata.steps_seen == 2
+    with pytest.raises(ProbeError, match=r"step\(\) after stop\(\)"):
+        probe.step()  # nothing recorded since: an empty step
+
+
 def test_step_after_stop_raises_the_probe_error():
     model = nn.Linear(4, 2)
     probe = Probe(model).start()

@@ -177,9 +177,9 @@ class Probe:
 
         Closing the step is atomic: a KeyboardInterrupt anywhere in here leaves the
         step either open or closed, so a partial report is always consistent.
-        After :meth:`stop` it raises ProbeError: a stopped Probe counts no more steps.
+        After :meth:`stop` it closes what was recorded before, and raises ProbeError on an empty step.
         """
-        if self._stopped:
+        if self._stopped and not self.recorder.step_open:
             raise ProbeError("Probe.step() after stop() would count an empty step; call start() again first")
         self.recorder.close_forward()
         sampled = self.recorder.sampling

@@ -233,6 +233,11 @@ class Recorder:
         st = self._state
         return st.closed + (1 if st.dirty else 0)
 
+    @property
+    def step_open(self) -> bool:
+        """Whether anything was recorded since the last closed step."""
+        return bool(self._state.dirty)
+
     # -- the interface hooks use (hot path: no host synchronisation) -------------------
     def capture_output(self, name: str, type_name: str, output: Any) -> None:
         """Record what a module or op named ``name`` produced: activations and/or a gradient hook."""
