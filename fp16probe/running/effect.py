@@ -30,7 +30,7 @@ from fp16probe.running.losses import Loss
 __all__ = ["EMULATED_BATCHES", "with_effect"]
 
 # S/2, S and 2S run on the first batch, S on the others, each fix on all: with 2 batches, 2 fp32 and
-# 4 emulated steps (GPT-2 small from its config on this CPU: 66 s -> 79 s for a 10-step profile).
+# 4 emulated steps (GPT-2 small from its config on this CPU: 60 s -> 87 s for a 10-step profile).
 EMULATED_BATCHES = 2
 
 
