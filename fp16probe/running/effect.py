@@ -27,14 +27,14 @@ from fp16probe.report import Report
 from fp16probe.running.inputs import call_model
 from fp16probe.running.losses import Loss
 
-__all__ = ["EMULATED_BATCHES", "with_effect"]
+__all__ = ["EMULATED_BATCHES", "loss_generators", "with_effect"]
 
 # S/2, S and 2S run on the first batch, S on the others, each fix on all: with 2 batches, 2 fp32 and
 # 4 emulated steps (GPT-2 small from its config on this CPU: 60 s -> 87 s for a 10-step profile).
 EMULATED_BATCHES = 2
 
 
-def _generators(obj: Any, depth: int = 0) -> list[torch.Generator]:
+def loss_generators(obj: Any, depth: int = 0) -> list[torch.Generator]:
     """The torch.Generator objects a loss keeps (the invented labels' own), a few attributes deep."""
     if isinstance(obj, torch.Generator):
         return [obj]
@@ -46,13 +46,13 @@ def _generators(obj: Any, depth: int = 0) -> list[torch.Generator]:
         values = list(obj)
     else:
         values = list(getattr(obj, "__dict__", {}).values())
-    return [g for v in values for g in _generators(v, depth + 1)]
+    return [g for v in values for g in loss_generators(v, depth + 1)]
 
 
 def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable[[], torch.Tensor]]:
     """One call per batch making its loss; a loss that draws its own labels draws the same ones on every call,
     so the fp32 and the emulated steps of a batch compare gradients of one loss."""
-    gens = _generators(loss.fn)
+    gens = loss_generators(loss.fn)
     states = [g.get_state() for g in gens]
 
     def run(batch: Any) -> Callable[[], torch.Tensor]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, message_of
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
+from fp16probe.running.effect import loss_generators
 from fp16probe.running.inputs import call_model, map_tensors, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
@@ -129,9 +130,14 @@ def verify(
     overflow_steps = 0
     scales: list[float] = []
     watch = _FirstNonfinite(target)
+    # A loss that draws its own labels (the default's invented ones) draws the same ones for both runs of a step
+    gens = loss_generators(loss.fn)
     with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
         for step, batch in enumerate(batch_list):
+            states = [g.get_state() for g in gens]
             ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None)
+            for g, s in zip(gens, states):
+                g.set_state(s)
             scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
             watch.step = step
             tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler,
