@@ -492,22 +492,41 @@ def findings(report: Report) -> list[str]:
 
 # How each registered section that is not a field of the Report is told (one line; the default lists its
 # fields). A collector that wants its own words registers them here, beside its section.
-SECTION_WORDS: dict[str, Callable[[Any], str]] = {}
+# A registered section's words for `show` (None: worded elsewhere, so no line of its own).
+SECTION_WORDS: dict[str, Callable[[Any], str | None]] = {
+    "emulation": lambda _: None,  # the answer's "emulated" line says what it measured
+}
+_BRIEF = 40  # characters a value of an unworded section may take before it is shown by its size
 
 
 def section_lines(report: Report) -> list[str]:
-    """One line per registered section the report carries beyond the built-in ones, in key order."""
+    """One line per registered section the report carries beyond the built-in ones, in key order.
+
+    A section without words of its own shows its fields, each list or mapping longer than a few
+    words by its size (``show --json`` has the values): a line, not a dump.
+    """
     out = []
     for key in sorted(report.sections):
         value = report.sections[key]
         words = SECTION_WORDS.get(key)
         if words is not None:
-            out.append(f"{key}: {words(value)}")
+            said = words(value)
+            if said is not None:
+                out.append(f"{key}: {said}")
             continue
         data = value.to_dict() if hasattr(value, "to_dict") else value
-        shown = ", ".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, Mapping) else str(data)
+        shown = (", ".join(f"{k}={_brief(v)}" for k, v in data.items()) if isinstance(data, Mapping)
+                 else _brief(data))
         out.append(f"{key}: {shown}")
     return out
+
+
+def _brief(value: Any) -> str:
+    """``value`` as it reads, or its size when that would be long: ``[32 items]``, ``{5 keys}``."""
+    text = str(value)
+    if len(text) <= _BRIEF or not isinstance(value, (list, tuple, Mapping)):
+        return text if len(text) <= 4 * _BRIEF else f"{text[:_BRIEF]}... ({num.count(len(text))} characters)"
+    return f"{{{num.count(len(value))} keys}}" if isinstance(value, Mapping) else f"[{num.count(len(value))} items]"
 
 
 def numerically_zero_sentence(cancelled: Mapping[str, int]) -> str:
