@@ -28,7 +28,6 @@ PENDING = {
     "replay.py": "the growth-interval table's note for GradScaler's default",
     "schedule.py": "fp16probe schedule's plain-words answer and rule names",
     "weight_updates.py": "the weight-update loss summary",
-    "effect.py": "the emulated step's summary",
 }
 
 
