@@ -1,11 +1,13 @@
 """What the capture modes share while a forward runs: the module stack and the low-precision map.
 
-Op capture (:mod:`fp16probe.capture.ops`) and the forward audit
-(:mod:`fp16probe.capture.forward`) each run a ``TorchFunctionMode`` over the probed model's
-forward and need the same two things:
+Op capture (:mod:`fp16probe.capture.ops`), the forward audit (:mod:`fp16probe.capture.forward`)
+and the emulated step (:mod:`fp16probe.capture.emulate`) each run a ``TorchFunctionMode`` over
+the probed model's forward and need the same two things:
 
 - :class:`ModuleStack`, the module calls the running op is inside, innermost last, each frame
-  counting the ops named in it (``"block.attn/softmax"``, a second ``add`` ``"block/add.1"``);
+  counting the ops named in it (``"block.attn/softmax"``, a second ``add`` ``"block/add.1"``)
+  and saying whether it is inside a selected module (op capture's selection, the emulation's
+  modules kept in fp32);
 - :class:`DtypeTracker`, for each tensor made in the forward, whether it would be low
   precision (fp16/bf16) in the target run, per target device, keyed by the tensor's id with a
   weakref that guards against a reused id; and the ``torch.autocast`` regions the model
@@ -146,14 +148,17 @@ class DtypeTracker:
         self._low.clear()
 
     # -- autocast regions -----------------------------------------------------------------------
+    def autocast_off(self, target: str) -> bool:
+        """Whether the model switched ``target``'s autocast off around the op running now."""
+        for device, enabled in reversed(self._autocast):
+            if device == target:
+                return not enabled
+        return False
+
     def regime_here(self, target: str, regime: str) -> str:
         """The regime of the op running now on ``target``: ``regime``, or ``"pure_fp16"`` where the model
         switched autocast off (type promotion alone decides there)."""
-        if regime == "autocast":
-            for device, enabled in reversed(self._autocast):
-                if device == target:
-                    return "autocast" if enabled else "pure_fp16"
-        return regime
+        return "pure_fp16" if regime == "autocast" and self.autocast_off(target) else regime
 
     @contextlib.contextmanager
     def watching_autocast(self) -> Iterator[None]:
