@@ -181,12 +181,9 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                   extra: Mapping[str, Any] | None = None, **probe_options: Any) -> Report | None:
     """Profile ``model`` as :func:`profile` does, with the settings of ``r`` (checked when it was made)."""
     format, precision, scaler, optimizer, verify = str(r.format), r.precision, r.loss_scale, r.optimizer, r.verify
-    run_device = torch.device(device) if device is not None else next(
-        (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
-    target = r.target or ("cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda")
+    target = _target_of(r, model, device)
     probe_options = _block_options(format, r.recipe, probe_options)
-    regime = "pure_fp16" if isinstance(model, nn.Module) and any(
-        p.dtype == torch.float16 for p in model.parameters()) else "autocast"
+    regime = _regime_of(model)
     model, dev, notes = prepare_model(model, device)
     if regime == "pure_fp16":
         notes.append("the model came in fp16: profiled in fp32 and predicted as it trains, a .half() run "
@@ -198,6 +195,48 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
     settings = RunSettings(steps=r.steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=r.lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
+    result, gather, guard, initial = _run_shielded(r, model, batch_src, loss, settings, probe, grad_scaler,
+                                                   on_step=on_step, regime=regime)
+    if result.steps_done == 0 or gather == "nothing":
+        _nothing_to_report(result, gather, guard, batch_src)
+        return None  # rank 0 speaks for the run
+    extra, gather = _run_extra(extra, optimizer, gather)
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
+                     gather=gather)
+    report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard)
+    if result.error is not None:
+        result.error.report = report
+        raise result.error
+    _check_hooks_kept(report)
+    if verify and report is not None and not report.metadata.partial:
+        report = _verified(report, initial, result.batches, loss, dev, target)
+    return report
+
+
+def _target_of(r: ProfileRequest, model: nn.Module, device: str | torch.device | None) -> str:
+    """The device whose autocast rules the prediction applies: the request's, else the CPU's for a verify on one."""
+    run_device = torch.device(device) if device is not None else next(
+        (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
+    return r.target or ("cpu" if r.verify and run_device is not None and run_device.type == "cpu" else "cuda")
+
+
+def _regime_of(model: nn.Module) -> str:
+    """How the model trains: ``pure_fp16`` when its parameters came in fp16 (a ``.half()`` run), else ``autocast``."""
+    return "pure_fp16" if isinstance(model, nn.Module) and any(
+        p.dtype == torch.float16 for p in model.parameters()) else "autocast"
+
+
+def _run_shielded(r: ProfileRequest, model: nn.Module, batch_src: Batches, loss: Loss, settings: RunSettings,
+                  probe: Any, grad_scaler: Any, *, on_step: Callable[[int], None] | None,
+                  regime: str) -> tuple[RunResult, Any, Any, nn.Module | None]:
+    """Run the loop under the signal shield and, under torch.distributed, the rank guard.
+
+    Returns the result (settled with the other ranks), how to gather the report (see
+    :func:`_settle`), the guard (None outside torch.distributed) and, for verify, a copy of the
+    model as it was before the run. The shield is disarmed when the loop is over: a second
+    Ctrl-C or a SIGTERM no longer aborts the report.
+    """
+    optimizer, verify, precision = r.optimizer, r.verify, r.precision
     with stop_signals() as shield:
         guard = _rank_guard(model)
         runner = _distributed_runner(model)
@@ -217,35 +256,49 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         gather: Any = None
         if guard is not None:
             result, gather = _settle(guard, result, probe)
-    if result.steps_done == 0 or gather == "nothing":
-        if result.error is not None:
-            raise result.error
-        if gather == "nothing" and guard is not None and guard.rank != 0:
-            return None  # rank 0 speaks for the run
-        if result.stopped == STOPPED_HANGUP:
-            raise Hangup()
-        if result.stopped == STOPPED_TERMINATED:
-            raise Terminated()
-        if result.interrupted:
-            raise KeyboardInterrupt()
-        raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
-    extra = dict(extra or {})
+    return result, gather, guard, initial
+
+
+def _nothing_to_report(result: RunResult, gather: Any, guard: Any, batch_src: Batches) -> None:
+    """No step to report on this rank: raise why (the error, the signal, no batch); return on a rank other than 0."""
+    if result.error is not None:
+        raise result.error
+    if gather == "nothing" and guard is not None and guard.rank != 0:
+        return  # rank 0 speaks for the run
+    if result.stopped == STOPPED_HANGUP:
+        raise Hangup()
+    if result.stopped == STOPPED_TERMINATED:
+        raise Terminated()
+    if result.interrupted:
+        raise KeyboardInterrupt()
+    raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
+
+
+def _run_extra(extra: Mapping[str, Any] | None, optimizer: Any, gather: Any) -> tuple[dict[str, Any], Any]:
+    """The report's ``extra`` metadata (the caller's optimizer, rank 0's own steps) and how to gather it."""
+    out = dict(extra or {})
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
-        extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
+        out.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
     if isinstance(gather, dict):  # rank 0 alone: what the report holds, and why
-        extra.update(gather)
+        out.update(gather)
         gather = "local"
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
-                     gather=gather)
+    return out, gather
+
+
+def _with_measurements(report: Report | None, r: ProfileRequest, model: nn.Module, result: RunResult, loss: Loss,
+                       *, target: str, regime: str, guard: Any) -> Report | None:
+    """The report with the scaled formats' per-layer advice and, after a whole fp32 run, the emulated step."""
     if report is not None and report.blocks is not None:
-        report = _with_block_advice(report, format, r.recipe)
-    if report is not None and precision == "fp32" and guard is None and result.error is None:
+        report = _with_block_advice(report, str(r.format), r.recipe)
+    if report is not None and r.precision == "fp32" and guard is None and result.error is None:
         report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
                              kind=r.kind)
-    if result.error is not None:
-        result.error.report = report
-        raise result.error
+    return report
+
+
+def _check_hooks_kept(report: Report | None) -> None:
+    """Raise ModelError, with the report, when the model removed hooked modules during the run."""
     removed = report.capture.removed_modules if report is not None and report.capture is not None else ()
     if removed:  # the model changed under the hooks: its statistics describe no one model
         error = ModelError(
@@ -255,9 +308,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             "stay as they are")
         error.report = report
         raise error
-    if verify and report is not None and not report.metadata.partial:
-        report = _verified(report, initial, result.batches, loss, dev, target)
-    return report
 
 
 Progress = Callable[[int, bool], contextlib.AbstractContextManager[Callable[[int], None]]]
