@@ -676,102 +676,160 @@ def run_profile(
     device = torch.device(settings.device)
     if optimizer is None and settings.optimizer:
         optimizer = make_optimizer(model, settings.optimizer, settings.lr)
-    nonfinite: list[int] = []
-    losses: list[float] = []
-    used: list[Any] = []
-    before: dict[str, torch.Tensor] | None = None
-    done = 0
-    exhausted = False
-    stopped: str | None = None
-    error: Fp16ProbeError | None = None
-    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    loop = _Loop(model, batches, loss, probe, device, settings.precision, scaler=scaler, optimizer=optimizer,
+                 audit=audit, guard=guard)
     model.train()
     try:
         for step in range(settings.steps):
-            batch = None
-            what = "batches"
-            try:
-                try:
-                    batch = next(batches.iterator)
-                except StopIteration:
-                    exhausted = True
-                    break
-                what = "forward"
-                with _autocast(device, settings.precision), (
-                        audit.step(step) if audit is not None else contextlib.nullcontext()):
-                    output = call_model(model, batch)
-                    what = f"loss ({loss.description})"
-                    value = loss.fn(output, batch)
-                    if audit is not None and isinstance(value, torch.Tensor):
-                        audit.note_loss(value)
-                if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                    raise InputError(
-                        f"the loss ({loss.description}) returned {type(value).__name__}, expected a scalar tensor"
-                    )
-                value = value.reshape(())
-                loss_val = float(value.detach().float())  # one host sync per step, outside every hook
-                if not value.requires_grad:
-                    raise InputError(
-                        f"the loss ({loss.description}) does not depend on any trainable parameter; "
-                        "check that the model's parameters require grad"
-                    )
-                if guard is not None:  # before DDP's all-reduce: did every rank get this far?
-                    statuses, finished = guard.agree(done)
-                    if any(statuses):
-                        agreed = (statuses, finished)
-                        stopped = STOPPED_ERROR
-                        break
-                what = "backward"
-                probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
-                (scaler.scale(value) if scaler is not None else value).backward()
-                if optimizer is not None:
-                    what = "optimizer step"
-                    snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-                    if _taken_step(optimizer, scaler, loss_val):
-                        before = snapshot
-            except KeyboardInterrupt:
-                raise
-            except Fp16ProbeError as e:
-                error = e
-                stopped = STOPPED_ERROR
+            loss_val = loop.step(step)
+            if loss_val is None:  # out of batches, a failure, or another rank stopped
                 break
-            except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
-                if guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
-                    error = ModelError(f"step {step + 1}: waited for the other ranks in the {what} and gave up "
-                                       f"({first_line(e)})")
-                    error.__cause__ = e
-                elif what == "batches":
-                    error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {first_line(e)}")
-                    error.__cause__ = e
-                else:
-                    error = _step_error(step, what, e, batch, first_ok=done > 0, model=_unwrapped(model))
-                stopped = STOPPED_ERROR
-                break
-            losses.append(loss_val)
-            if not math.isfinite(loss_val):
-                nonfinite.append(step)
-            if keep_batches or len(used) < keep_first:  # all for verify(), the first few for the emulation
-                used.append(batch)
-            model.zero_grad(set_to_none=True)
-            probe.step()
-            done += 1
+            loop.close_step(step, loss_val, keep=keep_batches or len(loop.used) < keep_first)
             if on_step is not None:
-                on_step(done)
+                on_step(loop.done)
     except Hangup:
-        stopped = STOPPED_HANGUP
+        loop.stopped = STOPPED_HANGUP
     except Terminated:
-        stopped = STOPPED_TERMINATED
+        loop.stopped = STOPPED_TERMINATED
     except KeyboardInterrupt:
-        stopped = STOPPED_INTERRUPTED
-    if stopped is not None:
+        loop.stopped = STOPPED_INTERRUPTED
+    if loop.stopped is not None:
         model.zero_grad(set_to_none=True)  # a step cut short leaves no half-made gradients behind
-    updates = None
-    if before is not None:
-        # Later steps were skipped, so the weights still hold the last taken step's result.
-        updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
-    return RunResult(done, stopped=stopped, exhausted=exhausted, error=error,
-                     nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses), batches=tuple(used),
-                     weights_before=before, updates=updates, agreed=agreed)
+    return loop.result()
+
+
+@dataclass
+class _Loop:
+    """:func:`run_profile`'s loop: its parts, and what it has done so far (read by its handlers)."""
+
+    model: nn.Module
+    batches: Batches
+    loss: Loss
+    probe: Any
+    device: torch.device
+    precision: str
+    scaler: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    audit: Any = None
+    guard: Any = None
+    done: int = 0
+    exhausted: bool = False
+    stopped: str | None = None
+    error: Fp16ProbeError | None = None
+    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    before: dict[str, torch.Tensor] | None = None
+    nonfinite: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    used: list[Any] = field(default_factory=list)
+    batch: Any = None  # this step's, once drawn
+    what: str = "batches"  # what this step is running: a failure names it
+
+    def step(self, step: int) -> float | None:
+        """Run step ``step`` (0-based); its loss's value, or None when the loop stops here.
+
+        A KeyboardInterrupt (and a signal's) goes through to :func:`run_profile`; a failure of user
+        code is kept as ``error`` with ``stopped`` set.
+        """
+        self.batch = None
+        self.what = "batches"
+        try:
+            return self._forward_backward(step)
+        except KeyboardInterrupt:
+            raise
+        except Fp16ProbeError as e:
+            self.error = e
+            self.stopped = STOPPED_ERROR
+            return None
+        except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
+            self.error = self._user_error(step, e)
+            self.stopped = STOPPED_ERROR
+            return None
+
+    def _forward_backward(self, step: int) -> float | None:
+        """Draw a batch, run forward, the loss and backward (and the optimizer); None when there is no step to take."""
+        try:
+            self.batch = next(self.batches.iterator)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        self.what = "forward"
+        value, loss_val = self._loss_value(step)
+        if self.guard is not None and self._another_rank_stopped():
+            return None
+        self.what = "backward"
+        self.probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
+        (self.scaler.scale(value) if self.scaler is not None else value).backward()
+        if self.optimizer is not None:
+            self.what = "optimizer step"
+            snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            if _taken_step(self.optimizer, self.scaler, loss_val):
+                self.before = snapshot
+        return loss_val
+
+    def _loss_value(self, step: int) -> tuple[torch.Tensor, float]:
+        """Forward and the loss under autocast (and the audit); the checked scalar loss and its value on the host."""
+        with _autocast(self.device, self.precision), (
+                self.audit.step(step) if self.audit is not None else contextlib.nullcontext()):
+            output = call_model(self.model, self.batch)
+            self.what = f"loss ({self.loss.description})"
+            value = self.loss.fn(output, self.batch)
+            if self.audit is not None and isinstance(value, torch.Tensor):
+                self.audit.note_loss(value)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise InputError(
+                f"the loss ({self.loss.description}) returned {type(value).__name__}, expected a scalar tensor"
+            )
+        value = value.reshape(())
+        loss_val = float(value.detach().float())  # one host sync per step, outside every hook
+        if not value.requires_grad:
+            raise InputError(
+                f"the loss ({self.loss.description}) does not depend on any trainable parameter; "
+                "check that the model's parameters require grad"
+            )
+        return value, loss_val
+
+    def _another_rank_stopped(self) -> bool:
+        """Before DDP's all-reduce: did every rank get this far? When one did not, stop here (``agreed``)."""
+        statuses, finished = self.guard.agree(self.done)
+        if any(statuses):
+            self.agreed = (statuses, finished)
+            self.stopped = STOPPED_ERROR
+            return True
+        return False
+
+    def _user_error(self, step: int, e: BaseException) -> Fp16ProbeError:
+        """The error for a failure of user code (or of a collective waiting on the other ranks) at ``step``."""
+        if self.guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
+            error: Fp16ProbeError = ModelError(f"step {step + 1}: waited for the other ranks in the {self.what} "
+                                               f"and gave up ({first_line(e)})")
+            error.__cause__ = e
+        elif self.what == "batches":
+            error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {first_line(e)}")
+            error.__cause__ = e
+        else:
+            error = _step_error(step, self.what, e, self.batch, first_ok=self.done > 0, model=_unwrapped(self.model))
+        return error
+
+    def close_step(self, step: int, loss_val: float, *, keep: bool) -> None:
+        """Record a finished step (its loss, its batch when ``keep``) and close it in the probe."""
+        self.losses.append(loss_val)
+        if not math.isfinite(loss_val):
+            self.nonfinite.append(step)
+        if keep:  # all for verify(), the first few for the emulation
+            self.used.append(self.batch)
+        self.model.zero_grad(set_to_none=True)
+        self.probe.step()
+        self.done += 1
+
+    def result(self) -> RunResult:
+        """What the loop did, with the last taken optimizer step's update."""
+        updates = None
+        if self.before is not None:
+            # Later steps were skipped, so the weights still hold the last taken step's result.
+            updates = {n: p.detach() - self.before[n] for n, p in self.model.named_parameters() if n in self.before}
+        return RunResult(self.done, stopped=self.stopped, exhausted=self.exhausted, error=self.error,
+                         nonfinite_loss_steps=tuple(self.nonfinite), losses=tuple(self.losses),
+                         batches=tuple(self.used), weights_before=self.before, updates=updates, agreed=self.agreed)
 
 
 def _is_collective_error(e: BaseException) -> bool:
