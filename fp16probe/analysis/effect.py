@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fp16probe.formats import Format
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 
@@ -377,7 +378,7 @@ def _with(rec: Recommendation, emulated: Mapping[str, Any], caveats: tuple[Cavea
     return dataclasses.replace(rec, evidence=ev, caveats=rec.caveats + caveats)  # type: ignore[arg-type]
 
 
-def judge_report(report: Report, format: str | None = None, *, kind: str | None = None,
+def judge_report(report: Report, format: str | Format | None = None, *, kind: str | None = None,
                  target: str | None = None) -> Recommendation:
     """``analyze(report, format, kind=...)`` judged by the report's emulation section, when it has one.
 
@@ -397,10 +398,11 @@ def judge_report(report: Report, format: str | None = None, *, kind: str | None 
     if eff is None:
         return rec
     gradients_only = any_flush = None
+    again = format if isinstance(format, Format) else rec.format  # the caller's Format: no second lookup
     if rec.verdict in FORWARD:
-        gradients_only = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
+        gradients_only = analyze(report, again, kind=kind, target=target, forward_verdicts=False)
     elif not eff.harmless:
-        any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
+        any_flush = analyze(report, again, kind=kind, target=target, forward_underflow_at=0.0)
     return judged(rec, data, gradients_only, any_flush)
 
 

@@ -144,8 +144,9 @@ def analyze(
     Every verdict that advises a scale advises it through a scaler that backs off on
     overflow (GradScaler(init_scale=S, ...)), with S capped so that GradScaler accepts it.
     """
+    given = format
     format, kind = target_of(report, format, kind)
-    fmt = format if isinstance(format, Format) else get_format(format)
+    fmt = given if isinstance(given, Format) else get_format(format)  # a Format given is not looked up again
     ref = shadow.reference(report)
     if ref is not None:  # a live fp16/bf16 run: its fp32 reruns are the profile to judge
         return shadow.checked_scale(report, shadow.with_reference(report, analyze(

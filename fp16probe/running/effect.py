@@ -22,6 +22,7 @@ from torch import nn
 from fp16probe.analysis.effect import fixes_to_try, judge_report, scales_to_check
 from fp16probe.analysis.recommend import analyze
 from fp16probe.emulation import Emulation
+from fp16probe.formats import Format
 from fp16probe.recommendation import Verdict
 from fp16probe.report import Report
 from fp16probe.running.inputs import call_model
@@ -67,8 +68,11 @@ def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable
 
 
 def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: Loss, *,
-                target: str, regime: str, kind: str) -> Report:
-    """``report`` with the emulation pass's numbers and its verdict judged by them (see the module docstring)."""
+                target: str, regime: str, kind: str, fmt: Format | None = None) -> Report:
+    """``report`` with the emulation pass's numbers and its verdict judged by them (see the module docstring).
+
+    ``fmt``: the verdict's format as the caller resolved it (else its name is looked up here).
+    """
     from fp16probe.capture.emulate import measure_effect, merged_setting
 
     rec = report.recommendation
@@ -106,5 +110,6 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
         return report.with_sections({"emulation": Emulation(error=why)})
     data["seconds"] = round(time.perf_counter() - began, 3)
     report = report.with_sections({"emulation": Emulation.from_dict(data)})
-    return report.with_recommendation(judge_report(report, rec.format, kind=kind, target=target))
+    judged_as = fmt if fmt is not None and fmt.name == rec.format else rec.format
+    return report.with_recommendation(judge_report(report, judged_as, kind=kind, target=target))
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
-from fp16probe.formats import FORMATS, SCALED_FORMATS
+from fp16probe.formats import FORMATS, SCALED_FORMATS, Format, get_format
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.sections import Workload
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
@@ -201,9 +201,11 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         _nothing_to_report(result, gather, guard, batch_src)
         return None  # rank 0 speaks for the run
     extra, gather = _run_extra(extra, optimizer, gather)
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
+    # The analysis and the emulated step's judgement take the Format, resolved here once.
+    fmt: str | Format = get_format(format) if format in FORMATS else format
+    report = _finish(probe, result, batch_src, loss, settings, format=fmt, kind=r.kind, notes=notes, extra=extra,
                      gather=gather)
-    report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard)
+    report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard, fmt=fmt)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -287,13 +289,13 @@ def _run_extra(extra: Mapping[str, Any] | None, optimizer: Any, gather: Any) -> 
 
 
 def _with_measurements(report: Report | None, r: ProfileRequest, model: nn.Module, result: RunResult, loss: Loss,
-                       *, target: str, regime: str, guard: Any) -> Report | None:
+                       *, target: str, regime: str, guard: Any, fmt: str | Format) -> Report | None:
     """The report with the scaled formats' per-layer advice and, after a whole fp32 run, the emulated step."""
     if report is not None and report.blocks is not None:
         report = _with_block_advice(report, str(r.format), r.recipe)
     if report is not None and r.precision == "fp32" and guard is None and result.error is None:
         report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
-                             kind=r.kind)
+                             kind=r.kind, fmt=fmt if isinstance(fmt, Format) else None)
     return report
 
 
@@ -544,7 +546,8 @@ def _settle(guard: Any, result: RunResult, probe: Any) -> tuple[RunResult, Any]:
 
 
 def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, settings: RunSettings, *,
-            format: str, kind: str, notes: list[str], extra: Mapping[str, Any], gather: Any = None) -> Report | None:
+            format: str | Format, kind: str, notes: list[str], extra: Mapping[str, Any],
+            gather: Any = None) -> Report | None:
     """Gather the report (every rank), add what the run knows, and analyse it."""
     from fp16probe.analysis.weight_updates import weight_update_loss
     from fp16probe.running.families import stand_in_line
@@ -585,7 +588,7 @@ def _finish(probe: Any, result: RunResult, batch_src: Batches, loss: Loss, setti
 
 
 def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | None = None,
-             format: str = "fp16", kind: str = ALL_GRADS, group: Any = None) -> Report | None:
+             format: str | Format = "fp16", kind: str = ALL_GRADS, group: Any = None) -> Report | None:
     """Merge every rank's statistics and analyse them: the Report with its recommendation on rank 0, else None.
 
     The last step of :func:`profile`, and of the training-loop callbacks. Every rank must
@@ -601,7 +604,7 @@ def conclude(probe: Any, *, partial: bool = False, extra: Mapping[str, Any] | No
         report = distributed.gather_report(probe, partial=partial, extra=dict(extra or {}), group=group)
     if report is None:  # a rank other than 0: rank 0 analyses and writes
         return None
-    if format not in FORMATS:  # MXFP8, NVFP4: no loss scale to recommend; their advice is per layer
+    if not isinstance(format, Format) and format not in FORMATS:  # MXFP8, NVFP4: their advice is per layer
         return report
     return report.with_recommendation(analyze(report, format, kind=kind))
 
