@@ -673,6 +673,7 @@ def compare(
 
     from fp16probe.analysis import gate
     from fp16probe.presentation import ci
+    from fp16probe.presentation.gate import result_dict, warning_text
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
@@ -697,7 +698,7 @@ def compare(
                 snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
             result = gate.compare(snaps[0], snaps[1], thresholds)
             if require_same_workload and result.warnings:
-                raise InputError(f"--require-same-workload: {result.warnings[0]}")
+                raise InputError(f"--require-same-workload: {warning_text(result.warnings[0])}")
         except Fp16ProbeError as e:
             # A report that cannot be judged is an error in CI too: the summary, the JUnit file and
             # the annotations say so, so that no stale or missing file reads as a pass.
@@ -707,7 +708,7 @@ def compare(
         _write_gate_outputs(outputs, ci.to_markdown(result), ci.to_junit(result, seconds=time.perf_counter() - started),
                             ci.github_annotations(result), json_out)
         if json_out:
-            sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+            sys.stdout.write(json.dumps(result_dict(result), indent=2) + "\n")
         else:
             render.print_compare(console, result)
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE)

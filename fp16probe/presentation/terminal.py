@@ -22,6 +22,7 @@ from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
+from fp16probe.presentation.gate import check_message, warning_texts
 from fp16probe.presentation.verdict import verdict_text
 from fp16probe.presentation.answer import (
     section_lines,
@@ -535,9 +536,9 @@ def print_compare(console: Any, result: GateResult) -> None:
     table.add_column("details")
     for c in result.checks:
         table.add_row(Text(escape.text(c.name)), Text("pass") if c.passed else Text("FAIL", style="bold red"),
-                      Text(escape.text(c.message)))
+                      Text(escape.text(check_message(c))))
     console.print(table)
-    for w in result.warnings:
+    for w in warning_texts(result):
         console.print(Group(*_para(f"warning: {escape.text(w)}", console.width, "yellow", "  ")))
     if result.passed:
         console.print(Text("no regression", style="green"))
