@@ -606,9 +606,10 @@ def recommend(
             d["grad_scaler_device"] = how
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
+                from fp16probe.presentation.schedule import schedule_dict
                 from fp16probe.recommendation import jsonable
 
-                d["schedule"] = jsonable(judge_schedules(r, fmt, kind=knd).to_dict())
+                d["schedule"] = jsonable(schedule_dict(judge_schedules(r, fmt, kind=knd)))
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device, explain=explain)
@@ -631,6 +632,7 @@ def schedule(
     from fp16probe.analysis.recommend import target_of
     from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.presentation import terminal as render
+    from fp16probe.presentation.schedule import schedule_dict
     from fp16probe.recommendation import jsonable
 
     console = render.make_console()
@@ -644,7 +646,7 @@ def schedule(
 
             table = with_verdict_note(table, analyze(r, fmt, kind=knd))
         if json_out:
-            sys.stdout.write(json.dumps(jsonable(table.to_dict()), indent=2) + "\n")
+            sys.stdout.write(json.dumps(jsonable(schedule_dict(table)), indent=2) + "\n")
         else:
             render.print_schedule(console, table)
 

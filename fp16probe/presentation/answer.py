@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fp16probe import formatting as num
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
+from fp16probe.presentation.schedule import rule_label
 from fp16probe.presentation.verdict import insufficient_why
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
@@ -266,7 +267,7 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{', '.join(map(str, d['steps'][:8]))}: no live figure was judged."),
     "schedule_differs": lambda d: (f"fp16probe schedule, replaying this run's own {num.count(d['history_steps'])} "
         "steps, " + ("finds GradScaler's defaults already fine" if d["defaults_fine"]
-                     else f"advises {d['schedule_choice']!r}")
+                     else f"advises {rule_label(d['schedule_choice'])!r}")
         + ", which moves the scale differently: it judges skipped steps over the run's history, this verdict "
         "underflow at the scale in force against fp32 reruns. Paste the GradScaler above; use the schedule's table "
         "to tune how the scale moves."),

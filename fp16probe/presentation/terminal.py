@@ -23,6 +23,7 @@ from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.gate import check_message, warning_texts
+from fp16probe.presentation.schedule import note_text, rule_label, schedule_answer
 from fp16probe.presentation.verdict import verdict_text
 from fp16probe.presentation.answer import (
     section_lines,
@@ -375,7 +376,7 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
             recovery = "no backoff" if not r.backoffs else "not recovered"
         else:
             recovery = f"{r.recovery_steps_mean:.0f} / {r.recovery_steps_max}"
-        rows.append([r.name, num.count(r.skipped_steps), over,
+        rows.append([rule_label(r.name), num.count(r.skipped_steps), over,
                      num.percent(r.mean_flushed_fraction) if flush else "n/a",
                      num.percent(r.worst_flushed_fraction) if flush else "n/a",
                      recovery, num.magnitude(r.final_scale)])
@@ -403,9 +404,9 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                          "check: the run's own settings do NOT reproduce its recorded scales (see the note)",
                          width, "dim" if table.reproduced else "yellow")
     yield from _lines([""])
-    yield from _para(table.answer, width)
+    yield from _para(schedule_answer(table), width)
     for note in table.notes:
-        yield from _para(note, width, "yellow")
+        yield from _para(note_text(note), width, "yellow")
 
 
 def print_schedule(console: Any, table: Any) -> None:
