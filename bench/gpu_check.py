@@ -34,7 +34,10 @@ keeps what it measured. Parts, in order:
    without and what one shadowed step adds, both by CUDA events on the GPT-2-124M-sized model,
    and the CUDA autocast op-dtype check; each runs when this checkout has the feature, else
    it is recorded as ``not_available`` with the reason.
-6. Slow, with ``--slow`` only: ``verify`` (``fp16probe profile --verify`` on the demo),
+6. ``emulation``: the emulated fp16 step (fp16probe.capture.emulate) with CUDA's autocast rules
+   against a real CUDA fp16 autocast step, per bench model and the demo, within the tolerances
+   measured on the CPU (tests/test_emulate.py), and one emulated step's cost against a plain one.
+7. Slow, with ``--slow`` only: ``verify`` (``fp16probe profile --verify`` on the demo),
    ``pytest`` (the suite's CUDA-marked tests), ``bench`` (``bench/run.py --device cuda``).
 
 ``--dry-run`` runs every part that can run without a GPU on the CPU with tiny sizes, in this
@@ -507,6 +510,14 @@ def check_slot(name: str, device: str, dry_run: bool) -> dict:
     raise ValueError(name)
 
 
+def check_emulation(device: str, dry_run: bool) -> dict:
+    """The emulated fp16 step for this device's autocast against a real autocast step here, and its cost
+    (bench/emulation.py: conv, transformer, mlp-200 and the demo; tolerances as tests/test_emulate.py's)."""
+    from bench.emulation import check
+
+    return check(device, quick=dry_run)
+
+
 def _forward_headroom_cost(device: str, dry_run: bool) -> dict:
     """The Probe with its forward maxima against the Probe without, on the GPT-2-124M-sized model (CUDA events)."""
     import statistics
@@ -641,6 +652,7 @@ PARTS: dict[str, tuple[float, bool]] = {
     "forward_headroom": (30, False),
     "shadow_step": (45, False),  # 34 warm-up steps past the doubling start, then 3 x 2 rounds of 10
     "autocast_ops": (30, False),
+    "emulation": (40, False),
     "verify": (150, True),
     "pytest": (300, True),
     "bench": (300, True),
@@ -657,6 +669,7 @@ def run_part(name: str, device: str, out_dir: Path, dry_run: bool) -> dict:
         "forward_headroom": lambda: check_slot("forward_headroom", device, dry_run),
         "shadow_step": lambda: check_slot("shadow_step", device, dry_run),
         "autocast_ops": lambda: check_slot("autocast_ops", device, dry_run),
+        "emulation": lambda: check_emulation(device, dry_run),
         "verify": lambda: check_verify(device, out_dir, dry_run),
         "pytest": lambda: check_pytest(device),
         "bench": lambda: check_bench(device, out_dir, dry_run),

@@ -221,10 +221,11 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
 
 def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
-    from fp16probe.analysis.recommend import analyze, target_of
+    from fp16probe.analysis.effect import judge_report
+    from fp16probe.analysis.recommend import target_of
 
     fmt, knd = target_of(report, format, kind)
-    return fmt, knd, analyze(report, fmt, kind=knd)
+    return fmt, knd, judge_report(report, fmt, kind=knd)  # the emulated step's judgement kept, when it applies
 
 
 def _stored_format(report: Report) -> str:
@@ -305,7 +306,7 @@ def profile(
     plot: Annotated[Optional[Path], typer.Option(help="Also save figures of the report to this file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches; .half() for a model that came in fp16) and report predicted against measured.")] = False,
-    target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu.")] = None,
+    target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu. --target cuda --verify on a CPU checks the CUDA prediction on an emulated CUDA step.")] = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
     debug: DebugOpt = False,

@@ -36,6 +36,7 @@ class Verdict(str, Enum):
     INSUFFICIENT_EVIDENCE = "insufficient_evidence"
     FORWARD_UNDERFLOW = "forward_underflow"  # forward values flush in fp16: no loss scale brings them back
     FORWARD_OVERFLOW = "forward_overflow"  # a forward value passes fp16's max: inf at every loss scale
+    GRADIENT_ERROR = "gradient_error"  # the emulated step's gradients are off fp32 with no overflow: rounding
 
     # A str mixin formats as "Verdict.X" on some Pythons; the value is what users read.
     def __str__(self) -> str:
@@ -59,6 +60,7 @@ _SEVERITY = {
     Verdict.INSUFFICIENT_EVIDENCE: 5,
     Verdict.FORWARD_UNDERFLOW: 6,
     Verdict.FORWARD_OVERFLOW: 7,
+    Verdict.GRADIENT_ERROR: 6,  # as bad as a forward flush: the gradients are wrong at every S
 }
 
 
@@ -179,6 +181,7 @@ class Evidence(TypedDict, total=False):
     forward_flushing_count: int  # fp16 forward tensors that flush more than the threshold
     forward_tensors: int  # fp16 forward tensors measured
     backward_verdict: str  # the loss-scale verdict the gradients alone give, once the forward is fixed
+    emulated: dict[str, Any]  # the emulated target step at the verdict's S (fp16probe.analysis.effect)
     backward_log2_scale: int | None
 
 
@@ -287,10 +290,11 @@ class Recommendation:
     __str__ = __repr__
 
     def explanation(self, width: int = 88) -> str:
-        """Return :attr:`text`, the reasoning, wrapped at spaces to ``width`` (URLs and numbers stay whole)."""
-        from fp16probe.presentation.answer import wrap_text
+        """Return :attr:`text`, the reasoning, wrapped at spaces to ``width`` (URLs and numbers stay whole);
+        a verdict the emulated step gave leads with what it measured."""
+        from fp16probe.presentation.answer import explanation_text, wrap_text
 
-        return "\n".join(wrap_text(self.text, width))
+        return "\n".join(wrap_text(explanation_text(self), width))
 
     def _repr_html_(self) -> str:
         from fp16probe.presentation.html import recommendation_html

@@ -22,6 +22,7 @@ from fp16probe.blockscale import BlockStats
 from fp16probe.reading import read_report_text
 from fp16probe.recommendation import Recommendation
 from fp16probe.blockadvice import BlockAdvice
+from fp16probe.emulation import Emulation
 from fp16probe.sections import (
     SECTIONS,
     CaptureNotes,
@@ -706,6 +707,7 @@ register_section("shadow_runs", ShadowRuns.from_dict, builtin=True)
 register_section("capture", CaptureNotes.from_dict, builtin=True)
 register_section("workload", Workload.from_dict, builtin=True)
 register_section("block_advice", BlockAdvice.from_dict, builtin=True)
+register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
 
 
 def with_workload(report: Report) -> Report:

@@ -265,9 +265,18 @@ def test_every_verdict_is_reached_and_round_trips_through_json():
         "no_single_scale": make_report([{"tiny": H({-45: 1000}), "big": H({4: 1})}]),
         "insufficient_evidence": make_report([{"m": H({}, zero=10)}]),
         "per_tensor_scaling": make_report([{"m": H({-11: 100, 0: 1})}]),
+        "gradient_error": make_report([{"m": H({-30: 1000, 0: 1})}]),
     }
+    # gradient_error comes from the emulated step (fp16probe.analysis.effect): m.weight 10% off fp32 at S = 2^14
+    emulated = {"format": "fp16", "target": "cuda", "regime": "autocast", "batches": 1, "parameters": ["m.weight"],
+                "settings": [{"log2_scale": 14, "keep_fp32": [], "loss_low": False, "params": [[0.01, 1.0, 0, 9, 0]]}]}
     for verdict, report in reports.items():
         rec = analyze(report, "fp8_e4m3" if verdict == "per_tensor_scaling" else "fp16", **FAST)
+        if verdict == "gradient_error":
+            from fp16probe.analysis.effect import judged
+
+            assert rec.log2_scale == 14
+            rec = judged(rec, emulated)
         assert rec.verdict == verdict
         data = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
         assert Recommendation.from_dict(data) == rec
@@ -294,7 +303,12 @@ def all_texts():
         (with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), overflow=True), "fp16"),
         (with_forward(make_report([{"m": H({-30: 1000, 0: 1})}]), flushed=10), "fp16"),
     ]
-    return [analyze(r, f, **FAST) for r, f in cases]
+    from fp16probe.analysis.effect import judged
+
+    emulated = {"format": "fp16", "target": "cuda", "regime": "autocast", "batches": 1, "parameters": ["m.weight"],
+                "settings": [{"log2_scale": 14, "keep_fp32": [], "loss_low": False, "params": [[0.01, 1.0, 0, 9, 0]]}]}
+    corrupt = judged(analyze(make_report([{"m": H({-30: 1000, 0: 1})}]), "fp16", **FAST), emulated)
+    return [analyze(r, f, **FAST) for r, f in cases] + [corrupt]
 
 
 def test_every_verdicts_wording_keeps_the_provenance_rules():

@@ -216,6 +216,12 @@ CAVEAT_SAMPLES = {
                          "tensors": [["t1", 0.05], ["t2", 0.04], ["t3", 0.03], ["t4", 0.02]]},
     "custom_functions": {"functions": ["_ScaledBackward"]},
     "loss_fp16": {"regime": "autocast", "target": "cuda"},
+    "forward_no_effect": {"finding": "forward_underflow", "tensor": "(model)/mul", "flushed_fraction": 0.25,
+                          "max_abs": None, "error": 0.0005, "log2_scale": 18, "target": "cpu", "regime": "autocast",
+                          "tolerance": 0.05},
+    "emulated_overflow": {"log2_scale": 17, "nonfinite": 12, "error_below": 0.001, "target": "cuda",
+                          "regime": "autocast"},
+    "bf16_worse_than_fp16": {"error": 0.0025, "fp16_error": 0.0003, "fp16_log2_scale": 17, "target": "cuda"},
 }
 
 

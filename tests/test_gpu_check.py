@@ -21,7 +21,8 @@ def test_dry_run_with_the_300_s_budget_writes_figures_and_skips_only_the_cuda_pa
     got = json.loads(out.read_text())
     status = {name: part["status"] for name, part in got["parts"].items()}
     assert status == {"sync": "skipped", "engine": "ok", "amp": "ok", "overhead": "ok", "forward_headroom": "ok", "shadow_step": "ok",
-                      "autocast_ops": "ok", "verify": "skipped", "pytest": "skipped", "bench": "skipped"}
+                      "autocast_ops": "ok", "emulation": "ok", "verify": "skipped", "pytest": "skipped",
+                      "bench": "skipped"}
     assert got["dry_run"] is True and "cpu" in got["device"] and got["budget_s"] == 300
     parts = got["parts"]
     assert all(all(v.values()) for k, v in parts["engine"]["cases"].items())
@@ -38,6 +39,9 @@ def test_dry_run_with_the_300_s_budget_writes_figures_and_skips_only_the_cuda_pa
     shadow = parts["shadow_step"]  # one fp32 rerun in each timed round with shadows, none without
     assert shadow["timed_shadowed_steps"] == 1 and shadow["probe_with_shadow_over_without"] > 0
     assert parts["autocast_ops"]["device"] == "cpu" and parts["autocast_ops"]["checked"] > 0
+    emulation = parts["emulation"]  # on the CPU: against CPU autocast
+    assert set(emulation["models"]) == {"conv", "transformer", "mlp-200", "demo"}
+    assert all(m["emulated_vs_real"] <= 1e-3 and m["cost"]["ratio"] > 0 for m in emulation["models"].values())
 
 
 def test_a_part_over_its_budget_is_killed_and_recorded(tmp_path):

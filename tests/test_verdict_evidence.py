@@ -215,7 +215,7 @@ def test_verdict_is_a_str_enum_with_a_severity():
     assert Verdict("constant") is Verdict.CONSTANT and Verdict.CONSTANT == "constant"
     assert f"{Verdict.DYNAMIC}" == "dynamic" and str(Verdict.DYNAMIC) == "dynamic"
     order = ["none_needed", "constant", "dynamic", "per_tensor_scaling", "no_single_scale", "insufficient_evidence",
-             "forward_underflow", "forward_overflow"]
+             "forward_underflow", "gradient_error", "forward_overflow"]
     assert sorted(Verdict, key=lambda v: v.severity) == [Verdict(v) for v in order]
     assert Verdict.NONE_NEEDED.severity == 0 and Verdict.INSUFFICIENT_EVIDENCE.severity == 5
 

@@ -25,7 +25,6 @@ PENDING = {
     "provenance.py": "citations (data) and the sentences replay.py and weight_updates.py still use",
     "replay.py": "the growth-interval table's note for GradScaler's default",
     "weight_updates.py": "the weight-update loss summary",
-    "effect.py": "the emulated step's summary",
 }
 
 

@@ -82,6 +82,8 @@ def analyze(
     min_scale: float = 0.0,
     worst: int = 5,
     target: str | None = None,
+    forward_verdicts: bool = True,
+    forward_underflow_at: float = FORWARD_UNDERFLOW_VERDICT,
 ) -> Recommendation:
     """Decide whether and how to scale the loss for ``format``, from a profile.
 
@@ -108,6 +110,12 @@ def analyze(
         worst: how many worst modules to list.
         target: the device whose fp16 autocast rules the prediction applies (``"cuda"``,
             ``"cpu"``); default: what the profile recorded, else CUDA.
+        forward_verdicts: False: forward findings never become the verdict (their caveats and
+            the fp16 loss's cap stay); :func:`fp16probe.analysis.effect.judged` asks for this
+            when the emulated step shows a forward finding has no effect on the gradients.
+        forward_underflow_at: the share of a tensor's values whose flush makes the verdict
+            (0: any flush above ``max_flushed_fraction``, as judged() asks when the emulated
+            gradients show the effect).
 
     Verdicts, in the order they are tried:
 
@@ -150,11 +158,11 @@ def analyze(
     m = _measure(report, kind)
     ff = forward_findings(report, target, max_flushed_fraction=max_flushed_fraction) if fmt.name == "fp16" else None
     rec = _gradient_verdict(report, m, fmt, thresholds, ff)
-    if ff is None:
+    if ff is None or not forward_verdicts:
         return rec
     if ff.overflowing:
         return _forward_verdict(report, fmt, thresholds, ff, rec, Verdict.FORWARD_OVERFLOW)
-    if (ff.flushing and ff.flushing[0].flushed_fraction >= FORWARD_UNDERFLOW_VERDICT
+    if (ff.flushing and ff.flushing[0].flushed_fraction >= forward_underflow_at
             and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE):
         return _forward_verdict(report, fmt, thresholds, ff, rec, Verdict.FORWARD_UNDERFLOW)
     return rec

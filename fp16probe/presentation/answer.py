@@ -59,6 +59,7 @@ VERDICT_WORDS = {
     Verdict.INSUFFICIENT_EVIDENCE: "not enough evidence for a verdict",
     Verdict.FORWARD_OVERFLOW: "the forward pass overflows (no loss scale fixes it)",
     Verdict.FORWARD_UNDERFLOW: "the forward pass flushes values to zero (no loss scale fixes it)",
+    Verdict.GRADIENT_ERROR: "rounding puts the gradients off fp32 (no loss scale fixes it)",
 }
 ELLIPSIS = "…"
 NOTES_SHOWN = 10  # notes a summary lists; "and N more notes" stands for the rest
@@ -73,7 +74,8 @@ class Line:
     Kinds: ``verdict``, ``flushed``, ``margin``, ``schedule`` (the replay could not choose a
     growth_interval), ``todo`` (no single scale: what to do
     instead), ``device``, ``code`` (already fitted to the
-    width; paste as it is), ``invented``, ``finding``, ``verification``, ``caveat``.
+    width; paste as it is), ``invented``, ``finding``, ``emulated`` (the emulated target step's
+    gradient error), ``verification``, ``caveat``.
     """
 
     kind: str
@@ -174,13 +176,16 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
     fix = str(rec.evidence.get("fix_code") or "")
-    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW):
+    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
         lines.append(Line("device", "fix (or train in bf16):"))
         lines.append(Line("code", "import fp16probe\n" + fix))
     if code:
         least_bad = "if you keep one scale, the least bad; " if todo else ""
         lines.append(Line("device", f"paste ({least_bad}{how}):"))
         lines.append(Line("code", code))
+    emulated = emulated_sentence(rec)  # after the code: the answer leads with what to paste
+    if emulated:
+        lines.append(Line("emulated", emulated))
     if report is not None:
         invented = invented_sentence(report)
         if invented:
@@ -194,7 +199,7 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
 
 
 # What `recommend` keeps of the short answer: the verdict, the numbers it rests on, what to do and the code.
-_BRIEF_KINDS = ("verdict", "flushed", "margin", "schedule", "todo", "device", "code")
+_BRIEF_KINDS = ("verdict", "flushed", "margin", "schedule", "todo", "device", "code", "emulated")
 _MORE_WORDS = {"invented": "note on invented inputs", "finding": "finding", "verification": "verification",
                "caveat": "caveat"}
 
@@ -296,6 +301,19 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         "overflow ceiling sees only what flows into and out of their backward, not the values it forms inside (a "
         "backward that multiplies before it divides can overflow at a lower S). Run with --verify "
         "(fp16probe.profile(..., verify=True)) to check the scale for real."),
+    "forward_no_effect": lambda d: (f"The forward pass {'overflows' if d['finding'] == 'forward_overflow' else 'flushes'}"
+        f" in fp16 under {_run(d)} ({d.get('tensor')}"
+        f"{': ' + num.percent(d['flushed_fraction']) + ' of its values' if d.get('flushed_fraction') else ''}), but "
+        f"the emulated step's gradients are {num.percent(d['error'])} off fp32 at S = {num.power_of_two(d['log2_scale'])}"
+        f", within {num.percent(d['tolerance'])}: no effect on training seen, so the loss-scale verdict leads."),
+    "emulated_overflow": lambda d: (f"The emulated step under {_run(d)} held {num.count(d['nonfinite'])} inf/NaN "
+        f"gradient value(s) at S = {num.power_of_two(d['log2_scale'])}, and none at half that S "
+        f"({num.percent(d['error_below'])} off fp32): a gradient the overflow ceiling did not see reaches fp16's max "
+        "there; expect the scaler to back off once."),
+    "bf16_worse_than_fp16": lambda d: (f"bf16 rounds this model's gradients {num.percent(d['error'])} off fp32 in the "
+        f"emulated step, fp16 with S = {num.power_of_two(d['fp16_log2_scale'])} {num.percent(d['fp16_error'])}: bf16 "
+        "needs no loss scale (fp32's exponent range) but keeps 8 significant bits to fp16's 11; where that precision "
+        "matters, fp16 with that scale is the closer run."),
     "loss_fp16": lambda d: (f"The loss is computed in fp16 under {_run(d)}: its gradient seeds backward with S itself "
         "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
         "cap: loss_fn(output.float(), target)."),
@@ -353,9 +371,65 @@ def _verdict_sentence(rec: Recommendation) -> str:
             return (f"{head}: {num.percent(first.get('flushed_fraction'))} of {first.get('name')} flushes"
                     f"{where}")
         return head
+    if rec.verdict is Verdict.GRADIENT_ERROR:
+        em = rec.evidence.get("emulated") or {}
+        start = (f"; it starts at {em.get('module')} (output {num.percent(em.get('module_output_error'))} off)"
+                 if em.get("module_output_error") is not None else f"; made in backward at or just after {em.get('module')}")
+        k = em.get("log2_scale")
+        return (f"{head}: {em.get('first_parameter')} is {_error_words(em.get('first_parameter_error'), 0)} "
+                f"{'at S = ' + num.power_of_two(k) if k else 'unscaled'} with no overflow and no flush, under "
+                f"{num.fp16_run(str(em.get('regime')), str(em.get('target')))}{start}")
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
         return f"{head}: {insufficient_why(rec)} (--explain says what to do)"
     return head
+
+
+def _error_words(error: Any, nonfinite: Any) -> str:
+    return "inf/NaN" if nonfinite or error is None else f"{num.percent(error)} off fp32"
+
+
+def emulated_sentence(rec: Recommendation) -> str:
+    """What the emulated target step measured at the verdict's S ('' when none ran)."""
+    em = rec.evidence.get("emulated")
+    if not em:
+        return ""
+    k = em.get("log2_scale")
+    at = f"at S = {num.power_of_two(k)}" if k else "unscaled"
+    worst = em.get("worst_parameters") or []
+    tail = (f" (worst {shorten_name(str(worst[0][0]), 36)}: {_error_words(worst[0][1], 0)})"
+            if worst and worst[0][1] is not None and not em.get("nonfinite") else "")
+    around = "; ".join(f"{num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
+    around = f"first batch at S = {around}" if around else ""
+    fix = em.get("fix")
+    fixed = (f"; with {', '.join(fix['keep_fp32'])} in fp32: {_error_words(fix.get('error'), fix.get('nonfinite'))}"
+             if fix else "")
+    target = str(em.get("target"))
+    run = (num.fp16_run(str(em.get("regime")), target) if rec.format == "fp16"
+           else f"{rec.format} autocast on {target.upper() if target == 'cuda' else target}")
+    return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
+            f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}"
+            f"{'; ' + around if around else ''}{fixed}")
+
+
+def explanation_text(rec: Recommendation) -> str:
+    """The reasoning: :attr:`Recommendation.text`, led for ``gradient_error`` by what the emulated step measured
+    (the scale reasoning that follows is the gradients' verdict, for once the error is fixed)."""
+    if rec.verdict is not Verdict.GRADIENT_ERROR:
+        return rec.text
+    em = rec.evidence.get("emulated") or {}
+    fix = em.get("fix") or {}
+    k = em.get("log2_scale")
+    at = f"S = {num.power_of_two(k)}" if k else "S = 1"
+    where = (f"the first module whose output is more than {num.percent(em.get('tolerance'))} off fp32's is "
+             f"{em.get('module')} ({num.percent(em.get('module_output_error'))} off)"
+             if em.get("module_output_error") is not None else
+             f"the error is made in backward, at or just after {em.get('module')}")
+    fixed = (f" Keeping {', '.join(fix.get('keep_fp32') or [])} in fp32 (fp16probe.keep_in_fp32) brings the "
+             f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}." if fix else "")
+    return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
+            f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
+            f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
+            f"Once that is fixed, the gradients alone give: {rec.evidence.get('backward_verdict')}. {rec.text}")
 
 
 def _what_to_do(rec: Recommendation) -> str:
@@ -419,22 +493,41 @@ def findings(report: Report) -> list[str]:
 
 # How each registered section that is not a field of the Report is told (one line; the default lists its
 # fields). A collector that wants its own words registers them here, beside its section.
-SECTION_WORDS: dict[str, Callable[[Any], str]] = {}
+# A registered section's words for `show` (None: worded elsewhere, so no line of its own).
+SECTION_WORDS: dict[str, Callable[[Any], str | None]] = {
+    "emulation": lambda _: None,  # the answer's "emulated" line says what it measured
+}
+_BRIEF = 40  # characters a value of an unworded section may take before it is shown by its size
 
 
 def section_lines(report: Report) -> list[str]:
-    """One line per registered section the report carries beyond the built-in ones, in key order."""
+    """One line per registered section the report carries beyond the built-in ones, in key order.
+
+    A section without words of its own shows its fields, each list or mapping longer than a few
+    words by its size (``show --json`` has the values): a line, not a dump.
+    """
     out = []
     for key in sorted(report.sections):
         value = report.sections[key]
         words = SECTION_WORDS.get(key)
         if words is not None:
-            out.append(f"{key}: {words(value)}")
+            said = words(value)
+            if said is not None:
+                out.append(f"{key}: {said}")
             continue
         data = value.to_dict() if hasattr(value, "to_dict") else value
-        shown = ", ".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, Mapping) else str(data)
+        shown = (", ".join(f"{k}={_brief(v)}" for k, v in data.items()) if isinstance(data, Mapping)
+                 else _brief(data))
         out.append(f"{key}: {shown}")
     return out
+
+
+def _brief(value: Any) -> str:
+    """``value`` as it reads, or its size when that would be long: ``[32 items]``, ``{5 keys}``."""
+    text = str(value)
+    if len(text) <= _BRIEF or not isinstance(value, (list, tuple, Mapping)):
+        return text if len(text) <= 4 * _BRIEF else f"{text[:_BRIEF]}... ({num.count(len(text))} characters)"
+    return f"{{{num.count(len(value))} keys}}" if isinstance(value, Mapping) else f"[{num.count(len(value))} items]"
 
 
 def numerically_zero_sentence(cancelled: Mapping[str, int]) -> str:

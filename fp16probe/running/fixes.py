@@ -20,7 +20,8 @@ _MARK = "_fp16probe_keep_fp32"
 
 def _up(t: torch.Tensor) -> torch.Tensor:
     # .float() on fp32 too (it returns the tensor itself): an fp32 profile's forward audit sees the
-    # cast, and knows the input the fp16 run would hand this module is fp32 here.
+    # cast, and knows the input the fp16 run would hand this module is fp32 here (the
+    # emulated step, fp16probe.capture.emulate, holds fp16 values in fp32 tensors and sees it the same way).
     return t.float() if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
 
 

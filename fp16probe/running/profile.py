@@ -30,6 +30,7 @@ from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_l
 from fp16probe.running.loading import load_model, quiet_transformers
 from fp16probe.running.losses import Loss, as_loss, make_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
+from fp16probe.running.effect import EMULATED_BATCHES, with_effect
 from fp16probe.running.request import ProfileRequest
 from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
@@ -184,10 +185,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
     target = r.target or ("cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda")
     probe_options = _block_options(format, r.recipe, probe_options)
-    if verify and run_device is not None and run_device.type != target:
-        raise InputError(f"target={target!r}: the verification on {run_device.type} runs {run_device.type} autocast, "
-                         f"whose op rules differ; predict for {run_device.type} (or verify on {target})",
-                         parameter="target")
     regime = "pure_fp16" if isinstance(model, nn.Module) and any(
         p.dtype == torch.float16 for p in model.parameters()) else "autocast"
     model, dev, notes = prepare_model(model, device)
@@ -214,7 +211,8 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         with probe:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                                 keep_batches=verify, audit=audit, guard=guard)
+                                 keep_batches=verify, audit=audit, guard=guard,
+                                 keep_first=EMULATED_BATCHES if precision == "fp32" else 0)
         shield.disarm()  # the loop is over: a second Ctrl-C or a SIGTERM no longer aborts the report
         gather: Any = None
         if guard is not None:
@@ -242,6 +240,9 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                      gather=gather)
     if report is not None and report.blocks is not None:
         report = _with_block_advice(report, format, r.recipe)
+    if report is not None and precision == "fp32" and guard is None and result.error is None:
+        report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
+                             kind=r.kind)
     if result.error is not None:
         result.error.report = report
         raise result.error
@@ -255,7 +256,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         error.report = report
         raise error
     if verify and report is not None and not report.metadata.partial:
-        report = _verified(report, initial, result.batches, loss, dev)
+        report = _verified(report, initial, result.batches, loss, dev, target)
     return report
 
 
@@ -312,7 +313,8 @@ def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], 
                              modules=list(r.modules) or None, granularity=r.granularity)
 
 
-def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device) -> Report:
+def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device,
+              target: str | None = None) -> Report:
     """The report with its verification; a Ctrl-C or signal during it keeps the report, marked, without one."""
     from fp16probe.running.signals import STOP_SIGNALS, active
     from fp16probe.running.verify import verify as run_verification
@@ -323,7 +325,7 @@ def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss
     if shield is not None:
         shield.armed = True  # a long verification stays interruptible
     try:
-        return report.with_verification(run_verification(initial, report, batches, loss, device=dev))
+        return report.with_verification(run_verification(initial, report, batches, loss, device=dev, target=target))
     except KeyboardInterrupt as e:
         return _marked(report, STOPPED_HANGUP if isinstance(e, Hangup) else
                        STOPPED_TERMINATED if isinstance(e, Terminated) else STOPPED_INTERRUPTED)
@@ -610,6 +612,7 @@ def run_profile(
     keep_batches: bool = False,
     audit: Any = None,
     guard: Any = None,
+    keep_first: int = 0,
 ) -> RunResult:
     """Run ``settings.steps`` forward+backward passes under the probe; Ctrl-C or a failure stops early.
 
@@ -697,7 +700,7 @@ def run_profile(
             losses.append(loss_val)
             if not math.isfinite(loss_val):
                 nonfinite.append(step)
-            if keep_batches:
+            if keep_batches or len(used) < keep_first:  # all for verify(), the first few for the emulation
                 used.append(batch)
             model.zero_grad(set_to_none=True)
             probe.step()

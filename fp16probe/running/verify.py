@@ -22,6 +22,7 @@ from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, message_of
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
+from fp16probe.running.effect import loss_generators
 from fp16probe.running.inputs import call_model, map_tensors, move_to
 from fp16probe.running.losses import Loss, as_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
@@ -42,6 +43,7 @@ def verify(
     device: str | torch.device | None = None,
     tolerance: float | None = None,
     seed: int = 0,
+    target: str | None = None,
 ) -> Verification:
     """Run ``report``'s recommendation for real on ``batches`` and return predicted against measured.
 
@@ -55,6 +57,9 @@ def verify(
             :func:`fp16probe.verification.tolerance_for` the prediction: 10% of it, at least 0.0001).
         seed: seeds the random number generators identically for both runs of each step
             (dropout draws the same masks in fp32 and in the target format).
+        target: the device whose autocast the run is for (default: the one it runs on). Another
+            device's (CUDA predicted from a CPU) runs the emulated step
+            (:func:`fp16probe.capture.emulate.emulating`) in place of that autocast, and says so.
 
     The run uses the profile's optimizer (``report.workload.optimizer``) when it had one;
     otherwise the weights stay as they are. It synchronises with the device once per step.
@@ -78,7 +83,12 @@ def verify(
     notes: list[str] = []
     kwargs = dict(rec.grad_scaler_kwargs)
     pure = report.metadata.regime == "pure_fp16"
-    fix = list(rec.evidence.get("fix_modules") or ()) if rec.verdict in ("forward_overflow", "forward_underflow") else []
+    fix = (list(rec.evidence.get("fix_modules") or ())
+           if rec.verdict in ("forward_overflow", "forward_underflow", "gradient_error") else [])
+    emulate = target if target is not None and target != dev.type and not pure else None
+    if emulate is not None:
+        notes.append(f"emulated {rec.format} autocast on {emulate} (fp16probe.capture.emulate: every value that "
+                     f"target holds in {rec.format} rounded to it) on {dev.type}: no {emulate} device ran")
     if rec.log2_scale is None and not fix:
         notes.append(f"the verdict is {rec.verdict}: there is no recommended scale, so this ran without a loss scaler")
     predicted_zeroed = rec.flushed_fraction_at_scale if rec.flushed_fraction_at_scale is not None else (
@@ -92,7 +102,7 @@ def verify(
     if fix:
         from fp16probe.running.fixes import keep_in_fp32
 
-        keep_in_fp32(target, fix, device_type=dev.type)
+        keep_in_fp32(target, fix, device_type=emulate or dev.type)
         notes.append(f"ran the fix the verdict prints: {', '.join(fix)} kept in fp32 (autocast off inside)")
         backward_k = rec.evidence.get("backward_log2_scale")
         if backward_k:
@@ -120,13 +130,18 @@ def verify(
     overflow_steps = 0
     scales: list[float] = []
     watch = _FirstNonfinite(target)
+    # A loss that draws its own labels (the default's invented ones) draws the same ones for both runs of a step
+    gens = loss_generators(loss.fn)
     with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
         for step, batch in enumerate(batch_list):
+            states = [g.get_state() for g in gens]
             ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None)
+            for g, s in zip(gens, states):
+                g.set_state(s)
             scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
             watch.step = step
             tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler,
-                              pure_scale=pure_scale, watch=watch)
+                              pure_scale=pure_scale, watch=watch, emulate=emulate)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             overflow_steps += int(overflowed)
             pairs = {
@@ -166,7 +181,8 @@ def verify(
                      f"over sum of |fp32|, finite steps; tolerance {VALUE_TOLERANCE * 100:g}%): the run computes "
                      "different gradients, not only fewer")
     return Verification(
-        precision=rec.format, device=str(dev), steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
+        precision=rec.format, device=str(dev) if emulate is None else f"{dev}, emulating {emulate}",
+        steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
         predicted_overflow_steps=predicted_overflow, measured_overflow_steps=overflow_steps,
         predicted_zeroed_fraction=float(predicted_zeroed), measured_zeroed_fraction=measured["zeroed_fraction"],
         tolerance=float(tolerance), held=held, nonzero_values=measured["nonzero_values"],
@@ -189,7 +205,7 @@ def _optimizer(model: nn.Module, spec: Any) -> torch.optim.Optimizer | None:
 
 def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, device: torch.device,
               dtype: torch.dtype | None, scaler: Any, *, pure_scale: float | None = None,
-              watch: "_FirstNonfinite | None" = None) -> dict[str, torch.Tensor]:
+              watch: "_FirstNonfinite | None" = None, emulate: str | None = None) -> dict[str, torch.Tensor]:
     """One forward and backward; return the weight gradients (scaled ones stay scaled: zeros are zeros)."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
@@ -200,6 +216,12 @@ def _run_step(model: nn.Module, batch: Any, loss: Loss, step: int, seed: int, de
                 value = loss.fn(call_model(model, half), half)
             elif dtype is None:
                 value = loss.fn(call_model(model, batch), batch)
+            elif emulate is not None:
+                from fp16probe.capture.emulate import emulating
+
+                fmt = "bf16" if dtype == torch.bfloat16 else "fp16"
+                with emulating(model, format=fmt, target=emulate):
+                    value = loss.fn(call_model(model, batch), batch)
             else:
                 with torch.autocast(device_type=device.type, dtype=dtype):
                     value = loss.fn(call_model(model, batch), batch)

@@ -1,0 +1,339 @@
+"""Judge a verdict by what the target's precision does to the gradients: the emulated step's error.
+
+The histograms say what flushes and what overflows; the emulated step
+(:mod:`fp16probe.capture.emulate`, the report's ``emulation`` section) says how far the
+gradients of the target run are from fp32's, per parameter, at the scales it was run at.
+A forward finding (a flush, an overflow) is the verdict only when the emulated gradients
+show its effect; otherwise it is a caveat and the loss-scale verdict leads. Gradients more
+than :data:`TOLERANCE` off with no overflow are silent corruption (fp16's 11-bit
+significand, fp16 statistics, cancellation): the verdict names the first module, in forward
+order, where the error appears, and the module-kept-in-fp32 step measured beside it.
+
+Pure functions over report data; the words are in :mod:`fp16probe.presentation.answer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fp16probe.recommendation import Caveat, Recommendation, Verdict
+from fp16probe.report import Report
+
+__all__ = ["TOLERANCE", "Effect", "ModuleEffect", "effect_at", "effect_of", "fixes_to_try", "judge_report", "judged",
+           "scales_to_check"]
+
+# A gradient within 5% of fp32's (relative L2 error) counts as unharmed. Rounding alone costs
+# 0.04-0.5% on the models measured (docs/fp16-run.md); a flush that matters costs 20-100%. The
+# emulation agrees with real CPU autocast within 0.1% of the gradient (tests/test_emulate.py),
+# far inside the line.
+TOLERANCE = 0.05
+# A parameter whose fp32 gradient is below this share of the model's may be fp32 roundoff
+# (attention's key bias, zero in exact arithmetic, is 1e-10 of a BERT's): its relative error is
+# noise and is judged only when most of its values flushed to zero (an input scaled by 2^-30 makes
+# a weight gradient of 1e-9 of the model's, and fp16 zeroes all of it).
+NOISE_FLOOR = 1e-7
+ZEROED_COUNTS = 0.5
+FORWARD = (Verdict.FORWARD_UNDERFLOW, Verdict.FORWARD_OVERFLOW)
+# bf16 keeps 8 significant bits to fp16's 11: its rounding error is about 8x fp16's wherever fp16's
+# range is not the limit. Said when bf16's emulated error is more than twice fp16's with a scale.
+BF16_WORSE = 2.0
+ROOT = "(model)"  # the model's own forward (capture's ROOT_NAME)
+
+
+@dataclass(frozen=True)
+class ModuleEffect:
+    """One parameter's or module's gradient in the emulated step against fp32 (``error``: relative L2)."""
+
+    module: str  # the parameter's module (for a parameter: ``name`` holds the parameter)
+    error: float | None  # None: its gradient held inf/NaN
+    zeroed: int
+    nonzero: int
+    nonfinite: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Effect:
+    """The emulated step at one setting: S = 2^log2_scale, ``keep_fp32`` modules unrounded."""
+
+    log2_scale: int
+    keep_fp32: tuple[str, ...]
+    error: float | None  # the whole model's weight gradients; None when any held inf/NaN
+    zeroed: int
+    nonzero: int
+    nonfinite: int
+    loss_low: bool
+    modules: tuple[ModuleEffect, ...]  # in forward order
+    params: tuple[ModuleEffect, ...] = ()  # the judged parameters, in forward order
+    outputs: tuple[tuple[str, float | None], ...] = ()  # module outputs' errors, as their forwards finished
+
+    @property
+    def culprit(self) -> str | None:
+        """Where the error starts: the first module whose output is more than TOLERANCE off fp32's,
+        else (an error made in backward only) the module of the last parameter, in forward order,
+        that is more than TOLERANCE off: backward carries an error to the parameters before it."""
+        for name, error in self.outputs:
+            if name != ROOT and (error is None or error > TOLERANCE):
+                return name
+        over = [p for p in self.params if p.error is None or p.error > TOLERANCE]
+        return over[-1].module if over else None
+
+    @property
+    def harmless(self) -> bool:
+        """Finite, and every judged parameter within TOLERANCE of fp32."""
+        return self.nonfinite == 0 and all(p.error is not None and p.error <= TOLERANCE for p in self.params)
+
+    @property
+    def first_over(self) -> ModuleEffect | None:
+        """The first parameter in forward order more than TOLERANCE off (or non-finite)."""
+        return next((p for p in self.params if p.error is None or p.error > TOLERANCE), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form kept in the recommendation's evidence (modules: the five worst)."""
+        def worst(rows: tuple[ModuleEffect, ...]) -> list[ModuleEffect]:
+            return sorted(rows, key=lambda m: -math.inf if m.error is None else -m.error)[:5]
+
+        return {"log2_scale": self.log2_scale, "keep_fp32": list(self.keep_fp32), "error": self.error,
+                "zeroed": self.zeroed, "nonzero": self.nonzero, "nonfinite": self.nonfinite,
+                "loss_low": self.loss_low,
+                "worst_modules": [[m.module, m.error] for m in worst(self.modules)],
+                "worst_parameters": [[p.name, p.error] for p in worst(self.params)]}
+
+
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else "(model)"
+
+
+def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = (), *,
+              batches: int | None = None) -> Effect | None:
+    """The emulated step's effect at S = 2^log2_scale with ``keep`` in fp32; None when it was not run.
+
+    Over the most batches it was run on, or over exactly ``batches`` (the neighbours of S run on
+    the first batch only; ``batches=1`` sets S beside them on that same batch).
+    """
+    names = list(data.get("parameters") or ())
+    found = [s for s in data.get("settings") or ()
+             if int(s["log2_scale"]) == log2_scale and sorted(s.get("keep_fp32") or ()) == sorted(keep)
+             and (batches is None or int(s.get("batches", 1)) == batches)]
+    for s in sorted(found, key=lambda s: -int(s.get("batches", 1)))[:1]:
+        # a parameter whose fp32 gradient was not finite cannot be judged against it: left out
+        pairs = [(n, r) for n, r in zip(names, s["params"]) if r[1] is not None]
+        names_kept = [n for n, _ in pairs]
+        rows = [r for _, r in pairs]
+        total_ref = sum(float(r[1]) for r in rows)
+        params = []
+        for name, r in zip(names_kept, rows):
+            err, ref, zeroed, nonzero, nonfinite = r
+            if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref and zeroed <= ZEROED_COUNTS * nonzero:
+                continue
+            error = None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
+            params.append(ModuleEffect(_module_of(name), error, int(zeroed), int(nonzero), int(nonfinite), name))
+        by_module: dict[str, list[Any]] = {}
+        for name, r in zip(names_kept, rows):
+            acc = by_module.setdefault(_module_of(name), [0.0, 0.0, 0, 0, 0])
+            acc[0] = None if r[0] is None or acc[0] is None else acc[0] + float(r[0])
+            acc[1] += float(r[1])
+            acc[2], acc[3], acc[4] = acc[2] + int(r[2]), acc[3] + int(r[3]), acc[4] + int(r[4])
+        modules = []
+        for module, (err, ref, zeroed, nonzero, nonfinite) in by_module.items():
+            if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref:
+                continue
+            error = None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
+            modules.append(ModuleEffect(module, error, zeroed, nonzero, nonfinite))
+        errs = [r[0] for r in rows]
+        nonfinite_all = sum(int(r[4]) for r in rows)
+        whole = (None if nonfinite_all or any(e is None for e in errs) or total_ref <= 0
+                 else math.sqrt(sum(float(e) for e in errs) / total_ref))
+        outputs = []
+        for name, (err_o, ref_o) in s.get("outputs") or ():  # JSON form: [name, [error^2, fp32^2]]
+            if ref_o is None or ref_o <= 0:
+                continue
+            outputs.append((str(name), None if err_o is None else math.sqrt(err_o / ref_o)))
+        return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole, outputs=tuple(outputs),
+                      zeroed=sum(int(r[2]) for r in rows), nonzero=sum(int(r[3]) for r in rows),
+                      nonfinite=nonfinite_all, loss_low=bool(s.get("loss_low")), modules=tuple(modules),
+                      params=tuple(params))
+    return None
+
+
+def _checked_log2(rec: Recommendation) -> int | None:
+    """The S a verdict stands on: its own, or for a forward verdict the gradients' verdict's."""
+    if rec.verdict in FORWARD:
+        k = rec.evidence.get("backward_log2_scale")
+        return int(k) if k is not None else None
+    if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE or rec.log2_scale is None:
+        return None
+    return int(rec.log2_scale)
+
+
+def scales_to_check(rec: Recommendation) -> list[int]:
+    """log2 of the scales the emulated step runs at: the verdict's S and its neighbours (x1/2, x2); [0] for no scale."""
+    if rec.format == "bf16":
+        return [0]
+    k = _checked_log2(rec)
+    if k is None:
+        return []
+    return [k] if k == 0 else [k - 1, k, k + 1]
+
+
+def fixes_to_try(rec: Recommendation, data: Mapping[str, Any]) -> list[list[str]]:
+    """Module lists whose kept-in-fp32 step should be measured at the verdict's S before judging.
+
+    A forward verdict's own fix, and for gradients more than TOLERANCE off the first module
+    (forward order) where the error appears.
+    """
+    k = _checked_log2(rec) if rec.format != "bf16" else 0
+    if k is None:
+        return []
+    out: list[list[str]] = []
+    fix = [str(m) for m in rec.evidence.get("fix_modules") or ()]
+    if rec.verdict in FORWARD and fix:
+        out.append(fix)
+    eff = effect_at(data, k)
+    if eff is not None and not eff.harmless and eff.nonfinite == 0:
+        culprit = eff.culprit
+        if culprit is not None and culprit != ROOT and [culprit] not in out:
+            out.append([culprit])
+    return [f for f in out if effect_at(data, k, f) is None]
+
+
+def judged(rec: Recommendation, data: Mapping[str, Any] | None,
+           gradients_only: Recommendation | None = None, any_flush: Recommendation | None = None) -> Recommendation:
+    """``rec`` judged by the emulated step in ``data`` (the ``emulation`` section's JSON form, :func:`effect_of`).
+
+    ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
+    forward_verdicts=False)``): it leads when a forward verdict's effect is within TOLERANCE.
+    Adds ``evidence["emulated"]``; a forward finding without effect becomes the caveat
+    ``forward_no_effect``. Gradients more than TOLERANCE off with no overflow: where the
+    forward flushes (below the share that makes a verdict), ``any_flush`` (``analyze(...,
+    forward_underflow_at=0)``, the flush as the verdict) leads, since its effect shows;
+    otherwise ``gradient_error`` (also for inf/NaN at S and at S/2: made in the step, not by S;
+    inf/NaN at S only gives the caveat ``emulated_overflow``). Without emulation data (or for another format) ``rec`` is returned as it is.
+    """
+    if data is None or data.get("format") != rec.format:
+        return rec
+    k = _checked_log2(rec) if rec.format != "bf16" else 0
+    if k is None:
+        return rec
+    eff = effect_at(data, k)
+    if eff is None:
+        return rec
+    emulated = _emulated_evidence(data, eff, k)
+    extra: tuple[Caveat, ...] = ()
+    fp16 = data.get("fp16")
+    if rec.format == "bf16" and isinstance(fp16, Mapping) and fp16.get("settings"):
+        k16 = int(fp16["settings"][0]["log2_scale"])
+        other = effect_at(fp16, k16)
+        if other is not None:
+            emulated["fp16"] = other.to_dict()
+            if (eff.error is not None and other.error is not None and other.nonfinite == 0
+                    and eff.error > BF16_WORSE * other.error):
+                extra = (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
+                                                          "fp16_log2_scale": k16, "target": data.get("target")}),)
+    if rec.verdict in FORWARD:
+        fix = [str(m) for m in rec.evidence.get("fix_modules") or ()]
+        fixed = effect_at(data, k, fix) if fix else None
+        if fixed is not None:
+            emulated["fix"] = fixed.to_dict()
+        if eff.harmless and gradients_only is not None and gradients_only.verdict not in FORWARD:
+            ev: Mapping[str, Any] = rec.evidence
+            rows: list[Any] = list(ev.get("forward_overflow" if rec.verdict is Verdict.FORWARD_OVERFLOW
+                                          else "forward_flushing") or [])
+            first: Mapping[str, Any] = rows[0] if rows else {}
+            caveat = Caveat("forward_no_effect", {
+                "finding": rec.verdict.value, "tensor": first.get("name"),
+                "flushed_fraction": first.get("flushed_fraction"), "max_abs": first.get("max_abs"),
+                "error": eff.error, "log2_scale": k, "target": data.get("target"), "regime": data.get("regime"),
+                "tolerance": TOLERANCE})
+            return _with(gradients_only, emulated, (caveat,))
+        return _with(rec, emulated, extra)
+    below = effect_at(data, k - 1) if k else None
+    if eff.nonfinite and below is not None and below.nonfinite == 0:
+        # the histograms' S overflows in the emulated step where half of it does not: a gradient
+        # the overflow ceiling did not see. Said, not hidden; the S stays the histograms'.
+        caveat = Caveat("emulated_overflow", {"log2_scale": k, "nonfinite": eff.nonfinite,
+                                              "error_below": below.error, "target": data.get("target"),
+                                              "regime": data.get("regime")})
+        return _with(rec, emulated, (caveat,))
+    if not eff.harmless and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
+        if any_flush is not None and any_flush.verdict in FORWARD:
+            return judged(any_flush, data, gradients_only)
+        over = eff.first_over
+        culprit = eff.culprit or ROOT
+        assert over is not None
+        fixed = effect_at(data, k, [culprit])
+        if fixed is not None:
+            emulated["fix"] = fixed.to_dict()
+        emulated["module"] = culprit
+        emulated["module_output_error"] = dict(eff.outputs).get(culprit)
+        emulated["first_parameter"] = over.name
+        emulated["first_parameter_error"] = over.error
+        out = _with(rec, emulated)
+        ev = dict(out.evidence)
+        ev["backward_verdict"] = rec.verdict.value
+        ev["backward_log2_scale"] = rec.log2_scale
+        ev["fix_modules"] = [culprit] if culprit != ROOT else []
+        target = str(data.get("target") or "cuda")
+        ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
+                          if culprit != ROOT else "")
+        return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
+    return _with(rec, emulated, extra)
+
+
+def _emulated_evidence(data: Mapping[str, Any], eff: Effect, k: int) -> dict[str, Any]:
+    around = []  # S and its neighbours on the first batch, where all three ran
+    for j in (k - 1, k, k + 1):
+        e = effect_at(data, j, batches=1)
+        if e is not None:
+            around.append([j, e.error, e.nonfinite])
+    if len(around) < 2:
+        around = []
+    return {**eff.to_dict(), "target": data.get("target"), "regime": data.get("regime"),
+            "batches": data.get("batches"), "tolerance": TOLERANCE, "neighbours": around,
+            "source": data.get("source")}
+
+
+def _with(rec: Recommendation, emulated: Mapping[str, Any], caveats: tuple[Caveat, ...] = ()) -> Recommendation:
+    ev = dict(rec.evidence)
+    ev["emulated"] = dict(emulated)
+    return dataclasses.replace(rec, evidence=ev, caveats=rec.caveats + caveats)  # type: ignore[arg-type]
+
+
+def judge_report(report: Report, format: str | None = None, *, kind: str | None = None,
+                 target: str | None = None) -> Recommendation:
+    """``analyze(report, format, kind=...)`` judged by the report's emulation section, when it has one.
+
+    What ``fp16probe profile`` gives, again from the saved report alone (``recommend``, ``show``):
+    the emulated step's numbers are the report's, measured at the S of the profile's verdict, so
+    a re-analysis for another S or format finds no emulated step to judge by and stays the
+    histograms' verdict.
+    """
+    from fp16probe.analysis.recommend import analyze
+
+    rec = analyze(report, format, kind=kind, target=target)
+    data = effect_of(report)
+    if data is None or data.get("format") != rec.format:
+        return rec
+    k = _checked_log2(rec) if rec.format != "bf16" else 0
+    eff = effect_at(data, k) if k is not None else None
+    if eff is None:
+        return rec
+    gradients_only = any_flush = None
+    if rec.verdict in FORWARD:
+        gradients_only = analyze(report, rec.format, kind=kind, target=target, forward_verdicts=False)
+    elif not eff.harmless:
+        any_flush = analyze(report, rec.format, kind=kind, target=target, forward_underflow_at=0.0)
+    return judged(rec, data, gradients_only, any_flush)
+
+
+def effect_of(report: Report) -> Mapping[str, Any] | None:
+    """The emulation data a report carries (its ``emulation`` section, JSON form), None without a finished pass."""
+    section = report.section("emulation")
+    if section is None or section.error is not None:
+        return None
+    data: Mapping[str, Any] = section.to_dict()
+    return data
