@@ -30,7 +30,6 @@ __all__ = [
     "NVIDIA_GUIDE_URL",
     "PAPER",
     "SIMULATION_CAVEAT",
-    "WEIGHT_UPDATE_RULE",
     "wording_problems",
 ]
 
@@ -65,11 +64,6 @@ SIMULATION_CAVEAT = (
     "seeded), so it assumes future steps look like the profiled ones: a profile taken at "
     "nearly fixed weights cannot see the drift in gradient magnitudes that training brings."
 )
-WEIGHT_UPDATE_RULE = (
-    "Without fp32 master weights an update is lost when it is below half an ulp of the "
-    f"weight, i.e. when |w| is at least about 2^11 |update| in fp16 ({PAPER})."
-)
-
 _SENTENCE = re.compile(r"(?<=[.!?;])\s+")
 
 

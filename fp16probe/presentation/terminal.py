@@ -36,6 +36,7 @@ from fp16probe.presentation.answer import (
     run_header,
     short_answer,
     stacked_table,
+    weight_update_words,
     wrap_text,
 )
 from fp16probe.recommendation import Recommendation, Verdict
@@ -296,7 +297,7 @@ def _run_context(report: Report, width: int) -> Iterator[Any]:
             yield from _para(f"{key}: {value}", width, indent="  ")
     wul = work.weight_update_loss
     if wul:
-        yield from _para(f"weight updates ({wul['measured_on']}): {wul['text']}", width, indent="  ")
+        yield from _para(f"weight updates ({wul['measured_on']}): {weight_update_words(wul)}", width, indent="  ")
 
 
 def _verification(v: Verification, width: int) -> Iterator[Any]:
