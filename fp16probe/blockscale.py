@@ -350,80 +350,89 @@ class BlockStats:
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "blocks") -> "BlockStats":
         """Build from the JSON the capture wrote; a bad field raises ReportFieldError naming it."""
-        from fp16probe.errors import ReportFieldError
-
-        def fail(where: str, what: str) -> ReportFieldError:
-            return ReportFieldError(where, f"{where}: {what}")
-
-        def count(v: Any, where: str) -> int:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise fail(where, f"expected a count, got {v!r}")
-            return v
-
         if not isinstance(d, Mapping):
-            raise fail(path, f"expected an object, got {type(d).__name__}")
+            raise _fail(path, f"expected an object, got {type(d).__name__}")
         if d.get("version") != 1:
-            raise fail(f"{path}.version", f"version {d.get('version')!r} is not supported (expected 1)")
+            raise _fail(f"{path}.version", f"version {d.get('version')!r} is not supported (expected 1)")
         layouts = d.get("layouts", [])
         if not isinstance(layouts, list) or any(lay not in LAYOUTS for lay in layouts):
-            raise fail(f"{path}.layouts", f"expected a list of {', '.join(LAYOUTS)}")
+            raise _fail(f"{path}.layouts", f"expected a list of {', '.join(LAYOUTS)}")
         families = d.get("families", [])
         if not isinstance(families, list) or any(f not in FAMILIES for f in families):
-            raise fail(f"{path}.families", f"expected a list of {', '.join(FAMILIES)}")
-        tensors = []
+            raise _fail(f"{path}.families", f"expected a list of {', '.join(FAMILIES)}")
         raw = d.get("tensors")
         if not isinstance(raw, list):
-            raise fail(f"{path}.tensors", "expected a list")
-        for i, t in enumerate(raw):
-            tp = f"{path}.tensors[{i}]"
-            if not isinstance(t, Mapping) or not isinstance(t.get("module"), str):
-                raise fail(tp, "expected an object with a module name")
-            if t.get("kind") not in BLOCK_KINDS:
-                raise fail(f"{tp}.kind", f"expected one of {', '.join(BLOCK_KINDS)}, got {t.get('kind')!r}")
-            trace = t.get("amax_trace", [])
-            if not isinstance(trace, list) or any(isinstance(v, bool) or not isinstance(v, (int, float))
-                                                  or not math.isfinite(v) or v < 0 for v in trace):
-                raise fail(f"{tp}.amax_trace", "expected a list of finite magnitudes")
-            relative = {}
-            for lay in layouts:
-                r = t.get("relative", {}).get(lay)
-                rp = f"{tp}.relative.{lay}"
-                if not isinstance(r, Mapping) or not isinstance(r.get("bins"), Mapping):
-                    raise fail(rp, "expected {bins, zero, nonfinite, out_of_range}")
-                bins = {}
-                for k, v in r["bins"].items():
-                    if not str(k).isdigit() or not 0 <= int(k) < RELATIVE_BINS:
-                        raise fail(f"{rp}.bins", f"bin {k!r} outside 0..{RELATIVE_BINS - 1}")
-                    bins[int(k)] = count(v, f"{rp}.bins.{k}")
-                spread = {}
-                for k, v in (r.get("spread") or {}).items():
-                    if not str(k).isdigit() or not 0 <= int(k) < SPREAD_BINS:
-                        raise fail(f"{rp}.spread", f"bin {k!r} outside 0..{SPREAD_BINS - 1}")
-                    spread[int(k)] = count(v, f"{rp}.spread.{k}")
-                relative[lay] = {"bins": bins, "spread": spread, **{k: count(r.get(k, 0), f"{rp}.{k}")
-                                                                    for k in ("zero", "nonfinite", "out_of_range")}}
-            current = {el: BlockCounts.from_dict(c, path=f"{tp}.current.{el}")
-                       for el, c in (t.get("current") or {}).items() if el in ELEMENTS}
-            delayed = []
-            for j, dl in enumerate(t.get("delayed") or []):
-                dp = f"{tp}.delayed[{j}]"
-                try:
-                    recipe = DelayedRecipe(dl["history_len"], dl["margin"], dl["algo"])
-                except (KeyError, TypeError, ValueError) as e:
-                    raise fail(dp, f"not a delayed-scaling recipe ({e})") from e
-                if dl.get("element") not in ELEMENTS:
-                    raise fail(f"{dp}.element", f"expected one of {', '.join(ELEMENTS)}")
-                delayed.append((recipe, dl["element"], BlockCounts.from_dict(dl.get("counts"), path=f"{dp}.counts")))
-            nvfp4 = {v: BlockCounts.from_dict(c, path=f"{tp}.nvfp4.{v}") for v, c in (t.get("nvfp4") or {}).items()}
-            shape = t.get("shape", [])
-            tensors.append(TensorBlockStats(
-                module=t["module"], type=str(t.get("type", "")), kind=t["kind"],
-                shape=tuple(int(v) for v in shape) if isinstance(shape, list) else (),
-                calls=count(t.get("calls", 0), f"{tp}.calls"), amax_trace=tuple(float(v) for v in trace),
-                relative=relative, current=current, delayed=tuple(delayed), nvfp4=nvfp4,
-            ))
-        return cls(tuple(families), tuple(layouts), count(d.get("steps", 0), f"{path}.steps"),
-                   count(d.get("hook_errors", 0), f"{path}.hook_errors"), tuple(tensors))
+            raise _fail(f"{path}.tensors", "expected a list")
+        tensors = tuple(_tensor_from_dict(t, layouts, f"{path}.tensors[{i}]") for i, t in enumerate(raw))
+        return cls(tuple(families), tuple(layouts), _count(d.get("steps", 0), f"{path}.steps"),
+                   _count(d.get("hook_errors", 0), f"{path}.hook_errors"), tensors)
+
+
+def _fail(where: str, what: str) -> Exception:
+    from fp16probe.errors import ReportFieldError
+
+    return ReportFieldError(where, f"{where}: {what}")
+
+
+def _count(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise _fail(where, f"expected a count, got {v!r}")
+    return v
+
+
+def _tensor_from_dict(t: Any, layouts: Sequence[str], tp: str) -> TensorBlockStats:
+    """One tensor's entry of ``blocks.tensors`` (at ``tp``), checked field by field."""
+    if not isinstance(t, Mapping) or not isinstance(t.get("module"), str):
+        raise _fail(tp, "expected an object with a module name")
+    if t.get("kind") not in BLOCK_KINDS:
+        raise _fail(f"{tp}.kind", f"expected one of {', '.join(BLOCK_KINDS)}, got {t.get('kind')!r}")
+    trace = t.get("amax_trace", [])
+    if not isinstance(trace, list) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                          or not math.isfinite(v) or v < 0 for v in trace):
+        raise _fail(f"{tp}.amax_trace", "expected a list of finite magnitudes")
+    relative = {lay: _relative_from_dict(t.get("relative", {}).get(lay), f"{tp}.relative.{lay}") for lay in layouts}
+    current = {el: BlockCounts.from_dict(c, path=f"{tp}.current.{el}")
+               for el, c in (t.get("current") or {}).items() if el in ELEMENTS}
+    delayed = tuple(_delayed_from_dict(dl, f"{tp}.delayed[{j}]") for j, dl in enumerate(t.get("delayed") or []))
+    nvfp4 = {v: BlockCounts.from_dict(c, path=f"{tp}.nvfp4.{v}") for v, c in (t.get("nvfp4") or {}).items()}
+    shape = t.get("shape", [])
+    return TensorBlockStats(
+        module=t["module"], type=str(t.get("type", "")), kind=t["kind"],
+        shape=tuple(int(v) for v in shape) if isinstance(shape, list) else (),
+        calls=_count(t.get("calls", 0), f"{tp}.calls"), amax_trace=tuple(float(v) for v in trace),
+        relative=relative, current=current, delayed=delayed, nvfp4=nvfp4,
+    )
+
+
+def _relative_from_dict(r: Any, rp: str) -> dict[str, Any]:
+    """One layout's relative-exponent statistic (at ``rp``): its bins, spread and counts."""
+    if not isinstance(r, Mapping) or not isinstance(r.get("bins"), Mapping):
+        raise _fail(rp, "expected {bins, zero, nonfinite, out_of_range}")
+    bins = _bins_from_dict(r["bins"], RELATIVE_BINS, f"{rp}.bins")
+    spread = _bins_from_dict(r.get("spread") or {}, SPREAD_BINS, f"{rp}.spread")
+    return {"bins": bins, "spread": spread, **{k: _count(r.get(k, 0), f"{rp}.{k}")
+                                               for k in ("zero", "nonfinite", "out_of_range")}}
+
+
+def _bins_from_dict(raw: Mapping[Any, Any], size: int, where: str) -> dict[int, int]:
+    """Counts by bin index, each index in ``0..size-1``."""
+    bins = {}
+    for k, v in raw.items():
+        if not str(k).isdigit() or not 0 <= int(k) < size:
+            raise _fail(where, f"bin {k!r} outside 0..{size - 1}")
+        bins[int(k)] = _count(v, f"{where}.{k}")
+    return bins
+
+
+def _delayed_from_dict(dl: Any, dp: str) -> tuple[DelayedRecipe, str, BlockCounts]:
+    """One delayed-scaling entry (at ``dp``): its recipe, element and counts."""
+    try:
+        recipe = DelayedRecipe(dl["history_len"], dl["margin"], dl["algo"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(dp, f"not a delayed-scaling recipe ({e})") from e
+    if dl.get("element") not in ELEMENTS:
+        raise _fail(f"{dp}.element", f"expected one of {', '.join(ELEMENTS)}")
+    return recipe, dl["element"], BlockCounts.from_dict(dl.get("counts"), path=f"{dp}.counts")
 
 
 def block_stats_of(report: Any) -> BlockStats | None:

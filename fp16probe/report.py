@@ -504,28 +504,37 @@ def merge_reports(reports: Sequence[Report], *, how: str = "auto") -> Report:
 
 
 def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
-    if how == "runs":
-        kinds = {k for t in traces for k in t.histograms}
-        histograms = {k: tuple(h for t in traces for h in t.histograms.get(k, ((Histogram(),) * len(t))))
-                      for k in kinds}
-        module_max: dict[str, dict[str, tuple[float, ...]]] = {}
-        for k in {k for t in traces for k in t.module_max}:
-            names = {n for t in traces for n in t.module_max.get(k, {})}
-            module_max[k] = {
-                n: tuple(v for t in traces for v in t.module_max.get(k, {}).get(n, (0.0,) * len(t)))
-                for n in names
-            }
-        return StepTrace(
-            steps=tuple(s for t in traces for s in t.steps),
-            histograms=histograms,
-            module_max=module_max,
-            scale=tuple(s for t in traces for s in t.scale),
-            found_inf=tuple(f for t in traces for f in t.found_inf),
-            ceiling=(
-                None if any(t.ceiling is None for t in traces)
-                else tuple(c for t in traces for c in (t.ceiling or ()))
-            ),
-        )
+    """Runs one after another (``"runs"``: their steps in a row), or ranks of one run (their steps summed)."""
+    return _concat_traces(traces) if how == "runs" else _combine_traces(traces)
+
+
+def _concat_traces(traces: Sequence[StepTrace]) -> StepTrace:
+    """The steps of runs one after another; a part a run lacks is empty (histograms) or 0 (maxima) there."""
+    kinds = {k for t in traces for k in t.histograms}
+    histograms = {k: tuple(h for t in traces for h in t.histograms.get(k, ((Histogram(),) * len(t))))
+                  for k in kinds}
+    module_max: dict[str, dict[str, tuple[float, ...]]] = {}
+    for k in {k for t in traces for k in t.module_max}:
+        names = {n for t in traces for n in t.module_max.get(k, {})}
+        module_max[k] = {
+            n: tuple(v for t in traces for v in t.module_max.get(k, {}).get(n, (0.0,) * len(t)))
+            for n in names
+        }
+    return StepTrace(
+        steps=tuple(s for t in traces for s in t.steps),
+        histograms=histograms,
+        module_max=module_max,
+        scale=tuple(s for t in traces for s in t.scale),
+        found_inf=tuple(f for t in traces for f in t.found_inf),
+        ceiling=(
+            None if any(t.ceiling is None for t in traces)
+            else tuple(c for t in traces for c in (t.ceiling or ()))
+        ),
+    )
+
+
+def _combine_traces(traces: Sequence[StepTrace]) -> StepTrace:
+    """The ranks of one run, step by step: histograms summed, maxima and ceilings the max, an inf on any rank."""
     first = traces[0]
     n = len(first)
     kinds = {k for t in traces for k in t.histograms}
@@ -536,17 +545,21 @@ def _merge_traces(traces: Sequence[StepTrace], how: str) -> StepTrace:
             for i, h in enumerate(t.histograms.get(k, ())):
                 per_step[i] = per_step[i] + h
         histograms[k] = tuple(per_step)
-    module_max = {}
-    for k in {k for t in traces for k in t.module_max}:
-        merged: dict[str, list[float]] = {}
-        for t in traces:
-            for name, vals in t.module_max.get(k, {}).items():
-                cur = merged.setdefault(name, [0.0] * n)
-                for i, v in enumerate(vals):
-                    cur[i] = max(cur[i], v)
-        module_max[k] = {name: tuple(v) for name, v in merged.items()}
+    module_max = {k: _max_by_name([t.module_max.get(k, {}) for t in traces], n)
+                  for k in {k for t in traces for k in t.module_max}}
     found_inf = tuple(any(t.found_inf[i] for t in traces) for i in range(n))
     return StepTrace(first.steps, histograms, module_max, first.scale, found_inf, merge_ceilings(traces))
+
+
+def _max_by_name(maxima: Sequence[Mapping[str, Sequence[float]]], n: int) -> dict[str, tuple[float, ...]]:
+    """Per name, the step-by-step max over ``maxima`` (``n`` steps; a step a rank lacks counts 0)."""
+    merged: dict[str, list[float]] = {}
+    for by_name in maxima:
+        for name, vals in by_name.items():
+            cur = merged.setdefault(name, [0.0] * n)
+            for i, v in enumerate(vals):
+                cur[i] = max(cur[i], v)
+    return {name: tuple(v) for name, v in merged.items()}
 
 
 def merge_ceilings(traces: Sequence[StepTrace]) -> tuple[float, ...] | None:

@@ -112,6 +112,6 @@ def test_every_rank_ends_in_time_and_rank_0_reports_the_finished_steps(name, job
     assert report.metadata.world_size == 2
     assert report.metadata.partial == (job.fail_at != 0)
     if job.fail_at:
-        assert report.metadata.extra["rank_fault"]["rank"] == 1
-        assert report.metadata.extra["rank_fault"]["steps_finished_per_rank"] == [job.steps_kept] * 2
+        assert report.workload.rank_fault["rank"] == 1
+        assert report.workload.rank_fault["steps_finished_per_rank"] == [job.steps_kept] * 2
     assert (where / "fp16probe-recommendation.txt").read_text().strip()

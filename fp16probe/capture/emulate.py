@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +44,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
-from fp16probe.capture.forward import _watch_autocast
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack
 
 __all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "merged_setting", "reference_step"]
 
@@ -121,31 +120,35 @@ class _Emulator:
         self.names = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
         self.kept_ids = {id(m) for n, m in model.named_modules() if n in keep}
         self.params = {id(p): n for n, p in model.named_parameters()}
-        self.low: dict[int, tuple[weakref.ref, bool]] = {}
-        self.autocast: list[tuple[str, bool]] = []  # autocast contexts the model entered: (device, enabled)
-        self.depth_kept = 0
+        self.dtypes = DtypeTracker((target,), self._initial_low)
+        self.stack = ModuleStack()  # a frame is selected inside a module kept in fp32
+        self.stack.reset("", False)  # outside the model (the loss): not kept; the model's root is pushed like any module
         self.order: dict[str, None] = {}
         self.module_order: dict[str, None] = {}
         self.ops = 0
         self.rounded = 0
 
     # -- module stack ---------------------------------------------------------------------
+    @property
+    def kept(self) -> bool:
+        """Whether the op running now is inside a module kept in fp32."""
+        return self.stack.top.selected
+
     def push(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
         if name is not None:
             self.module_order.setdefault(name, None)
-        if id(module) in self.kept_ids:
-            self.depth_kept += 1
+            self.stack.push(name, id(module) in self.kept_ids)
 
     def pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) in self.kept_ids and self.depth_kept:
-            self.depth_kept -= 1
+        name = self.names.get(id(module))
+        if name is not None:
+            self.stack.pop()
         out = _first_float(output)
         if out is not None and out.requires_grad and self.is_low(out):
             # global forward hooks run before a module's own: a gradient hook registered later on
             # this output (verify's) reads the gradient rounded, as the target run has it
             out.register_hook(self.round_grad)
-        name = self.names.get(id(module))
         ref = self.reference.get(name) if name is not None else None
         if ref is not None and name not in self.outputs:
             if out is not None and out.shape == ref.shape:
@@ -155,21 +158,21 @@ class _Emulator:
 
     # -- dtypes ---------------------------------------------------------------------------
     def is_low(self, t: torch.Tensor) -> bool:
-        got = self.low.get(id(t))
-        if got is not None and got[0]() is t:
-            return got[1]
+        return self.dtypes.is_low(t, self.target)
+
+    def _initial_low(self, t: torch.Tensor) -> bool:
         if t.dtype in (torch.float16, torch.bfloat16):
             return True
         # A .half() model holds its weights and inputs in fp16: an fp32 tensor from outside
         # the step is low there (rounded where it is first used).
-        return self.regime == "pure_fp16" and t.dtype == torch.float32 and not self.depth_kept
+        return self.regime == "pure_fp16" and t.dtype == torch.float32 and not self.kept
 
     def round_grad(self, g: torch.Tensor) -> torch.Tensor:
         """A gradient as the target holds it for a low-precision tensor."""
         return g.to(self.dtype).to(g.dtype)
 
     def mark(self, t: torch.Tensor, low: bool) -> None:
-        self.low[id(t)] = (weakref.ref(t), low)
+        self.dtypes.mark(t, {self.target: low})
 
     def held(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the target holds it in the low format (rounded, with a rounding gradient)."""
@@ -177,13 +180,6 @@ class _Emulator:
         self.rounded += 1
         self.mark(r, True)
         return r
-
-    def _autocast_off(self) -> bool:
-        """Whether the model switched the target's autocast off around the op running now."""
-        for device, enabled in reversed(self.autocast):
-            if device == self.target:
-                return not enabled
-        return False
 
     # -- ops ------------------------------------------------------------------------------
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -193,7 +189,7 @@ class _Emulator:
             if name is not None:
                 self.order.setdefault(name, None)
         op = op_name(func)
-        if self.depth_kept:  # autocast off, fp32 inputs: the op runs as it is written
+        if self.kept:  # autocast off, fp32 inputs: the op runs as it is written
             out = func(*args, **kwargs)
             for t in iter_tensors(out):
                 if t.is_floating_point():
@@ -215,7 +211,7 @@ class _Emulator:
             for t in outs:
                 self.mark(t, low)
             return out
-        off = self.regime == "autocast" and self._autocast_off()
+        off = self.regime == "autocast" and self.dtypes.autocast_off(self.target)
         low = output_is_low(func, args, kwargs, self.is_low, self.target, "pure_fp16" if off else self.regime)
         if low and not off:  # with autocast off, an op is low only when all its inputs are: nothing to cast
             args, kwargs = self._lowered_inputs(args, kwargs)
@@ -230,8 +226,7 @@ class _Emulator:
             if isinstance(obj, torch.Tensor):
                 if not obj.is_floating_point() or obj.dtype != torch.float32:
                     return obj
-                got = self.low.get(id(obj))
-                if got is not None and got[0]() is obj and got[1]:
+                if self.dtypes.known(obj) and self.is_low(obj):
                     return obj  # made in the step and already held low
                 if obj.dim() == 0 and self.regime == "autocast":
                     return obj  # a 0-d fp32 operand does not decide the dtype and is not cast
@@ -272,7 +267,7 @@ class _Emulator:
             return out
         if c:
             base = src if src.dtype == torch.float32 else src.float()
-            if self.is_low(src) and self.low.get(id(src)) is not None:
+            if self.dtypes.known(src) and self.is_low(src):
                 out = base.view_as(base)  # already held low: the cast changes nothing
                 self.mark(out, True)
                 return out
@@ -394,7 +389,7 @@ def emulating(model: nn.Module, *, format: str = "fp16", target: str = "cuda", r
     post = nn.modules.module.register_module_forward_hook(em.pop, always_call=True)
     mode = _Mode(em)
     try:
-        with _watch_autocast(em.autocast):
+        with em.dtypes.watching_autocast():
             mode.__enter__()
             try:
                 yield em

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,12 +39,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import (CAST_OPS, REGIMES, TARGETS, around_autocast, cast_is_low, op_name,
-                                              output_is_low)
+from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
 from fp16probe.formats import get_format
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack
 from fp16probe.sections import ForwardSection
 
 __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
@@ -93,39 +92,6 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-@contextlib.contextmanager
-def _watch_autocast(frames: list[tuple[str, bool]]) -> Iterator[None]:
-    """Keep ``frames`` as the stack of autocast contexts the audited code enters, in this thread.
-
-    The profile runs without autocast, so a region the model runs with autocast off (a
-    ``torch.autocast(device, enabled=False)`` block, as :func:`fp16probe.keep_in_fp32` and
-    hand-written fp32 islands use) changes no state the audit could read. Entering and leaving
-    ``torch.autocast`` (its subclasses and its decorator form go through these two methods) is
-    noted instead: ``(device_type, enabled)``, innermost last.
-    """
-    thread = threading.get_ident()
-    entered: set[int] = set()
-
-    def watched_enter(enter: Any, ctx: Any) -> Any:
-        got = enter(ctx)
-        if threading.get_ident() == thread:
-            frames.append((str(ctx.device), bool(ctx._enabled)))
-            entered.add(id(ctx))
-        return got
-
-    def watched_exit(leave: Any, ctx: Any, *exc: Any) -> Any:
-        if id(ctx) in entered and frames:
-            entered.discard(id(ctx))
-            frames.pop()
-        return leave(ctx, *exc)
-
-    try:
-        with around_autocast(watched_enter, watched_exit):
-            yield
-    finally:
-        frames.clear()
-
-
 class ForwardAudit(Collector):
     """Measure what the target fp16 run computes in forward; see the module docstring.
 
@@ -150,9 +116,8 @@ class ForwardAudit(Collector):
         self.targets = tuple(t for t in targets if t in TARGETS)
         self._names = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
         self._params = {id(p): n for n, p in model.named_parameters()}
-        self._stack: list[list[Any]] = []  # [module name, op counts]
-        self._autocast: list[tuple[str, bool]] = []  # autocast contexts the model entered: (device, enabled)
-        self._low: dict[int, tuple[weakref.ref, dict[str, bool]]] = {}
+        self._modules = ModuleStack()
+        self._dtypes = DtypeTracker(self.targets, self._initial_low)
         self._seen: dict[int, tuple[weakref.ref, str, torch.Tensor, torch.Tensor]] = {}  # id -> (ref, module, amax, stats)
         self.entries: dict[str, _Entry] = {}
         self.step_index = -1
@@ -168,12 +133,12 @@ class ForwardAudit(Collector):
         """Audit the forward and loss run inside this block, as step ``step``."""
         self.step_index = step
         self.steps.append(step)
-        self._stack = [[ROOT_NAME, {}]]
+        self._modules.reset(ROOT_NAME)
         pre = nn.modules.module.register_module_forward_pre_hook(self._push)
         post = nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
         mode = _Mode(self)
         try:
-            with _watch_autocast(self._autocast):
+            with self._dtypes.watching_autocast():
                 mode.__enter__()
                 try:
                     yield self
@@ -182,13 +147,13 @@ class ForwardAudit(Collector):
         finally:
             pre.remove()
             post.remove()
-            self._low.clear()
+            self._dtypes.clear()
             self._seen.clear()
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Record the dtype ``loss`` would have in the target run, and custom Functions behind it."""
         try:
-            low = self._low_map(loss)
+            low = self._dtypes.lows(loss)
             for t in self.targets:
                 self.loss_low[t] = self.loss_low.get(t, False) or low[t]
             if not self.custom and loss.grad_fn is not None:
@@ -200,12 +165,12 @@ class ForwardAudit(Collector):
     def _push(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
         if name is not None and name != ROOT_NAME:
-            self._stack.append([name, {}])
+            self._modules.push(name)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self._names.get(id(module))
-        if name is not None and name != ROOT_NAME and len(self._stack) > 1:
-            self._stack.pop()
+        if name is not None and name != ROOT_NAME:
+            self._modules.pop()
 
     # -- dtypes -----------------------------------------------------------------------------
     def _initial_low(self, t: torch.Tensor) -> bool:
@@ -213,83 +178,84 @@ class ForwardAudit(Collector):
             return True
         return self.regime == "pure_fp16" and t.dtype == torch.float32
 
-    def _low_map(self, t: torch.Tensor) -> dict[str, bool]:
-        got = self._low.get(id(t))
-        if got is not None and got[0]() is t:
-            return got[1]
-        base = self._initial_low(t)
-        return {target: base for target in self.targets}
-
-    def _regime_here(self, target: str) -> str:
-        """The regime of the op running now on ``target``: autocast, unless the model switched it off here."""
-        if self.regime == "autocast":
-            for device, enabled in reversed(self._autocast):
-                if device == target:
-                    return "autocast" if enabled else "pure_fp16"  # off: type promotion alone decides
-        return self.regime
-
-    def _set_low(self, t: torch.Tensor, low: dict[str, bool]) -> None:
-        self._low[id(t)] = (weakref.ref(t), low)
-
     # -- observing ----------------------------------------------------------------------------
     def _observe(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> Any:
+        """Work out the op's output dtype on each target; measure what would be fp16 there."""
         outs = [t for t in iter_tensors(out) if t.is_floating_point()]
         if not outs:
             return out
         op = op_name(func)
         inputs = [t for t in iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
         floats_in = [t for t in inputs if t.is_floating_point()]
-        lows_in = [self._low_map(t) for t in floats_in]
-        low: dict[str, bool] = {}
-        if op in CAST_OPS:
-            changed = False
-            for target in self.targets:
-                c = cast_is_low(op, args, kwargs, lambda t, _target=target: self._low_map(t)[_target])
-                low[target] = (lows_in[0][target] if floats_in else False) if c is None else c
-                changed = changed or c is not None
-            if args and out is args[0] and isinstance(out, torch.Tensor) and changed:
-                if low != self._low_map(out):
-                    out = out.view_as(out)  # the real run makes a new tensor here: give it its own identity
-                    outs = [out]
-        elif op in _LAYOUT or op.endswith("_") or (args and out is args[0]):
-            for target in self.targets:
-                low[target] = bool(lows_in) and lows_in[0][target]
-        else:
-            for target in self.targets:
-                def is_low(t: torch.Tensor, _target: str = target) -> bool:
-                    return self._low_map(t)[_target]
-
-                low[target] = output_is_low(func, args, kwargs, is_low, target, self._regime_here(target))
+        lows_in = [self._dtypes.lows(t) for t in floats_in]
+        out, outs, low = self._output_lows(func, op, args, kwargs, out, outs, lows_in)
         for t in outs:
-            self._set_low(t, low)
+            self._dtypes.mark(t, low)
         if op in _LAYOUT or (op in CAST_OPS and not any(low.values())):
             return out
-        frame = self._stack[-1] if self._stack else [ROOT_NAME, {}]
-        counts = frame[1]
-        n = counts.get(op, 0)
-        counts[op] = n + 1
-        name = f"{frame[0]}/{op}" if n == 0 else f"{frame[0]}/{op}.{n}"
+        name = self._modules.name_op(op)
+        module = self._modules.top.name
         fp16_targets = {t for t, v in low.items() if v}
         if fp16_targets:
             for t in outs:
-                self._measure(t, name, frame[0], op, "output", fp16_targets)
-        if fp16_targets and op not in CAST_OPS:
-            for t, lin in zip(floats_in, lows_in):
-                if t.dim() == 0:
-                    continue
-                cast_to = {target for target in fp16_targets
-                           if not lin[target] and self._regime_here(target) == "autocast"}
-                if cast_to:  # autocast casts this fp32 input to fp16 for the op
-                    pname = self._params.get(id(t))
-                    label = pname if pname is not None else f"{name}:in"
-                    self._measure(t, label, frame[0], op, "weight" if pname is not None else "input", cast_to)
-                    continue
-                # An fp16 input made in another module: this module consumes it (an overflow
-                # there is this module's problem too, whoever made it).
-                seen = self._seen.get(id(t))
-                if seen is not None and seen[0]() is t and seen[1] != frame[0]:
-                    self._record(f"{name}:in", frame[0], op, "consumer", fp16_targets, seen[2], seen[3])
+                self._measure(t, name, module, op, "output", fp16_targets)
+            if op not in CAST_OPS:
+                self._observe_inputs(name, module, op, floats_in, lows_in, fp16_targets)
         return out
+
+    def _output_lows(self, func: Any, op: str, args: Sequence[Any], kwargs: Any, out: Any, outs: list[torch.Tensor],
+                     lows_in: list[dict[str, bool]]) -> tuple[Any, list[torch.Tensor], dict[str, bool]]:
+        """What the op's output would be on each target (and the output, given its own identity by a cast)."""
+        if op in CAST_OPS:
+            return self._cast(op, args, kwargs, out, outs, lows_in)
+        if op in _LAYOUT or op.endswith("_") or (args and out is args[0]):  # the first input's dtype passes
+            return out, outs, {target: bool(lows_in) and lows_in[0][target] for target in self.targets}
+        return out, outs, self._computed(func, args, kwargs)
+
+    def _cast(self, op: str, args: Sequence[Any], kwargs: Any, out: Any, outs: list[torch.Tensor],
+              lows_in: list[dict[str, bool]]) -> tuple[Any, list[torch.Tensor], dict[str, bool]]:
+        """An explicit conversion: what it makes on each target (and the output, given its own identity if needed)."""
+        low: dict[str, bool] = {}
+        changed = False
+        for target in self.targets:
+            c = cast_is_low(op, args, kwargs, lambda t, _target=target: self._dtypes.is_low(t, _target))
+            low[target] = (lows_in[0][target] if lows_in else False) if c is None else c
+            changed = changed or c is not None
+        if args and out is args[0] and isinstance(out, torch.Tensor) and changed:
+            if low != self._dtypes.lows(out):
+                out = out.view_as(out)  # the real run makes a new tensor here: give it its own identity
+                outs = [out]
+        return out, outs, low
+
+    def _computed(self, func: Any, args: Sequence[Any], kwargs: Any) -> dict[str, bool]:
+        """A computing op: its output's dtype on each target, by that target's rules in force here."""
+        low: dict[str, bool] = {}
+        for target in self.targets:
+            def is_low(t: torch.Tensor, _target: str = target) -> bool:
+                return self._dtypes.is_low(t, _target)
+
+            low[target] = output_is_low(func, args, kwargs, is_low, target,
+                                        self._dtypes.regime_here(target, self.regime))
+        return low
+
+    def _observe_inputs(self, name: str, module: str, op: str, floats_in: list[torch.Tensor],
+                        lows_in: list[dict[str, bool]], fp16_targets: set[str]) -> None:
+        """The inputs of an op that computes in fp16: casts autocast makes, and fp16 tensors from other modules."""
+        for t, lin in zip(floats_in, lows_in):
+            if t.dim() == 0:
+                continue
+            cast_to = {target for target in fp16_targets
+                       if not lin[target] and self._dtypes.regime_here(target, self.regime) == "autocast"}
+            if cast_to:  # autocast casts this fp32 input to fp16 for the op
+                pname = self._params.get(id(t))
+                label = pname if pname is not None else f"{name}:in"
+                self._measure(t, label, module, op, "weight" if pname is not None else "input", cast_to)
+                continue
+            # An fp16 input made in another module: this module consumes it (an overflow
+            # there is this module's problem too, whoever made it).
+            seen = self._seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] != module:
+                self._record(f"{name}:in", module, op, "consumer", fp16_targets, seen[2], seen[3])
 
     def _measure(self, t: torch.Tensor, name: str, module: str, op: str, role: str, targets: set[str]) -> None:
         if t.numel() == 0 or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -48,6 +48,7 @@ from fp16probe.capture.autocast_rules import CAST_OPS, cast_is_low, op_name, out
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
 __all__ = ["LAYOUT_OPS", "attach", "leave_mode", "new_capture", "op_name"]
@@ -65,17 +66,7 @@ LAYOUT_OPS = frozenset(
 )
 
 _LOW, _FP32, _PASS = "lower", "fp32", "pass"  # what autocast does with an op
-
-
-class _Frame:
-    """One module call on the stack: its display name and the ops counted in it so far."""
-
-    __slots__ = ("name", "counts", "selected")
-
-    def __init__(self, name: str, selected: bool) -> None:
-        self.name = name
-        self.selected = selected
-        self.counts: dict[str, int] = {}
+_HERE = "here"  # the one target op capture tracks: the run it predicts (``target``, or the profile's device)
 
 
 class _Out:
@@ -107,11 +98,11 @@ class _OpCapture(TorchFunctionMode):
         self.record = record  # False: only work out autocast dtypes, to mark nodes for the ceiling
         self.wanted: Any = None  # record=False: a callable saying whether this forward needs the marks
         self.depth = [0]  # nesting of the probed model's forward calls (the mode is on while > 0)
-        self.stack: list[_Frame] = []
+        self.stack = ModuleStack()
         self.classes: dict[tuple[Any, str, bool], str] = {}  # (op, device type, fp32 run) -> class
-        # Per forward: the would-be-under-autocast dtype of tensors made in it, by id (a
-        # weakref guards against a reused id), and the captured outputs.
-        self.low: dict[int, tuple[weakref.ref, bool]] = {}
+        # Per forward: the would-be-under-autocast dtype of tensors made in it, and the
+        # captured outputs by id (a weakref guards against a reused id).
+        self.dtypes = DtypeTracker((_HERE,))
         self.outs: dict[int, tuple[weakref.ref, _Out]] = {}
         self.entries: list[_Out] = []  # every captured output of the forward, freed or not
         self.fp32_only: set[str] = set()  # rows whose gradient never held fp16 in any forward
@@ -146,13 +137,7 @@ class _OpCapture(TorchFunctionMode):
     # -- the dtype an op would have under autocast -----------------------------------
     def _is_low(self, t: torch.Tensor) -> bool:
         """Whether ``t`` would be fp16 under autocast (tensors not made in this forward: their dtype)."""
-        entry = self.low.get(id(t))
-        if entry is not None and entry[0]() is t:
-            return entry[1]
-        return t.dtype in (torch.float16, torch.bfloat16)
-
-    def _set_low(self, t: torch.Tensor, low: bool) -> None:
-        self.low[id(t)] = (weakref.ref(t), low)
+        return self.dtypes.is_low(t, _HERE)
 
     def _class(self, func: Any, args: Sequence[Any], kwargs: Any, device: torch.device, fp32_run: bool) -> str:
         """Ask autocast what it does with ``func`` (cached per op and device)."""
@@ -190,15 +175,30 @@ class _OpCapture(TorchFunctionMode):
     def _capture(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> None:
         if not self.stack:
             return
-        frame = self.stack[-1]
         outs = [t for t in iter_tensors(out) if t.is_floating_point()]
         if not outs:
             return
         op = op_name(func)
         inputs = [t for t in iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, torch.Tensor)]
+        low = self._track_dtype(op, func, args, kwargs, outs, inputs)
+        if op in LAYOUT_OPS or not (self.stack.top.selected or not self.record):
+            return
+        tensors = _computed(outs, inputs)
+        if not tensors:
+            return
+        if self.record:
+            self._record(op, tensors, low)
+            return
+        for t in tensors:  # dtypes only: no row, the op's name is enough to settle it
+            if t.requires_grad:
+                self._keep(op, t, low)
+
+    def _track_dtype(self, op: str, func: Any, args: Sequence[Any], kwargs: Any, outs: list[torch.Tensor],
+                     inputs: list[torch.Tensor]) -> bool:
+        """Mark what the op's outputs would be under autocast, and its inputs as exposed when it runs in fp16."""
         low = self._output_low(op, func, args, kwargs, outs[0], inputs)
         for t in outs:
-            self._set_low(t, low)
+            self.dtypes.mark(t, {_HERE: low})
         # A consumer that computes in fp16 (or casts) gives its fp32 inputs' gradients an
         # fp16 pass in the real run.
         if low or op in CAST_OPS:
@@ -206,28 +206,18 @@ class _OpCapture(TorchFunctionMode):
                 entry = self.outs.get(id(t))
                 if entry is not None and entry[0]() is t:  # not a freed tensor's reused id
                     entry[1].exposed = True
-        if op in LAYOUT_OPS or not (frame.selected or not self.record):
-            return
-        input_ids = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
-        tensors = [
-            t for t in outs
-            if t.grad_fn is not None
-            # A view of an input is layout; a view of what the op made itself (a biased
-            # Linear on 3-D input returns a view of its addmm) is the op's output.
-            and not (t._is_view() and id(t._base) in input_ids)
-        ]
-        if not tensors:
-            return
-        if not self.record:
-            for t in tensors:
-                if t.requires_grad:
-                    entry = _Out(op, not low, t.grad_fn)
-                    self.outs[id(t)] = (weakref.ref(t), entry)
-                    self.entries.append(entry)
-            return
-        n = frame.counts.get(op, 0)
-        frame.counts[op] = n + 1
-        name = f"{frame.name}/{op}" if n == 0 else f"{frame.name}/{op}.{n}"
+        return low
+
+    def _keep(self, name: str, t: torch.Tensor, low: bool) -> _Out:
+        """Keep an output that needs a gradient, to settle at the end of the forward."""
+        entry = _Out(name, not low, t.grad_fn)
+        self.outs[id(t)] = (weakref.ref(t), entry)
+        self.entries.append(entry)
+        return entry
+
+    def _record(self, op: str, tensors: list[torch.Tensor], low: bool) -> None:
+        """Name the op's row and feed its outputs (and, by a hook, their gradients) to the recorder."""
+        name = self.stack.name_op(op)
         rec = self.recorder
         if rec.precision is None:
             rec.precision = detect_precision(tensors)
@@ -237,9 +227,7 @@ class _OpCapture(TorchFunctionMode):
             if act_i is not None:
                 rec.record(ACTIVATION, act_i, t)
             if t.requires_grad:
-                entry = _Out(name, not low, t.grad_fn)
-                self.outs[id(t)] = (weakref.ref(t), entry)
-                self.entries.append(entry)
+                entry = self._keep(name, t, low)
                 if grad_i is not None:
                     t.register_hook(self._grad_hook(grad_i, entry))
                     if not entry.fp32:  # fp32-only outputs are left unrecorded (and unhooked by the ceiling)
@@ -265,7 +253,7 @@ class _OpCapture(TorchFunctionMode):
                     pass
             else:
                 self.fp16_rows.add(o.name)
-        self.low.clear()
+        self.dtypes.clear()
         self.outs.clear()
         self.entries = []
 
@@ -291,6 +279,16 @@ class _OpCapture(TorchFunctionMode):
     def autocast_fp32_rows(self) -> list[str]:
         """Rows whose gradient stays fp32 under autocast in every forward seen."""
         return sorted(self.fp32_only - self.fp16_rows) if self.record else []
+
+
+def _computed(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs the op computed: in a graph, and not a view of one of its inputs.
+
+    A view of an input is layout; a view of what the op made itself (a biased Linear on 3-D
+    input returns a view of its addmm) is the op's output.
+    """
+    input_ids = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
+    return [t for t in outs if t.grad_fn is not None and not (t._is_view() and id(t._base) in input_ids)]
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -400,20 +398,18 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
         def pre_hook(module: nn.Module, args: Any) -> None:
             if depth[0] == 0:
                 return
-            parent_selected = bool(mode.stack) and mode.stack[-1].selected
-            mode.stack.append(_Frame(display, name in chosen or parent_selected))
+            mode.stack.push(display, name in chosen)
 
         return pre_hook
 
     def pop(module: nn.Module, args: Any, output: Any) -> None:
-        if depth[0] and mode.stack:
+        if depth[0]:
             mode.stack.pop()
 
     def root_pre(module: nn.Module, args: Any) -> None:
         depth[0] += 1
         if depth[0] == 1 and recorder.enabled and recorder.sampling and (mode.wanted is None or mode.wanted()):
-            mode.stack.clear()
-            mode.stack.append(_Frame(ROOT_NAME, "" in chosen))
+            mode.stack.reset(ROOT_NAME, "" in chosen)
             mode.__enter__()
         elif depth[0] == 1:
             depth[0] = 0  # not recording, or the marks are reused: no mode, no stack, nothing to undo

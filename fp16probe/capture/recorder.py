@@ -687,51 +687,17 @@ class Recorder:
         order = order or {}
         with self.lock:
             st = self._state
-            first = st.closed
-            if since_step is None:
-                first = 0
-            else:  # walk back from the end: as long as the window, not the run
-                while first > 0 and self._trace[first - 1].step >= since_step:
-                    first -= 1
-            records = self._trace[first : st.closed]
-            open_step = st.sampling and st.dirty
-            if open_step:
-                records = records + [self._record_of(st)]
+            records, open_step = self._records_since(since_step)
             modules: list[ModuleStats] = []
             histograms: dict[str, tuple[Histogram, ...]] = {}
             module_max: dict[str, dict[str, tuple[float, ...]]] = {}
             for kind in KINDS:
                 if not self.capture[kind] or kind not in st.totals:
                     continue
-                rows = self.rows[kind]
-                counts, keys = st.totals[kind]
-                if open_step:
-                    counts, keys = counts + st.open[kind][0], torch.maximum(keys, st.open[kind][1])
-                counts_h, keys_h = counts.cpu().tolist(), keys.cpu().tolist()
-                for i, name in enumerate(rows.names):
-                    modules.append(
-                        ModuleStats(
-                            name=name,
-                            kind=kind,
-                            module_type=rows.types[i],
-                            order=order.get(name, len(order) + i),
-                            histogram=histogram_from(counts_h[i], keys_h[i]),
-                        )
-                    )
-                if not records:
-                    continue
-                trace_counts, trace_keys = _stack_trace(records, kind, len(rows.names), counts.device)
-                step_hists = []
-                for row, krow in zip(trace_counts, trace_keys):
-                    step_hists.append(histogram_from(row, max(krow) if krow else -1))
-                histograms[kind] = tuple(step_hists)
-                module_max[kind] = {
-                    name: tuple(max_abs_from_key(r[i]) for r in trace_keys) for i, name in enumerate(rows.names)
-                }
-            scales = [r.scale for r in records]
-            present = [s.float().reshape(()).cpu() for s in scales if s is not None]
-            it = iter(torch.stack(present).tolist() if present else [])
-            scale_host = tuple(None if s is None else float(next(it)) for s in scales)
+                counts, keys = self._totals(kind, open_step)
+                modules.extend(self._module_rows(kind, counts, keys, order))
+                if records:
+                    histograms[kind], module_max[kind] = self._kind_trace(kind, records, counts.device)
             found_inf = tuple(
                 any(h[i].nonfinite > 0 for k, h in histograms.items() if k != ACTIVATION) for i in range(len(records))
             )
@@ -743,7 +709,7 @@ class Recorder:
                 steps=tuple(r.step for r in records),
                 histograms=histograms,
                 module_max=module_max,
-                scale=scale_host,
+                scale=_scales_on_host(records),
                 found_inf=found_inf,
             )
             return Collected(
@@ -756,6 +722,55 @@ class Recorder:
                 errors=self.errors,
                 first_error=self.first_error,
             )
+
+    def _records_since(self, since_step: int | None) -> tuple[list[_StepRecord], bool]:
+        """The closed steps' records from ``since_step`` on (all: None), the open step's last; whether it is there."""
+        st = self._state
+        first = st.closed
+        if since_step is None:
+            first = 0
+        else:  # walk back from the end: as long as the window, not the run
+            while first > 0 and self._trace[first - 1].step >= since_step:
+                first -= 1
+        records = self._trace[first : st.closed]
+        open_step = st.sampling and st.dirty
+        if open_step:
+            records = records + [self._record_of(st)]
+        return records, open_step
+
+    def _totals(self, kind: str, open_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's counts and max keys of ``kind`` per row, the open step's added (not closed)."""
+        st = self._state
+        counts, keys = st.totals[kind]
+        if open_step:
+            counts, keys = counts + st.open[kind][0], torch.maximum(keys, st.open[kind][1])
+        return counts, keys
+
+    def _module_rows(self, kind: str, counts: torch.Tensor, keys: torch.Tensor,
+                     order: Mapping[str, int]) -> list[ModuleStats]:
+        """One :class:`ModuleStats` per row of ``kind`` (one transfer for its table)."""
+        rows = self.rows[kind]
+        counts_h, keys_h = counts.cpu().tolist(), keys.cpu().tolist()
+        return [
+            ModuleStats(
+                name=name,
+                kind=kind,
+                module_type=rows.types[i],
+                order=order.get(name, len(order) + i),
+                histogram=histogram_from(counts_h[i], keys_h[i]),
+            )
+            for i, name in enumerate(rows.names)
+        ]
+
+    def _kind_trace(self, kind: str, records: list[_StepRecord], device: torch.device
+                    ) -> tuple[tuple[Histogram, ...], dict[str, tuple[float, ...]]]:
+        """The per-step histograms of ``kind`` over ``records``, and each row's per-step max."""
+        names = self.rows[kind].names
+        trace_counts, trace_keys = _stack_trace(records, kind, len(names), device)
+        step_hists = tuple(histogram_from(row, max(krow) if krow else -1)
+                           for row, krow in zip(trace_counts, trace_keys))
+        module_max = {name: tuple(max_abs_from_key(r[i]) for r in trace_keys) for i, name in enumerate(names)}
+        return step_hists, module_max
 
 
 _HOT_FROM = 1 << 12  # parameter gradients this long are counted in their accumulate hook (param_grad_ready)
@@ -868,6 +883,14 @@ def _grown(table: Table, rows: int) -> Table:
     extra = rows - counts.shape[0]
     c, k = engine.new_table(extra, counts.device)
     return torch.cat([counts, c]), torch.cat([keys, k])
+
+
+def _scales_on_host(records: Sequence[_StepRecord]) -> tuple[float | None, ...]:
+    """Each record's loss scale on the host (one transfer for all); None where a step had none."""
+    scales = [r.scale for r in records]
+    present = [s.float().reshape(()).cpu() for s in scales if s is not None]
+    it = iter(torch.stack(present).tolist() if present else [])
+    return tuple(None if s is None else float(next(it)) for s in scales)
 
 
 def _stack_trace(records: Sequence[_StepRecord], kind: str, rows: int,

@@ -13,6 +13,7 @@ these steps on these batches, not for a whole training run.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -64,6 +65,48 @@ def verify(
     The run uses the profile's optimizer (``report.workload.optimizer``) when it had one;
     otherwise the weights stay as they are. It synchronises with the device once per step.
     """
+    rec, dtype = _checked(report, tolerance)
+    loss = as_loss(loss_fn)
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    batch_list = [move_to(b, dev) for b in batches]
+    if not batch_list:
+        raise InputError("batches: no batch to verify on")
+    plan = _plan(report, dev, target, tolerance)
+    reference, run_model = _models(model, dev, plan)
+    tally = _run(reference, run_model, report, plan, batch_list, loss, seed, dev, dtype)
+    return _verification(plan, tally, dev, len(batch_list))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the target run is (settled before any model is copied); ``notes`` and ``kwargs`` grow as it is set up."""
+
+    rec: Any
+    notes: list[str]
+    kwargs: dict[str, Any]  # the GradScaler's settings the verification reports
+    pure: bool  # a .half() model, no autocast
+    fix: list[str]  # modules kept in fp32 (a forward verdict's fix)
+    emulate: str | None  # the autocast device emulated, when it is not the one that runs
+    predicted_zeroed: float
+    predicted_overflow: int
+    tolerance: float
+    pure_scale: float | None = None
+    kwargs_run: dict[str, Any] = dataclasses.field(default_factory=dict)  # the GradScaler's settings it runs with
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What the two runs measured, step by step."""
+
+    counts: dict[str, list[int]]  # kind -> [nonzero in fp32, of those zero in target]
+    errors: dict[str, list[float]]  # kind -> [sum |fp16 - fp32|, sum |fp32|]
+    watch: "_FirstNonfinite"
+    overflow_steps: int = 0
+    scales: list[float] = dataclasses.field(default_factory=list)
+
+
+def _checked(report: Report, tolerance: float | None) -> tuple[Any, torch.dtype]:
+    """The recommendation to verify and its dtype; refuse a report or tolerance that cannot be verified."""
     rec = report.recommendation
     if rec is None:
         raise InputError("report: it has no recommendation to verify; profile it with fp16probe.profile first")
@@ -75,13 +118,13 @@ def verify(
         )
     if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance <= 1):
         raise InputError(f"tolerance={tolerance!r}: expected a fraction in [0, 1], e.g. 0.01")
-    loss = as_loss(loss_fn)
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
-    batch_list = [move_to(b, dev) for b in batches]
-    if not batch_list:
-        raise InputError("batches: no batch to verify on")
+    return rec, dtype
+
+
+def _plan(report: Report, dev: torch.device, target: str | None, tolerance: float | None) -> _Plan:
+    """The regime, fix, emulated device, predictions and tolerance of the run, with their notes."""
+    rec = report.recommendation
     notes: list[str] = []
-    kwargs = dict(rec.grad_scaler_kwargs)
     pure = report.metadata.regime == "pure_fp16"
     fix = (list(rec.evidence.get("fix_modules") or ())
            if rec.verdict in ("forward_overflow", "forward_underflow", "gradient_error") else [])
@@ -93,43 +136,51 @@ def verify(
         notes.append(f"the verdict is {rec.verdict}: there is no recommended scale, so this ran without a loss scaler")
     predicted_zeroed = rec.flushed_fraction_at_scale if rec.flushed_fraction_at_scale is not None else (
         rec.flushed_fraction_at_1 or 0.0)
-    predicted_overflow = int(rec.overflow_steps_at_scale or 0)
-    if tolerance is None:
-        tolerance = tolerance_for(predicted_zeroed)
+    return _Plan(rec, notes, dict(rec.grad_scaler_kwargs), pure, fix, emulate, predicted_zeroed,
+                 int(rec.overflow_steps_at_scale or 0),
+                 tolerance if tolerance is not None else tolerance_for(predicted_zeroed))
 
+
+def _models(model: nn.Module, dev: torch.device, plan: _Plan) -> tuple[nn.Module, nn.Module]:
+    """Copies of ``model``: the fp32 reference and the target run's (its fix applied, .half() for a pure fp16 run)."""
     reference = copy.deepcopy(model).to(dev).float().train()
     target = copy.deepcopy(model).to(dev).float().train()
-    if fix:
+    if plan.fix:
         from fp16probe.running.fixes import keep_in_fp32
 
-        keep_in_fp32(target, fix, device_type=emulate or dev.type)
-        notes.append(f"ran the fix the verdict prints: {', '.join(fix)} kept in fp32 (autocast off inside)")
-        backward_k = rec.evidence.get("backward_log2_scale")
+        keep_in_fp32(target, plan.fix, device_type=plan.emulate or dev.type)
+        plan.notes.append(f"ran the fix the verdict prints: {', '.join(plan.fix)} kept in fp32 (autocast off inside)")
+        backward_k = plan.rec.evidence.get("backward_log2_scale")
         if backward_k:
-            kwargs = {"init_scale": math.ldexp(1.0, int(backward_k))}
-    pure_scale: float | None = None
-    if pure:  # the user's regime: a .half() model, no autocast, loss.float() * S as DeepSpeed's fp16 mode does
+            plan.kwargs = {"init_scale": math.ldexp(1.0, int(backward_k))}
+    if plan.pure:  # the user's regime: a .half() model, no autocast, loss.float() * S as DeepSpeed's fp16 mode does
         target = target.half()
-        pure_scale = float(kwargs.get("init_scale", 1.0))
-        notes.append(f"ran as the model came: .half(), no autocast, loss.float() * {pure_scale:g}, no master weights")
-        kwargs_run: dict[str, Any] = {}
+        plan.pure_scale = float(plan.kwargs.get("init_scale", 1.0))
+        plan.notes.append(f"ran as the model came: .half(), no autocast, loss.float() * {plan.pure_scale:g}, "
+                          "no master weights")
+        plan.kwargs_run = {}
     else:
-        kwargs_run = kwargs
-    scaler = torch.amp.GradScaler(dev.type, **kwargs_run) if kwargs_run else None
+        plan.kwargs_run = plan.kwargs
+    return reference, target
+
+
+def _run(reference: nn.Module, target: nn.Module, report: Report, plan: _Plan, batch_list: list[Any], loss: Loss,
+         seed: int, dev: torch.device, dtype: torch.dtype) -> _Tally:
+    """Run both models over the batches, step by step, and tally the gradients lost and their error."""
+    scaler = torch.amp.GradScaler(dev.type, **plan.kwargs_run) if plan.kwargs_run else None
     optimizer_spec = None if report.workload is None else report.workload.optimizer
     if isinstance(optimizer_spec, Mapping) and optimizer_spec.get("name") not in OPTIMIZERS:
-        notes.append(f"the profile's optimizer {optimizer_spec.get('name')} is not rebuilt here; both runs kept "
-                     "the weights they started from")
+        plan.notes.append(f"the profile's optimizer {optimizer_spec.get('name')} is not rebuilt here; both runs kept "
+                          "the weights they started from")
     ref_opt = _optimizer(reference, optimizer_spec)
     # GradScaler.step needs an optimizer; without one in the profile, SGD at lr 0 leaves the weights as they are.
     tgt_opt = _optimizer(target, optimizer_spec) or torch.optim.SGD(
         [p for p in target.parameters() if p.requires_grad], lr=0.0)
     names = [n for n in report.metadata.hooked_modules]
-    counts = {ACTIVATION_GRAD: [0, 0], WEIGHT_GRAD: [0, 0]}  # kind -> [nonzero in fp32, of those zero in target]
-    errors = {ACTIVATION_GRAD: [0.0, 0.0], WEIGHT_GRAD: [0.0, 0.0]}  # kind -> [sum |fp16 - fp32|, sum |fp32|]
-    overflow_steps = 0
-    scales: list[float] = []
-    watch = _FirstNonfinite(target)
+    tally = _Tally({ACTIVATION_GRAD: [0, 0], WEIGHT_GRAD: [0, 0]}, {ACTIVATION_GRAD: [0.0, 0.0], WEIGHT_GRAD: [0.0, 0.0]},
+                   _FirstNonfinite(target))
+    watch = tally.watch
+    pure, pure_scale = plan.pure, plan.pure_scale
     # A loss that draws its own labels (the default's invented ones) draws the same ones for both runs of a step
     gens = loss_generators(loss.fn)
     with _OutputGrads(reference, names) as ref_grads, _OutputGrads(target, names) as tgt_grads, watch:
@@ -138,42 +189,54 @@ def verify(
             ref_w = _run_step(reference, batch, loss, step, seed, dev, None, None)
             for g, s in zip(gens, states):
                 g.set_state(s)
-            scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
+            tally.scales.append(float(scaler.get_scale()) if scaler is not None else (pure_scale or 1.0))
             watch.step = step
             tgt_w = _run_step(target, batch, loss, step, seed, dev, None if pure else dtype, scaler,
-                              pure_scale=pure_scale, watch=watch, emulate=emulate)
+                              pure_scale=pure_scale, watch=watch, emulate=plan.emulate)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
-            overflow_steps += int(overflowed)
+            tally.overflow_steps += int(overflowed)
             pairs = {
-                ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), notes, "module output gradients"),
-                WEIGHT_GRAD: _pair(ref_w, tgt_w, notes, "weight gradients"),
+                ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), plan.notes, "module output gradients"),
+                WEIGHT_GRAD: _pair(ref_w, tgt_w, plan.notes, "weight gradients"),
             }
             if not overflowed:  # zeros and errors are counted on finite steps only
-                for kind, tensors in pairs.items():
-                    nz, lost = _compare(tensors)
-                    counts[kind][0] += nz
-                    counts[kind][1] += lost
-                    # GradScaler.step unscaled the weight gradients in place; the rest are still scaled.
-                    unscaled = kind == WEIGHT_GRAD and scaler is not None
-                    diff, size = _error(tensors, 1.0 if unscaled else 1.0 / scales[-1])
-                    errors[kind][0] += diff
-                    errors[kind][1] += size
+                _add_step(tally, pairs, scaler is not None)
             if ref_opt is not None:
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
             target.zero_grad(set_to_none=True)
+    return tally
+
+
+def _add_step(tally: _Tally, pairs: Mapping[str, Any], scaled_step: bool) -> None:
+    """Add one finite step's lost values and error, by kind."""
+    for kind, tensors in pairs.items():
+        nz, lost = _compare(tensors)
+        tally.counts[kind][0] += nz
+        tally.counts[kind][1] += lost
+        # GradScaler.step unscaled the weight gradients in place; the rest are still scaled.
+        unscaled = kind == WEIGHT_GRAD and scaled_step
+        diff, size = _error(tensors, 1.0 if unscaled else 1.0 / tally.scales[-1])
+        tally.errors[kind][0] += diff
+        tally.errors[kind][1] += size
+
+
+def _verification(plan: _Plan, tally: _Tally, dev: torch.device, steps: int) -> Verification:
+    """Judge the measured figures against the prediction."""
+    rec, notes, counts, errors = plan.rec, plan.notes, tally.counts, tally.errors
     by_kind = {k: _measured(counts[k], errors[k]) for k in counts}
     by_kind[ALL_KINDS] = _measured([sum(c) for c in zip(*counts.values())], [sum(e) for e in zip(*errors.values())])
-    notes.extend(watch.causes(overflow_steps, len(batch_list), rec))
+    notes.extend(tally.watch.causes(tally.overflow_steps, steps, rec))
     kind = rec.kind if rec.kind in counts else ALL_KINDS
     measured = by_kind[kind]
     if measured["nonzero_values"] == 0:
         notes.append(f"the fp32 run had no nonzero {kind} values to compare")
-    if fix:  # the fix is proven when the run is finite on every step
-        held = overflow_steps == 0 and watch.first_loss_step is None
+    if plan.fix:  # the fix is proven when the run is finite on every step
+        held = tally.overflow_steps == 0 and tally.watch.first_loss_step is None
     else:
         held = rec.log2_scale is not None and Verification.judge(
-            predicted_overflow, overflow_steps, predicted_zeroed, measured["zeroed_fraction"], tolerance)
+            plan.predicted_overflow, tally.overflow_steps, plan.predicted_zeroed, measured["zeroed_fraction"],
+            plan.tolerance)
     error = measured.get("relative_error")
     if error is not None and error > VALUE_TOLERANCE:
         held = False
@@ -181,12 +244,12 @@ def verify(
                      f"over sum of |fp32|, finite steps; tolerance {VALUE_TOLERANCE * 100:g}%): the run computes "
                      "different gradients, not only fewer")
     return Verification(
-        precision=rec.format, device=str(dev) if emulate is None else f"{dev}, emulating {emulate}",
-        steps=len(batch_list), scaler_kwargs=kwargs, kind=kind,
-        predicted_overflow_steps=predicted_overflow, measured_overflow_steps=overflow_steps,
-        predicted_zeroed_fraction=float(predicted_zeroed), measured_zeroed_fraction=measured["zeroed_fraction"],
-        tolerance=float(tolerance), held=held, nonzero_values=measured["nonzero_values"],
-        zeroed_values=measured["zeroed_values"], by_kind=by_kind, scales=tuple(scales), notes=tuple(notes),
+        precision=rec.format, device=str(dev) if plan.emulate is None else f"{dev}, emulating {plan.emulate}",
+        steps=steps, scaler_kwargs=plan.kwargs, kind=kind,
+        predicted_overflow_steps=plan.predicted_overflow, measured_overflow_steps=tally.overflow_steps,
+        predicted_zeroed_fraction=float(plan.predicted_zeroed), measured_zeroed_fraction=measured["zeroed_fraction"],
+        tolerance=float(plan.tolerance), held=held, nonzero_values=measured["nonzero_values"],
+        zeroed_values=measured["zeroed_values"], by_kind=by_kind, scales=tuple(tally.scales), notes=tuple(notes),
     )
 
 
