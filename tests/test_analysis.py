@@ -15,7 +15,8 @@ from fp16probe.analysis.whatif import WhatIfTable, what_if
 from fp16probe.recommendation import Recommendation
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
-from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
+from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL
+from tests.fixtures.wording import wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.sections import ForwardSection
 from fp16probe.presentation.verdict import verdict_text
@@ -423,7 +424,7 @@ def test_weight_update_loss_from_a_model_and_lr():
 
 def test_all_nonfinite_gradients_are_not_called_fine():
     from fp16probe import Histogram, Metadata, ModuleStats, Report, analyze
-    from fp16probe.analysis.provenance import wording_problems
+    from tests.fixtures.wording import wording_problems
 
     h = Histogram.from_values({}, inf=5, nan=2)
     report = Report(

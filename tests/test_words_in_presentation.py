@@ -22,7 +22,9 @@ WORDS = re.compile(r"[A-Za-z']+[ ,:;]+[A-Za-z']+[ ,:;]+[A-Za-z']+")
 
 # Modules still writing English, with the words they write. Shrink this; never grow it.
 PENDING = {
-    "provenance.py": "citations (data), and the growth-interval table's note for GradScaler's default and its method that replay.py stores in the report's growth_interval_table",
+    "provenance.py": ("the citations, stored as sentences in Recommendation.citations and BlockAdvice.citations, and "
+                      "the growth-interval table's GradScaler-default note and method, stored in the report's "
+                      "growth_interval_table: each becomes a record or code when the stored form changes"),
 }
 
 
