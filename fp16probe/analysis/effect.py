@@ -115,49 +115,90 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
     Over the most batches it was run on, or over exactly ``batches`` (the neighbours of S run on
     the first batch only; ``batches=1`` sets S beside them on that same batch).
     """
-    names = list(data.get("parameters") or ())
+    setting = _setting(data, log2_scale, keep, batches)
+    if setting is None:
+        return None
+    names, rows = _judgeable(data, setting)
+    total_ref = sum(float(r[1]) for r in rows)
+    params = _param_effects(names, rows, total_ref)
+    modules = _module_effects(names, rows, total_ref)
+    nonfinite_all = sum(int(r[4]) for r in rows)
+    whole = _whole_error(rows, total_ref, nonfinite_all)
+    outputs = _output_errors(setting)
+    return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole, outputs=tuple(outputs),
+                  zeroed=sum(int(r[2]) for r in rows), nonzero=sum(int(r[3]) for r in rows),
+                  nonfinite=nonfinite_all, loss_low=bool(setting.get("loss_low")), modules=tuple(modules),
+                  params=tuple(params))
+
+
+def _setting(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str],
+             batches: int | None) -> Mapping[str, Any] | None:
+    """The setting run at S with ``keep`` in fp32 (over ``batches``, else the most batches); None without one."""
     found = [s for s in data.get("settings") or ()
              if int(s["log2_scale"]) == log2_scale and sorted(s.get("keep_fp32") or ()) == sorted(keep)
              and (batches is None or int(s.get("batches", 1)) == batches)]
-    for s in sorted(found, key=lambda s: -int(s.get("batches", 1)))[:1]:
-        # a parameter whose fp32 gradient was not finite cannot be judged against it: left out
-        pairs = [(n, r) for n, r in zip(names, s["params"]) if r[1] is not None]
-        names_kept = [n for n, _ in pairs]
-        rows = [r for _, r in pairs]
-        total_ref = sum(float(r[1]) for r in rows)
-        params = []
-        for name, r in zip(names_kept, rows):
-            err, ref, zeroed, nonzero, nonfinite = r
-            if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref and zeroed <= ZEROED_COUNTS * nonzero:
-                continue
-            error = None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
-            params.append(ModuleEffect(_module_of(name), error, int(zeroed), int(nonzero), int(nonfinite), name))
-        by_module: dict[str, list[Any]] = {}
-        for name, r in zip(names_kept, rows):
-            acc = by_module.setdefault(_module_of(name), [0.0, 0.0, 0, 0, 0])
-            acc[0] = None if r[0] is None or acc[0] is None else acc[0] + float(r[0])
-            acc[1] += float(r[1])
-            acc[2], acc[3], acc[4] = acc[2] + int(r[2]), acc[3] + int(r[3]), acc[4] + int(r[4])
-        modules = []
-        for module, (err, ref, zeroed, nonzero, nonfinite) in by_module.items():
-            if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref:
-                continue
-            error = None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
-            modules.append(ModuleEffect(module, error, zeroed, nonzero, nonfinite))
-        errs = [r[0] for r in rows]
-        nonfinite_all = sum(int(r[4]) for r in rows)
-        whole = (None if nonfinite_all or any(e is None for e in errs) or total_ref <= 0
-                 else math.sqrt(sum(float(e) for e in errs) / total_ref))
-        outputs = []
-        for name, (err_o, ref_o) in s.get("outputs") or ():  # JSON form: [name, [error^2, fp32^2]]
-            if ref_o is None or ref_o <= 0:
-                continue
-            outputs.append((str(name), None if err_o is None else math.sqrt(err_o / ref_o)))
-        return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole, outputs=tuple(outputs),
-                      zeroed=sum(int(r[2]) for r in rows), nonzero=sum(int(r[3]) for r in rows),
-                      nonfinite=nonfinite_all, loss_low=bool(s.get("loss_low")), modules=tuple(modules),
-                      params=tuple(params))
-    return None
+    best: Mapping[str, Any] | None = next(iter(sorted(found, key=lambda s: -int(s.get("batches", 1)))), None)
+    return best
+
+
+def _judgeable(data: Mapping[str, Any], setting: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
+    """The parameters' names and rows ``[error^2, fp32^2, zeroed, nonzero, nonfinite]``, those with a finite fp32 gradient.
+
+    A parameter whose fp32 gradient was not finite cannot be judged against it: left out.
+    """
+    names = list(data.get("parameters") or ())
+    pairs = [(n, r) for n, r in zip(names, setting["params"]) if r[1] is not None]
+    return [n for n, _ in pairs], [r for _, r in pairs]
+
+
+def _relative(err: Any, ref: Any, nonfinite: int) -> float | None:
+    """Relative L2 error from squared sums; None when it held inf/NaN, 0 against a zero reference."""
+    return None if err is None or nonfinite else (math.sqrt(err / ref) if ref > 0 else 0.0)
+
+
+def _param_effects(names: list[str], rows: list[Any], total_ref: float) -> list[ModuleEffect]:
+    """The judged parameters: those above the noise floor, or with most of their values flushed."""
+    params = []
+    for name, r in zip(names, rows):
+        err, ref, zeroed, nonzero, nonfinite = r
+        if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref and zeroed <= ZEROED_COUNTS * nonzero:
+            continue
+        params.append(ModuleEffect(_module_of(name), _relative(err, ref, nonfinite), int(zeroed), int(nonzero),
+                                   int(nonfinite), name))
+    return params
+
+
+def _module_effects(names: list[str], rows: list[Any], total_ref: float) -> list[ModuleEffect]:
+    """The parameters' rows summed per module, those above the noise floor, in forward order."""
+    by_module: dict[str, list[Any]] = {}
+    for name, r in zip(names, rows):
+        acc = by_module.setdefault(_module_of(name), [0.0, 0.0, 0, 0, 0])
+        acc[0] = None if r[0] is None or acc[0] is None else acc[0] + float(r[0])
+        acc[1] += float(r[1])
+        acc[2], acc[3], acc[4] = acc[2] + int(r[2]), acc[3] + int(r[3]), acc[4] + int(r[4])
+    modules = []
+    for module, (err, ref, zeroed, nonzero, nonfinite) in by_module.items():
+        if nonfinite == 0 and ref <= NOISE_FLOOR**2 * total_ref:
+            continue
+        modules.append(ModuleEffect(module, _relative(err, ref, nonfinite), zeroed, nonzero, nonfinite))
+    return modules
+
+
+def _whole_error(rows: list[Any], total_ref: float, nonfinite_all: int) -> float | None:
+    """The whole model's relative error; None when any gradient held inf/NaN or the reference is zero."""
+    errs = [r[0] for r in rows]
+    return (None if nonfinite_all or any(e is None for e in errs) or total_ref <= 0
+            else math.sqrt(sum(float(e) for e in errs) / total_ref))
+
+
+def _output_errors(setting: Mapping[str, Any]) -> list[tuple[str, float | None]]:
+    """The module outputs' relative errors, as their forwards finished (a zero reference left out)."""
+    outputs = []
+    for name, (err_o, ref_o) in setting.get("outputs") or ():  # JSON form: [name, [error^2, fp32^2]]
+        if ref_o is None or ref_o <= 0:
+            continue
+        outputs.append((str(name), None if err_o is None else math.sqrt(err_o / ref_o)))
+    return outputs
 
 
 def _checked_log2(rec: Recommendation) -> int | None:
@@ -223,65 +264,98 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
     if eff is None:
         return rec
     emulated = _emulated_evidence(data, eff, k)
-    extra: tuple[Caveat, ...] = ()
-    fp16 = data.get("fp16")
-    if rec.format == "bf16" and isinstance(fp16, Mapping) and fp16.get("settings"):
-        k16 = int(fp16["settings"][0]["log2_scale"])
-        other = effect_at(fp16, k16)
-        if other is not None:
-            emulated["fp16"] = other.to_dict()
-            if (eff.error is not None and other.error is not None and other.nonfinite == 0
-                    and eff.error > BF16_WORSE * other.error):
-                extra = (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
-                                                          "fp16_log2_scale": k16, "target": data.get("target")}),)
+    extra = _against_fp16(rec, data, eff, emulated)
     if rec.verdict in FORWARD:
-        fix = [str(m) for m in rec.evidence.get("fix_modules") or ()]
-        fixed = effect_at(data, k, fix) if fix else None
-        if fixed is not None:
-            emulated["fix"] = fixed.to_dict()
-        if eff.harmless and gradients_only is not None and gradients_only.verdict not in FORWARD:
-            ev: Mapping[str, Any] = rec.evidence
-            rows: list[Any] = list(ev.get("forward_overflow" if rec.verdict is Verdict.FORWARD_OVERFLOW
-                                          else "forward_flushing") or [])
-            first: Mapping[str, Any] = rows[0] if rows else {}
-            caveat = Caveat("forward_no_effect", {
-                "finding": rec.verdict.value, "tensor": first.get("name"),
-                "flushed_fraction": first.get("flushed_fraction"), "max_abs": first.get("max_abs"),
-                "error": eff.error, "log2_scale": k, "target": data.get("target"), "regime": data.get("regime"),
-                "tolerance": TOLERANCE})
-            return _with(gradients_only, emulated, (caveat,))
-        return _with(rec, emulated, extra)
-    below = effect_at(data, k - 1) if k else None
-    if eff.nonfinite and below is not None and below.nonfinite == 0:
-        # the histograms' S overflows in the emulated step where half of it does not: a gradient
-        # the overflow ceiling did not see. Said, not hidden; the S stays the histograms'.
-        caveat = Caveat("emulated_overflow", {"log2_scale": k, "nonfinite": eff.nonfinite,
-                                              "error_below": below.error, "target": data.get("target"),
-                                              "regime": data.get("regime")})
-        return _with(rec, emulated, (caveat,))
+        return _judged_forward(rec, data, eff, k, emulated, extra, gradients_only)
+    overflow = _emulated_overflow(data, eff, k)
+    if overflow is not None:
+        return _with(rec, emulated, (overflow,))
     if not eff.harmless and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
         if any_flush is not None and any_flush.verdict in FORWARD:
             return judged(any_flush, data, gradients_only)
-        over = eff.first_over
-        culprit = eff.culprit or ROOT
-        assert over is not None
-        fixed = effect_at(data, k, [culprit])
-        if fixed is not None:
-            emulated["fix"] = fixed.to_dict()
-        emulated["module"] = culprit
-        emulated["module_output_error"] = dict(eff.outputs).get(culprit)
-        emulated["first_parameter"] = over.name
-        emulated["first_parameter_error"] = over.error
-        out = _with(rec, emulated)
-        ev = dict(out.evidence)
-        ev["backward_verdict"] = rec.verdict.value
-        ev["backward_log2_scale"] = rec.log2_scale
-        ev["fix_modules"] = [culprit] if culprit != ROOT else []
-        target = str(data.get("target") or "cuda")
-        ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
-                          if culprit != ROOT else "")
-        return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
+        return _gradient_error(rec, data, eff, k, emulated)
     return _with(rec, emulated, extra)
+
+
+def _against_fp16(rec: Recommendation, data: Mapping[str, Any], eff: Effect,
+                  emulated: dict[str, Any]) -> tuple[Caveat, ...]:
+    """For bf16, the fp16 step measured beside it (into ``emulated["fp16"]``); the caveat when bf16 is much worse."""
+    fp16 = data.get("fp16")
+    if not (rec.format == "bf16" and isinstance(fp16, Mapping) and fp16.get("settings")):
+        return ()
+    k16 = int(fp16["settings"][0]["log2_scale"])
+    other = effect_at(fp16, k16)
+    if other is None:
+        return ()
+    emulated["fp16"] = other.to_dict()
+    if (eff.error is not None and other.error is not None and other.nonfinite == 0
+            and eff.error > BF16_WORSE * other.error):
+        return (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
+                                                 "fp16_log2_scale": k16, "target": data.get("target")}),)
+    return ()
+
+
+def _judged_forward(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int, emulated: dict[str, Any],
+                    extra: tuple[Caveat, ...], gradients_only: Recommendation | None) -> Recommendation:
+    """A forward verdict with its fix's step; the gradients' verdict leads when the finding has no effect."""
+    fix = [str(m) for m in rec.evidence.get("fix_modules") or ()]
+    fixed = effect_at(data, k, fix) if fix else None
+    if fixed is not None:
+        emulated["fix"] = fixed.to_dict()
+    if eff.harmless and gradients_only is not None and gradients_only.verdict not in FORWARD:
+        return _with(gradients_only, emulated, (_forward_no_effect(rec, data, eff, k),))
+    return _with(rec, emulated, extra)
+
+
+def _forward_no_effect(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int) -> Caveat:
+    """The caveat for a forward finding whose emulated gradients are within TOLERANCE: its first tensor."""
+    ev: Mapping[str, Any] = rec.evidence
+    rows: list[Any] = list(ev.get("forward_overflow" if rec.verdict is Verdict.FORWARD_OVERFLOW
+                                  else "forward_flushing") or [])
+    first: Mapping[str, Any] = rows[0] if rows else {}
+    return Caveat("forward_no_effect", {
+        "finding": rec.verdict.value, "tensor": first.get("name"),
+        "flushed_fraction": first.get("flushed_fraction"), "max_abs": first.get("max_abs"),
+        "error": eff.error, "log2_scale": k, "target": data.get("target"), "regime": data.get("regime"),
+        "tolerance": TOLERANCE})
+
+
+def _emulated_overflow(data: Mapping[str, Any], eff: Effect, k: int) -> Caveat | None:
+    """The caveat when the step overflows at S and not at S/2; None otherwise.
+
+    The histograms' S overflows in the emulated step where half of it does not: a gradient
+    the overflow ceiling did not see. Said, not hidden; the S stays the histograms'.
+    """
+    below = effect_at(data, k - 1) if k else None
+    if not (eff.nonfinite and below is not None and below.nonfinite == 0):
+        return None
+    return Caveat("emulated_overflow", {"log2_scale": k, "nonfinite": eff.nonfinite,
+                                        "error_below": below.error, "target": data.get("target"),
+                                        "regime": data.get("regime")})
+
+
+def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int,
+                    emulated: dict[str, Any]) -> Recommendation:
+    """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the code that keeps it."""
+    over = eff.first_over
+    culprit = eff.culprit or ROOT
+    assert over is not None
+    fixed = effect_at(data, k, [culprit])
+    if fixed is not None:
+        emulated["fix"] = fixed.to_dict()
+    emulated["module"] = culprit
+    emulated["module_output_error"] = dict(eff.outputs).get(culprit)
+    emulated["first_parameter"] = over.name
+    emulated["first_parameter_error"] = over.error
+    out = _with(rec, emulated)
+    ev = dict(out.evidence)
+    ev["backward_verdict"] = rec.verdict.value
+    ev["backward_log2_scale"] = rec.log2_scale
+    ev["fix_modules"] = [culprit] if culprit != ROOT else []
+    target = str(data.get("target") or "cuda")
+    ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
+                      if culprit != ROOT else "")
+    return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
 
 
 def _emulated_evidence(data: Mapping[str, Any], eff: Effect, k: int) -> dict[str, Any]:

@@ -181,12 +181,9 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                   extra: Mapping[str, Any] | None = None, **probe_options: Any) -> Report | None:
     """Profile ``model`` as :func:`profile` does, with the settings of ``r`` (checked when it was made)."""
     format, precision, scaler, optimizer, verify = str(r.format), r.precision, r.loss_scale, r.optimizer, r.verify
-    run_device = torch.device(device) if device is not None else next(
-        (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
-    target = r.target or ("cpu" if verify and run_device is not None and run_device.type == "cpu" else "cuda")
+    target = _target_of(r, model, device)
     probe_options = _block_options(format, r.recipe, probe_options)
-    regime = "pure_fp16" if isinstance(model, nn.Module) and any(
-        p.dtype == torch.float16 for p in model.parameters()) else "autocast"
+    regime = _regime_of(model)
     model, dev, notes = prepare_model(model, device)
     if regime == "pure_fp16":
         notes.append("the model came in fp16: profiled in fp32 and predicted as it trains, a .half() run "
@@ -198,6 +195,48 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
     settings = RunSettings(steps=r.steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=r.lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
+    result, gather, guard, initial = _run_shielded(r, model, batch_src, loss, settings, probe, grad_scaler,
+                                                   on_step=on_step, regime=regime)
+    if result.steps_done == 0 or gather == "nothing":
+        _nothing_to_report(result, gather, guard, batch_src)
+        return None  # rank 0 speaks for the run
+    extra, gather = _run_extra(extra, optimizer, gather)
+    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
+                     gather=gather)
+    report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard)
+    if result.error is not None:
+        result.error.report = report
+        raise result.error
+    _check_hooks_kept(report)
+    if verify and report is not None and not report.metadata.partial:
+        report = _verified(report, initial, result.batches, loss, dev, target)
+    return report
+
+
+def _target_of(r: ProfileRequest, model: nn.Module, device: str | torch.device | None) -> str:
+    """The device whose autocast rules the prediction applies: the request's, else the CPU's for a verify on one."""
+    run_device = torch.device(device) if device is not None else next(
+        (p.device for p in model.parameters()), torch.device("cpu")) if isinstance(model, nn.Module) else None
+    return r.target or ("cpu" if r.verify and run_device is not None and run_device.type == "cpu" else "cuda")
+
+
+def _regime_of(model: nn.Module) -> str:
+    """How the model trains: ``pure_fp16`` when its parameters came in fp16 (a ``.half()`` run), else ``autocast``."""
+    return "pure_fp16" if isinstance(model, nn.Module) and any(
+        p.dtype == torch.float16 for p in model.parameters()) else "autocast"
+
+
+def _run_shielded(r: ProfileRequest, model: nn.Module, batch_src: Batches, loss: Loss, settings: RunSettings,
+                  probe: Any, grad_scaler: Any, *, on_step: Callable[[int], None] | None,
+                  regime: str) -> tuple[RunResult, Any, Any, nn.Module | None]:
+    """Run the loop under the signal shield and, under torch.distributed, the rank guard.
+
+    Returns the result (settled with the other ranks), how to gather the report (see
+    :func:`_settle`), the guard (None outside torch.distributed) and, for verify, a copy of the
+    model as it was before the run. The shield is disarmed when the loop is over: a second
+    Ctrl-C or a SIGTERM no longer aborts the report.
+    """
+    optimizer, verify, precision = r.optimizer, r.verify, r.precision
     with stop_signals() as shield:
         guard = _rank_guard(model)
         runner = _distributed_runner(model)
@@ -217,35 +256,49 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         gather: Any = None
         if guard is not None:
             result, gather = _settle(guard, result, probe)
-    if result.steps_done == 0 or gather == "nothing":
-        if result.error is not None:
-            raise result.error
-        if gather == "nothing" and guard is not None and guard.rank != 0:
-            return None  # rank 0 speaks for the run
-        if result.stopped == STOPPED_HANGUP:
-            raise Hangup()
-        if result.stopped == STOPPED_TERMINATED:
-            raise Terminated()
-        if result.interrupted:
-            raise KeyboardInterrupt()
-        raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
-    extra = dict(extra or {})
+    return result, gather, guard, initial
+
+
+def _nothing_to_report(result: RunResult, gather: Any, guard: Any, batch_src: Batches) -> None:
+    """No step to report on this rank: raise why (the error, the signal, no batch); return on a rank other than 0."""
+    if result.error is not None:
+        raise result.error
+    if gather == "nothing" and guard is not None and guard.rank != 0:
+        return  # rank 0 speaks for the run
+    if result.stopped == STOPPED_HANGUP:
+        raise Hangup()
+    if result.stopped == STOPPED_TERMINATED:
+        raise Terminated()
+    if result.interrupted:
+        raise KeyboardInterrupt()
+    raise InputError(f"{batch_src.description} yielded no batch; nothing was profiled")
+
+
+def _run_extra(extra: Mapping[str, Any] | None, optimizer: Any, gather: Any) -> tuple[dict[str, Any], Any]:
+    """The report's ``extra`` metadata (the caller's optimizer, rank 0's own steps) and how to gather it."""
+    out = dict(extra or {})
     if isinstance(optimizer, torch.optim.Optimizer):  # the caller's own: recorded by class and learning rate
         name = next((k for k, cls in OPTIMIZERS.items() if type(optimizer) is cls), type(optimizer).__name__)
-        extra.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
+        out.setdefault("optimizer", {"name": name, "lr": optimizer.param_groups[0].get("lr")})
     if isinstance(gather, dict):  # rank 0 alone: what the report holds, and why
-        extra.update(gather)
+        out.update(gather)
         gather = "local"
-    report = _finish(probe, result, batch_src, loss, settings, format=format, kind=r.kind, notes=notes, extra=extra,
-                     gather=gather)
+    return out, gather
+
+
+def _with_measurements(report: Report | None, r: ProfileRequest, model: nn.Module, result: RunResult, loss: Loss,
+                       *, target: str, regime: str, guard: Any) -> Report | None:
+    """The report with the scaled formats' per-layer advice and, after a whole fp32 run, the emulated step."""
     if report is not None and report.blocks is not None:
-        report = _with_block_advice(report, format, r.recipe)
-    if report is not None and precision == "fp32" and guard is None and result.error is None:
+        report = _with_block_advice(report, str(r.format), r.recipe)
+    if report is not None and r.precision == "fp32" and guard is None and result.error is None:
         report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
                              kind=r.kind)
-    if result.error is not None:
-        result.error.report = report
-        raise result.error
+    return report
+
+
+def _check_hooks_kept(report: Report | None) -> None:
+    """Raise ModelError, with the report, when the model removed hooked modules during the run."""
     removed = report.capture.removed_modules if report is not None and report.capture is not None else ()
     if removed:  # the model changed under the hooks: its statistics describe no one model
         error = ModelError(
@@ -255,9 +308,6 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
             "stay as they are")
         error.report = report
         raise error
-    if verify and report is not None and not report.metadata.partial:
-        report = _verified(report, initial, result.batches, loss, dev, target)
-    return report
 
 
 Progress = Callable[[int, bool], contextlib.AbstractContextManager[Callable[[int], None]]]
@@ -626,102 +676,160 @@ def run_profile(
     device = torch.device(settings.device)
     if optimizer is None and settings.optimizer:
         optimizer = make_optimizer(model, settings.optimizer, settings.lr)
-    nonfinite: list[int] = []
-    losses: list[float] = []
-    used: list[Any] = []
-    before: dict[str, torch.Tensor] | None = None
-    done = 0
-    exhausted = False
-    stopped: str | None = None
-    error: Fp16ProbeError | None = None
-    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    loop = _Loop(model, batches, loss, probe, device, settings.precision, scaler=scaler, optimizer=optimizer,
+                 audit=audit, guard=guard)
     model.train()
     try:
         for step in range(settings.steps):
-            batch = None
-            what = "batches"
-            try:
-                try:
-                    batch = next(batches.iterator)
-                except StopIteration:
-                    exhausted = True
-                    break
-                what = "forward"
-                with _autocast(device, settings.precision), (
-                        audit.step(step) if audit is not None else contextlib.nullcontext()):
-                    output = call_model(model, batch)
-                    what = f"loss ({loss.description})"
-                    value = loss.fn(output, batch)
-                    if audit is not None and isinstance(value, torch.Tensor):
-                        audit.note_loss(value)
-                if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                    raise InputError(
-                        f"the loss ({loss.description}) returned {type(value).__name__}, expected a scalar tensor"
-                    )
-                value = value.reshape(())
-                loss_val = float(value.detach().float())  # one host sync per step, outside every hook
-                if not value.requires_grad:
-                    raise InputError(
-                        f"the loss ({loss.description}) does not depend on any trainable parameter; "
-                        "check that the model's parameters require grad"
-                    )
-                if guard is not None:  # before DDP's all-reduce: did every rank get this far?
-                    statuses, finished = guard.agree(done)
-                    if any(statuses):
-                        agreed = (statuses, finished)
-                        stopped = STOPPED_ERROR
-                        break
-                what = "backward"
-                probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
-                (scaler.scale(value) if scaler is not None else value).backward()
-                if optimizer is not None:
-                    what = "optimizer step"
-                    snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-                    if _taken_step(optimizer, scaler, loss_val):
-                        before = snapshot
-            except KeyboardInterrupt:
-                raise
-            except Fp16ProbeError as e:
-                error = e
-                stopped = STOPPED_ERROR
+            loss_val = loop.step(step)
+            if loss_val is None:  # out of batches, a failure, or another rank stopped
                 break
-            except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
-                if guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
-                    error = ModelError(f"step {step + 1}: waited for the other ranks in the {what} and gave up "
-                                       f"({first_line(e)})")
-                    error.__cause__ = e
-                elif what == "batches":
-                    error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {first_line(e)}")
-                    error.__cause__ = e
-                else:
-                    error = _step_error(step, what, e, batch, first_ok=done > 0, model=_unwrapped(model))
-                stopped = STOPPED_ERROR
-                break
-            losses.append(loss_val)
-            if not math.isfinite(loss_val):
-                nonfinite.append(step)
-            if keep_batches or len(used) < keep_first:  # all for verify(), the first few for the emulation
-                used.append(batch)
-            model.zero_grad(set_to_none=True)
-            probe.step()
-            done += 1
+            loop.close_step(step, loss_val, keep=keep_batches or len(loop.used) < keep_first)
             if on_step is not None:
-                on_step(done)
+                on_step(loop.done)
     except Hangup:
-        stopped = STOPPED_HANGUP
+        loop.stopped = STOPPED_HANGUP
     except Terminated:
-        stopped = STOPPED_TERMINATED
+        loop.stopped = STOPPED_TERMINATED
     except KeyboardInterrupt:
-        stopped = STOPPED_INTERRUPTED
-    if stopped is not None:
+        loop.stopped = STOPPED_INTERRUPTED
+    if loop.stopped is not None:
         model.zero_grad(set_to_none=True)  # a step cut short leaves no half-made gradients behind
-    updates = None
-    if before is not None:
-        # Later steps were skipped, so the weights still hold the last taken step's result.
-        updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in before}
-    return RunResult(done, stopped=stopped, exhausted=exhausted, error=error,
-                     nonfinite_loss_steps=tuple(nonfinite), losses=tuple(losses), batches=tuple(used),
-                     weights_before=before, updates=updates, agreed=agreed)
+    return loop.result()
+
+
+@dataclass
+class _Loop:
+    """:func:`run_profile`'s loop: its parts, and what it has done so far (read by its handlers)."""
+
+    model: nn.Module
+    batches: Batches
+    loss: Loss
+    probe: Any
+    device: torch.device
+    precision: str
+    scaler: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    audit: Any = None
+    guard: Any = None
+    done: int = 0
+    exhausted: bool = False
+    stopped: str | None = None
+    error: Fp16ProbeError | None = None
+    agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    before: dict[str, torch.Tensor] | None = None
+    nonfinite: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    used: list[Any] = field(default_factory=list)
+    batch: Any = None  # this step's, once drawn
+    what: str = "batches"  # what this step is running: a failure names it
+
+    def step(self, step: int) -> float | None:
+        """Run step ``step`` (0-based); its loss's value, or None when the loop stops here.
+
+        A KeyboardInterrupt (and a signal's) goes through to :func:`run_profile`; a failure of user
+        code is kept as ``error`` with ``stopped`` set.
+        """
+        self.batch = None
+        self.what = "batches"
+        try:
+            return self._forward_backward(step)
+        except KeyboardInterrupt:
+            raise
+        except Fp16ProbeError as e:
+            self.error = e
+            self.stopped = STOPPED_ERROR
+            return None
+        except (Exception, SystemExit) as e:  # user code: the model's, the loss's or the batches'
+            self.error = self._user_error(step, e)
+            self.stopped = STOPPED_ERROR
+            return None
+
+    def _forward_backward(self, step: int) -> float | None:
+        """Draw a batch, run forward, the loss and backward (and the optimizer); None when there is no step to take."""
+        try:
+            self.batch = next(self.batches.iterator)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        self.what = "forward"
+        value, loss_val = self._loss_value(step)
+        if self.guard is not None and self._another_rank_stopped():
+            return None
+        self.what = "backward"
+        self.probe.watch(value)  # the overflow ceiling also covers the loss function's own gradients
+        (self.scaler.scale(value) if self.scaler is not None else value).backward()
+        if self.optimizer is not None:
+            self.what = "optimizer step"
+            snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            if _taken_step(self.optimizer, self.scaler, loss_val):
+                self.before = snapshot
+        return loss_val
+
+    def _loss_value(self, step: int) -> tuple[torch.Tensor, float]:
+        """Forward and the loss under autocast (and the audit); the checked scalar loss and its value on the host."""
+        with _autocast(self.device, self.precision), (
+                self.audit.step(step) if self.audit is not None else contextlib.nullcontext()):
+            output = call_model(self.model, self.batch)
+            self.what = f"loss ({self.loss.description})"
+            value = self.loss.fn(output, self.batch)
+            if self.audit is not None and isinstance(value, torch.Tensor):
+                self.audit.note_loss(value)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise InputError(
+                f"the loss ({self.loss.description}) returned {type(value).__name__}, expected a scalar tensor"
+            )
+        value = value.reshape(())
+        loss_val = float(value.detach().float())  # one host sync per step, outside every hook
+        if not value.requires_grad:
+            raise InputError(
+                f"the loss ({self.loss.description}) does not depend on any trainable parameter; "
+                "check that the model's parameters require grad"
+            )
+        return value, loss_val
+
+    def _another_rank_stopped(self) -> bool:
+        """Before DDP's all-reduce: did every rank get this far? When one did not, stop here (``agreed``)."""
+        statuses, finished = self.guard.agree(self.done)
+        if any(statuses):
+            self.agreed = (statuses, finished)
+            self.stopped = STOPPED_ERROR
+            return True
+        return False
+
+    def _user_error(self, step: int, e: BaseException) -> Fp16ProbeError:
+        """The error for a failure of user code (or of a collective waiting on the other ranks) at ``step``."""
+        if self.guard is not None and isinstance(e, RuntimeError) and _is_collective_error(e):
+            error: Fp16ProbeError = ModelError(f"step {step + 1}: waited for the other ranks in the {self.what} "
+                                               f"and gave up ({first_line(e)})")
+            error.__cause__ = e
+        elif self.what == "batches":
+            error = InputError(f"step {step + 1}: the batches raised {type(e).__name__}: {first_line(e)}")
+            error.__cause__ = e
+        else:
+            error = _step_error(step, self.what, e, self.batch, first_ok=self.done > 0, model=_unwrapped(self.model))
+        return error
+
+    def close_step(self, step: int, loss_val: float, *, keep: bool) -> None:
+        """Record a finished step (its loss, its batch when ``keep``) and close it in the probe."""
+        self.losses.append(loss_val)
+        if not math.isfinite(loss_val):
+            self.nonfinite.append(step)
+        if keep:  # all for verify(), the first few for the emulation
+            self.used.append(self.batch)
+        self.model.zero_grad(set_to_none=True)
+        self.probe.step()
+        self.done += 1
+
+    def result(self) -> RunResult:
+        """What the loop did, with the last taken optimizer step's update."""
+        updates = None
+        if self.before is not None:
+            # Later steps were skipped, so the weights still hold the last taken step's result.
+            updates = {n: p.detach() - self.before[n] for n, p in self.model.named_parameters() if n in self.before}
+        return RunResult(self.done, stopped=self.stopped, exhausted=self.exhausted, error=self.error,
+                         nonfinite_loss_steps=tuple(self.nonfinite), losses=tuple(self.losses),
+                         batches=tuple(self.used), weights_before=self.before, updates=updates, agreed=self.agreed)
 
 
 def _is_collective_error(e: BaseException) -> bool:
