@@ -607,9 +607,10 @@ def recommend(
             d["grad_scaler_device"] = how
             if explain and r.history is not None:
                 from fp16probe.analysis.schedule import judge_schedules
+                from fp16probe.presentation.schedule import schedule_dict
                 from fp16probe.recommendation import jsonable
 
-                d["schedule"] = jsonable(judge_schedules(r, fmt, kind=knd).to_dict())
+                d["schedule"] = jsonable(schedule_dict(judge_schedules(r, fmt, kind=knd)))
             sys.stdout.write(json.dumps(d, indent=2) + "\n")
         else:
             render.print_recommendation(console, rec, r, device, explain=explain)
@@ -632,6 +633,7 @@ def schedule(
     from fp16probe.analysis.recommend import target_of
     from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.presentation import terminal as render
+    from fp16probe.presentation.schedule import schedule_dict
     from fp16probe.recommendation import jsonable
 
     console = render.make_console()
@@ -645,7 +647,7 @@ def schedule(
 
             table = with_verdict_note(table, analyze(r, fmt, kind=knd))
         if json_out:
-            sys.stdout.write(json.dumps(jsonable(table.to_dict()), indent=2) + "\n")
+            sys.stdout.write(json.dumps(jsonable(schedule_dict(table)), indent=2) + "\n")
         else:
             render.print_schedule(console, table)
 
@@ -674,6 +676,7 @@ def compare(
 
     from fp16probe.analysis import gate
     from fp16probe.presentation import ci
+    from fp16probe.presentation.gate import result_dict, warning_text
     from fp16probe.presentation import terminal as render
 
     console = render.make_console()
@@ -698,7 +701,7 @@ def compare(
                 snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
             result = gate.compare(snaps[0], snaps[1], thresholds)
             if require_same_workload and result.warnings:
-                raise InputError(f"--require-same-workload: {result.warnings[0]}")
+                raise InputError(f"--require-same-workload: {warning_text(result.warnings[0])}")
         except Fp16ProbeError as e:
             # A report that cannot be judged is an error in CI too: the summary, the JUnit file and
             # the annotations say so, so that no stale or missing file reads as a pass.
@@ -708,7 +711,7 @@ def compare(
         _write_gate_outputs(outputs, ci.to_markdown(result), ci.to_junit(result, seconds=time.perf_counter() - started),
                             ci.github_annotations(result), json_out)
         if json_out:
-            sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+            sys.stdout.write(json.dumps(result_dict(result), indent=2) + "\n")
         else:
             render.print_compare(console, result)
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE)

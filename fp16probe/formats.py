@@ -197,17 +197,6 @@ class ElementFormat:
         """Return max plus half its ulp."""
         return self.max + math.ldexp(1.0, self.emax - self.mantissa_bits - 1)
 
-    def classify(self, q: float) -> str:
-        """Say what casting the magnitude ``q`` does: "zero", "flushed", "subnormal", "saturated" or "normal"."""
-        if q == 0:
-            return "zero"
-        if q <= self.flush:
-            return "flushed"
-        if q < self.normal:
-            return "subnormal"
-        if q > self.overflow or (self.overflow_inclusive and q == self.overflow):
-            return "saturated"
-        return "normal"
 
 
 def _element_of(key: str, name: str) -> ElementFormat:

@@ -124,10 +124,6 @@ class StepTrace:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def global_max(self, kind: str = ACTIVATION_GRAD) -> tuple[float, ...]:
-        """Largest finite magnitude of ``kind`` per step."""
-        return tuple(h.max_abs for h in self.histograms.get(kind, ()))
-
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (the ceiling only when recorded)."""
         return {

@@ -10,11 +10,13 @@ import torch
 
 from fp16probe.analysis.recommend import VERDICTS, analyze, largest_safe_log2_scale
 from fp16probe.analysis.weight_updates import weight_update_loss
+from fp16probe.presentation.answer import weight_update_words
 from fp16probe.analysis.whatif import WhatIfTable, what_if
 from fp16probe.recommendation import Recommendation
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
-from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, wording_problems
+from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL
+from tests.fixtures.wording import wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.sections import ForwardSection
 from fp16probe.presentation.verdict import verdict_text
@@ -394,7 +396,9 @@ def test_weight_update_loss_by_hand():
     # 2^-30 flushes in fp16 (lost); 1 + 2^-10 is one ulp (kept); a zero update is not counted.
     assert res.nonzero_updates == 5 and res.lost == 3 and res.lost_fraction == pytest.approx(0.6)
     assert res.rule_lost == 3  # |w| >= 2^11 |u| for the same three
-    assert "1710.03740" in res.text and wording_problems(res.text) == []
+    text = weight_update_words(res.to_dict())
+    assert "1710.03740" in text and wording_problems(text) == [] and "text" not in res.to_dict()
+    assert text.startswith("Without fp32 master weights, 60% of the 5 nonzero parameter updates would be lost when added to fp16")
     bf = weight_update_loss({"w": w}, {"w": u}, format="bf16")
     assert bf.lost >= res.lost  # 8 bits of mantissa lose more
 
@@ -420,7 +424,7 @@ def test_weight_update_loss_from_a_model_and_lr():
 
 def test_all_nonfinite_gradients_are_not_called_fine():
     from fp16probe import Histogram, Metadata, ModuleStats, Report, analyze
-    from fp16probe.analysis.provenance import wording_problems
+    from tests.fixtures.wording import wording_problems
 
     h = Histogram.from_values({}, inf=5, nan=2)
     report = Report(

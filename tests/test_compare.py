@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from fp16probe import Probe, analyze
 from fp16probe.recommendation import Recommendation
 from fp16probe.analysis.gate import (
+    GateWarning,
     GateThresholds,
     canonical_module_names,
     check_consistency,
@@ -31,6 +32,7 @@ from fp16probe.analysis.gate import (
 from fp16probe.cli import EXIT_GATE, EXIT_OK, EXIT_USAGE, app
 from fp16probe.errors import ReportError
 from fp16probe.presentation.ci import github_annotations, to_junit, to_markdown
+from fp16probe.presentation.gate import check_message, warning_texts
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report
 
 FAST = dict(growth_intervals=(2000,), horizon=200)
@@ -108,7 +110,7 @@ def test_issue13_constant_to_no_single_scale_fails_though_s1_is_flat():
     # (unmoved) and the worst-modules list (unchanged) all pass; this case got through.
     assert {"flushed_fraction", "scale_shift", "module_regressions"}.isdisjoint(failed)
     at_scale = next(x for x in result.checks if x.name == "flushed_at_baseline_scale")
-    assert "0.013% to 0.65%" in at_scale.message and "S = 2^14" in at_scale.message
+    assert "0.013% to 0.65%" in check_message(at_scale) and "S = 2^14" in check_message(at_scale)
 
 
 def test_worse_verdict_alone_fails_and_can_be_allowed():
@@ -148,7 +150,7 @@ def test_strictly_better_run_passes_though_the_worst_list_changes():
     rank_c = [n for n, _ in worst_modules(better, "fp16", "activation_grad", 3)]
     assert rank_b == ["a", "b", "c"] and rank_c == ["b", "c", "d"]  # d moved into the worst 3
     result = gate(base, better)
-    assert result.passed, [x.message for x in result.failures]
+    assert result.passed, [check_message(x) for x in result.failures]
 
 
 def test_a_module_that_got_worse_fails_by_its_own_rise():
@@ -156,7 +158,7 @@ def test_a_module_that_got_worse_fails_by_its_own_rise():
     cur = make_report({"a": {-10: 1000}, "b": {-10: 1000}, "c": {-45: 30, -5: 970}})
     result = compare(snapshot(base, REC), snapshot(cur, REC), GateThresholds(max_flushed_increase_at_scale=1.0))
     assert [x.name for x in result.failures] == ["module_regressions"]
-    assert "c 0% -> 3%" in result.failures[0].message
+    assert "c 0% -> 3%" in check_message(result.failures[0])
 
 
 def test_module_names_match_across_torch_compile_and_ddp():
@@ -176,7 +178,7 @@ def test_renamed_by_a_wrapper_is_the_same_model():
     wrapped = make_report({"_orig_mod.0": {-30: 10, -10: 990}, "_orig_mod.1": {-10: 1000}})
     result = gate(base, wrapped)
     assert result.passed and result.warnings == ()
-    assert "2 modules matched" in next(x for x in result.checks if x.name == "module_regressions").message
+    assert "2 modules matched" in check_message(next(x for x in result.checks if x.name == "module_regressions"))
 
 
 def test_natural_order_of_module_names():
@@ -185,24 +187,25 @@ def test_natural_order_of_module_names():
     base = make_report({f"l{i}": {-10: 1000} for i in (1, 2, 10)})
     cur = make_report({f"l{i}": {-45: 100, -10: 900} for i in (1, 2, 10)})
     failure = next(x for x in gate(base, cur).failures if x.name == "module_regressions")
-    assert failure.message.index("l2 ") < failure.message.index("l10 ")
+    assert check_message(failure).index("l2 ") < check_message(failure).index("l10 ")
 
 
 def test_different_models_are_named_in_warnings():
     other = make_report({"x": {-10: 1000}}, model_class="OtherNet")
     result = gate(BASE, other)
-    assert any("different model: M (baseline) vs OtherNet (current)" in w for w in result.warnings)
-    assert any("3 module(s) only in the baseline (a, b, c)" in w for w in result.warnings)
+    assert any("different model: M (baseline) vs OtherNet (current)" in w for w in warning_texts(result))
+    assert any("3 module(s) only in the baseline (a, b, c)" in w for w in warning_texts(result))
 
 
 def test_reports_recommended_for_different_formats_are_named_in_warnings():
     fp16 = BASE.with_recommendation(analyze(BASE, "fp16", **FAST))
     bf16 = BASE.with_recommendation(analyze(BASE, "bf16", **FAST))
     result = compare(snap(fp16), snap(bf16))
-    assert result.warnings == ("the reports profiled different target format: fp16 (baseline) vs bf16 (current)",)
+    assert [(w.code, w.data["label"]) for w in result.warnings] == [("workload", "format")]
+    assert warning_texts(result) == ("the reports profiled different target format: fp16 (baseline) vs bf16 (current)",)
     edited = BASE.with_recommendation(replace(analyze(BASE, "fp16", **FAST), log2_scale=3))
     result = compare(snap(fp16), snap(edited))
-    assert result.passed and result.warnings == (
+    assert result.passed and warning_texts(result) == (
         "the current report's stored recommendation (constant, S = 2^3) differs from its re-analysis "
         "(constant, S = 2^19); the gate judges the re-analysis",)
 
@@ -215,7 +218,7 @@ def test_verification_that_did_not_hold_fails():
     assert compare(b, held).passed
     result = compare(b, failed)
     assert [x.name for x in result.failures] == ["verification"]
-    assert "did not hold: predicted 0.1% zeroed, measured 4%" in result.failures[0].message
+    assert "did not hold: predicted 0.1% zeroed, measured 4%" in check_message(result.failures[0])
 
 
 def _verified(report: Report, **changes) -> Report:
@@ -238,8 +241,8 @@ def test_a_real_verification_in_the_report(tmp_path):
         _verified(BASE, **changes).save(path)
         result = compare(b, snap(Report.load(path)))
         check = next(x for x in result.checks if x.name == "verification")
-        assert check.passed is passed and result.passed is passed, check.message
-        assert words in check.message
+        assert check.passed is passed and result.passed is passed, check_message(check)
+        assert words in check_message(check)
 
 
 # -- the older checks ---------------------------------------------------------------------------
@@ -267,7 +270,7 @@ def test_weight_gradient_overflow_counts_whatever_kind_is_analysed():
     cur = Report(metadata=BASE.metadata, modules=BASE.modules + (big_weight_grad,))
     result = compare(snapshot(BASE, REC), snapshot(cur, REC))
     assert [c.name for c in result.failures] == ["new_overflow"]
-    assert "max |g| 0.0312 -> 64" in result.failures[0].message
+    assert "max |g| 0.0312 -> 64" in check_message(result.failures[0])
     assert snapshot(cur, REC).to_dict()["overflow_max_abs"] == 64.0
 
 
@@ -340,7 +343,7 @@ def test_junit_has_a_testsuites_root_times_and_every_checks_numbers():
     assert failed == [c.name for c in result.failures]
     passing = next(tc for tc in cases if tc.find("failure") is None)
     check = next(c for c in result.checks if c.name == passing.get("name"))
-    assert check.message in passing.find("system-out").text and "limit:" in passing.find("system-out").text
+    assert check_message(check) in passing.find("system-out").text and "limit:" in passing.find("system-out").text
     props = {p.get("name"): p.get("value") for p in suite.find("properties")}
     assert props["baseline"] == "base.json" and props["current_verdict"] == "constant"
 
@@ -350,8 +353,10 @@ def test_github_annotations_escape_their_text():
     lines = github_annotations(result)
     assert len(lines) == len(result.failures)
     assert all(ln.startswith("::error title=fp16probe compare%3A ") for ln in lines)
-    weird = replace(result, warnings=("50% of it\nsecond line",))
-    assert github_annotations(weird)[-1] == "::warning title=fp16probe compare::50%25 of it%0Asecond line"
+    weird = replace(result, warnings=(GateWarning("workload", {"label": "inputs", "baseline": "50% of it\nsecond line",
+                                                               "current": "x"}),))
+    assert github_annotations(weird)[-1] == ("::warning title=fp16probe compare::the reports profiled different inputs: "
+                                             "50%25 of it%0Asecond line (baseline) vs x (current)")
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -498,8 +503,8 @@ def test_issue15_first_layer_shrunk_by_2_12_fails(deep_base):
     assert b.flushed_fraction == c.flushed_fraction == 1.0
     result = compare(b, c)
     failed = {x.name for x in result.failures}
-    assert {"flushed_at_baseline_scale", "verdict", "module_regressions"} <= failed, [x.message for x in result.checks]
-    assert "layers.0" in next(x for x in result.failures if x.name == "module_regressions").message
+    assert {"flushed_at_baseline_scale", "verdict", "module_regressions"} <= failed, [check_message(x) for x in result.checks]
+    assert "layers.0" in check_message(next(x for x in result.failures if x.name == "module_regressions"))
 
 
 def test_equal_run_passes(deep_base):
@@ -516,8 +521,8 @@ def test_torch_compiled_run_of_the_same_model_passes(deep_base):
     report = _profile_deep(compiled, probe_target=compiled)
     assert any(m.name.startswith("_orig_mod.") for m in report.modules)
     result = compare(snap(deep_base), snap(report))
-    assert result.passed, [x.message for x in result.failures]
-    assert not any("only in" in w for w in result.warnings)
+    assert result.passed, [check_message(x) for x in result.failures]
+    assert not any("only in" in w for w in warning_texts(result))
     regress = next(x for x in result.checks if x.name == "module_regressions")
     assert regress.baseline == len(snap(deep_base).modules)  # every module matched
 

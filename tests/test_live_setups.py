@@ -290,8 +290,9 @@ def test_the_verdict_and_the_schedule_name_one_gradscaler(tmp_path, monkeypatch)
     """After a live run, fp16probe analyze and fp16probe schedule paste the same GradScaler, and say why they differ."""
     import json
 
-    from fp16probe.analysis.one_answer import schedule_choice
+    from fp16probe.analysis.one_answer import schedule_choice, with_verdict_note
     from fp16probe.analysis.schedule import judge_schedules
+    from fp16probe.presentation.schedule import schedule_dict
     from tests.fixtures.cli import prepare_cli_env, run
 
     report = _plain()
@@ -310,4 +311,6 @@ def test_the_verdict_and_the_schedule_name_one_gradscaler(tmp_path, monkeypatch)
     notes = json.loads(out.stdout)["notes"]
     paste = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.grad_scaler_kwargs.items())
     assert [n for n in notes if f"pastes GradScaler({paste})" in n and "Paste the verdict's" in n], notes
-    assert json.loads(out.stdout)["rows"] == json.loads(json.dumps(table.to_dict()))["rows"]
+    assert json.loads(out.stdout)["rows"] == json.loads(json.dumps(schedule_dict(table)))["rows"]
+    note = with_verdict_note(table, rec).notes[-1]
+    assert (note.code, note.data["differs"], note.data["grad_scaler_kwargs"]) == ("verdict", True, dict(rec.grad_scaler_kwargs))

@@ -19,7 +19,8 @@ from fp16probe import Probe, Report
 from fp16probe.analysis.recommend import analyze
 from fp16probe.sections import CaptureNotes
 from fp16probe.analysis.replay import ScalerRule, replay_scaler
-from fp16probe.analysis.schedule import judge_schedules
+from fp16probe.analysis.schedule import DEFAULTS, OWN, judge_schedules
+from fp16probe.presentation.schedule import rule_label, schedule_answer
 from fp16probe.report import Metadata, StepHistory
 from tests.fixtures.cli import one_error_line, prepare_cli_env, run
 
@@ -81,15 +82,17 @@ def test_the_runs_own_settings_reproduce_the_real_trajectory(drifting):
     report, real, _ = drifting
     table = judge_schedules(report)
     assert table.reproduced is True and table.mismatched_steps == ()
-    own = table.row("this run's settings")
+    own = table.row(OWN)
     assert own.skipped_steps == sum(real["found_inf"])
     assert own.rule["growth_interval"] == 10 and own.rule["init_scale"] == 256.0
     # and GradScaler's own rule over the recorded found_inf gives the same scales (the older replay)
     assert list(replay_scaler(report.history.found_inf, init_scale=256.0, growth_interval=10).scales) == real["scale"]
-    assert table.flush_reference == "the fp32 shadow reruns"
+    assert table.flush_reference == "shadow"
+    assert "Flushed shares come from the fp32 shadow reruns, moved with" in schedule_answer(table)
     assert own.mean_flushed_fraction is not None and own.worst_flushed_fraction >= own.mean_flushed_fraction
-    assert {r.name for r in table.rows} >= {"GradScaler defaults", "DeepSpeed (hysteresis 2)", "Megatron (hysteresis 2)"}
-    assert "This is the run's past, not its future" in table.answer
+    assert {r.name for r in table.rows} >= {DEFAULTS, "DeepSpeed (hysteresis 2)", "Megatron (hysteresis 2)"}
+    assert rule_label(DEFAULTS) == "GradScaler defaults" and rule_label(OWN) == "this run's settings"
+    assert "This is the run's past, not its future" in schedule_answer(table)
 
 
 def test_schedule_command_prints_the_table(drifting, monkeypatch, tmp_path):
@@ -171,7 +174,7 @@ def test_flushed_shares_come_from_the_fp32_reference_moved_with_the_largest_grad
     rules = [("S=1", ScalerRule(1.0, growth_interval=2000)), ("S=2^5", ScalerRule(2.0**5, growth_interval=2000)),
              ("S=2^6", ScalerRule(2.0**6, growth_interval=2000))]
     t = judge_schedules(report, rules=rules, kind="weight_grad")
-    assert t.flush_reference == "the fp32 shadow reruns"
+    assert t.flush_reference == "shadow"
     # S=1: both steps flush the 2^-30 half; S=2^5: 2^-25 still flushes (<= half the smallest subnormal
     # 2^-24), except at step 1 where the values moved up a bit to 2^-24; S=2^6: nothing flushes
     assert t.row("S=1").worst_flushed_fraction == 0.5 and t.row("S=1").steps_over_threshold == 2

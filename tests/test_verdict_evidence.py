@@ -76,7 +76,7 @@ def test_the_trace_ceiling_sets_the_limit_and_the_what_if_table_agrees():
     assert rec.evidence["largest_safe_log2_scale"] == 5  # 1024 * 2^6 = 65536 overflows fp16
     assert rec.log2_scale == 4 and rec.overflow_steps_at_scale == 0
     table = what_if(report, "fp16", log2_scales=range(0, 20))
-    assert table.first_overflowing_log2_scale() == rec.evidence["largest_safe_log2_scale"] + 1
+    assert _first_overflowing(table) == rec.evidence["largest_safe_log2_scale"] + 1
     # 3 * 2^15 and 2 * 2^15 both reach 65520; 3 * 2^14 = 49152 does not
     assert table.row(6).overflow_steps == table.row(14).overflow_steps == 1 and table.row(15).overflow_steps == 3
     assert "hooked_ceiling" not in codes(rec)
@@ -91,7 +91,7 @@ def test_what_if_first_overflow_is_the_recommendations_limit_on_a_real_report():
     report = Report.load(DATA / "report-v1-demo.json")
     rec = analyze(report, **FAST)
     table = what_if(report, "fp16")
-    assert table.first_overflowing_log2_scale() == rec.evidence["largest_safe_log2_scale"] + 1
+    assert _first_overflowing(table) == rec.evidence["largest_safe_log2_scale"] + 1
     assert table.row(rec.log2_scale).overflow_steps == rec.overflow_steps_at_scale == 0
 
 
@@ -139,7 +139,7 @@ def test_a_step_that_overflowed_at_the_scale_in_force_bounds_s_without_collapsin
     # The scales in force, from the trace.
     assert Caveat("scale_induced_overflow", {"count": 1, "scales": [2.0**15, 2.0**16], "steps": [1]}) in rec.caveats
     table = what_if(report, "fp16", log2_scales=range(10, 20))
-    assert table.first_overflowing_log2_scale() == 16 and table.nonfinite_steps == 0
+    assert _first_overflowing(table) == 16 and table.nonfinite_steps == 0
 
 
 def test_inf_in_an_fp32_run_without_a_scaler_is_left_out_of_the_limit():
@@ -246,3 +246,8 @@ def test_every_step_holding_inf_in_an_fp32_run_is_not_none_needed():
     rec = analyze(report_of(steps), **FAST)
     assert rec.verdict == "insufficient_evidence" and rec.evidence["insufficient_reason"] == "all_nonfinite"
     assert "divergence" in verdict_text(rec)
+
+
+def _first_overflowing(table) -> int | None:
+    """The smallest k in the table at which some profiled step overflows."""
+    return next((r.log2_scale for r in table.rows if r.overflow_steps), None)

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from fp16probe.formats import get_format
 from fp16probe.report import Report
+from fp16probe.sections import ForwardSection
 
 __all__ = [
     "FP16_LOSS_LOG2_CAP",
@@ -115,6 +116,43 @@ def _headroom(max_abs: float | None) -> float | None:
     return math.log2(_FP16.max / max_abs)
 
 
+def _audit_row(t: Mapping[str, Any]) -> TensorFinding:
+    """One tensor of the forward audit as a finding; a tensor that overflowed reads as inf."""
+    finite_max = _num(t.get("max_abs"))
+    first = t.get("first_overflow_step")
+    if first is not None and (finite_max is None or finite_max < _FP16.max):
+        max_abs: float | None = math.inf
+    else:
+        max_abs = finite_max
+    return TensorFinding(
+        name=str(t.get("name")), module=str(t.get("module")), op=str(t.get("op")), role=str(t.get("role")),
+        max_abs=max_abs, headroom_bits=_headroom(max_abs), nonzero=int(t.get("nonzero") or 0),
+        flushed=int(t.get("flushed") or 0), subnormal=int(t.get("subnormal") or 0),
+        first_overflow_step=None if first is None else int(first))
+
+
+def _from_audit(audit: Mapping[str, Any], tgt: str) -> tuple[list[TensorFinding], str, bool | None, tuple[str, ...]]:
+    """Rows, regime, whether the loss is fp16 and the custom functions, from the op-level audit."""
+    rows = [_audit_row(t) for t in audit["tensors"]
+            if isinstance(t, Mapping) and tgt in (t.get("fp16_on") or ())]
+    loss_fp16: bool | None = tgt in (audit.get("loss_fp16_on") or ())
+    custom = tuple(str(c) for c in audit.get("custom_functions") or ())
+    return rows, str(audit.get("regime", "autocast")), loss_fp16, custom
+
+
+def _from_modules(report: Report, section: ForwardSection) -> list[TensorFinding]:
+    """Rows from the hooked modules' output maxima (no op-level audit)."""
+    steps = list(report.trace.steps)
+    rows = []
+    for name, m in section.module_max.items():
+        over = math.isinf(m) or m >= _FP16.overflow_threshold
+        first = section.first_overflow_step.get(name, int(steps[0]) if steps else 0)
+        rows.append(TensorFinding(name=name, module=name, op="output", role="module_output",
+                                  max_abs=m, headroom_bits=_headroom(m), nonzero=0, flushed=0, subnormal=0,
+                                  first_overflow_step=first if over else None))
+    return rows
+
+
 def forward_findings(report: Report, target: str | None = None, *, max_flushed_fraction: float = 1e-3,
                      low_headroom_bits: float = LOW_HEADROOM_BITS) -> ForwardFindings | None:
     """Read the forward measurements for ``target``; None when the report holds none."""
@@ -123,38 +161,23 @@ def forward_findings(report: Report, target: str | None = None, *, max_flushed_f
     if section is None:
         return None
     audit = section.audit
-    rows: list[TensorFinding] = []
+    loss_fp16: bool | None
     if isinstance(audit, Mapping) and isinstance(audit.get("tensors"), Sequence):
-        source, regime = "audit", str(audit.get("regime", "autocast"))
-        for t in audit["tensors"]:
-            if not isinstance(t, Mapping) or tgt not in (t.get("fp16_on") or ()):
-                continue
-            finite_max = _num(t.get("max_abs"))
-            first = t.get("first_overflow_step")
-            if first is not None and (finite_max is None or finite_max < _FP16.max):
-                max_abs: float | None = math.inf
-            else:
-                max_abs = finite_max
-            rows.append(TensorFinding(
-                name=str(t.get("name")), module=str(t.get("module")), op=str(t.get("op")), role=str(t.get("role")),
-                max_abs=max_abs, headroom_bits=_headroom(max_abs), nonzero=int(t.get("nonzero") or 0),
-                flushed=int(t.get("flushed") or 0), subnormal=int(t.get("subnormal") or 0),
-                first_overflow_step=None if first is None else int(first)))
-        loss_fp16: bool | None = tgt in (audit.get("loss_fp16_on") or ())
-        custom = tuple(str(c) for c in audit.get("custom_functions") or ())
+        source = "audit"
+        rows, regime, loss_fp16, custom = _from_audit(audit, tgt)
     else:
         if not section.module_max:
             return None
         source, regime, loss_fp16, custom = "modules", report.metadata.regime, None, ()
         if target is None and "fp16" in str(report.metadata.precision):  # values seen in a real fp16 run
             tgt = str(report.metadata.device).split(":")[0] or tgt
-        steps = list(report.trace.steps)
-        for name, m in section.module_max.items():
-            over = math.isinf(m) or m >= _FP16.overflow_threshold
-            first = section.first_overflow_step.get(name, int(steps[0]) if steps else 0)
-            rows.append(TensorFinding(name=name, module=name, op="output", role="module_output",
-                                      max_abs=m, headroom_bits=_headroom(m), nonzero=0, flushed=0, subnormal=0,
-                                      first_overflow_step=first if over else None))
+        rows = _from_modules(report, section)
+    return _findings(rows, tgt, regime, source, loss_fp16, custom, max_flushed_fraction, low_headroom_bits)
+
+
+def _findings(rows: list[TensorFinding], tgt: str, regime: str, source: str, loss_fp16: bool | None,
+              custom: tuple[str, ...], max_flushed_fraction: float, low_headroom_bits: float) -> ForwardFindings:
+    """Sort the rows into what overflows, what runs low on headroom and what flushes."""
     overflowing = tuple(r for r in rows if r.overflows)
     low = tuple(sorted((r for r in rows if not r.overflows and r.headroom_bits is not None
                         and r.headroom_bits < low_headroom_bits), key=lambda r: r.headroom_bits or 0.0))

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from fp16probe import formatting as num
 from fp16probe.errors import ReportError
 from fp16probe.analysis.whatif import flushed_fraction
 from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
@@ -31,6 +30,7 @@ from fp16probe.sections import Workload
 
 __all__ = [
     "Check",
+    "GateWarning",
     "GateResult",
     "GateThresholds",
     "Snapshot",
@@ -89,7 +89,8 @@ class Snapshot:
     ``modules`` maps each module's name, stripped of wrapper prefixes, to its histogram.
     ``workload`` says what was profiled (model, precision, inputs, loss), to notice when two
     reports profiled different things. ``verification`` is ``(held, summary)`` when the
-    report carries a measured verification of its recommendation.
+    report carries a measured verification of its recommendation (``held`` re-judged from its
+    numbers); ``verification_edited`` says the report claims it held though its numbers say not.
     """
 
     source: str
@@ -106,6 +107,7 @@ class Snapshot:
     workload: Mapping[str, Any] = field(default_factory=dict)
     verification: tuple[bool, str] | None = None
     stored_recommendation: tuple[str, int | None] | None = None
+    verification_edited: bool = False
 
     @property
     def overflow_values(self) -> Histogram:
@@ -161,23 +163,40 @@ class Snapshot:
             "verification": None if self.verification is None else
             {"held": self.verification[0], "summary": self.verification[1]},
         }
+        # fp16probe.presentation.gate.result_dict words the summary of an edited verification.
 
 
 @dataclass(frozen=True)
 class Check:
-    """One gate check: its name, whether it passed, the two values, the limit and its time."""
+    """One gate check: its name, whether it passed, the two values, the limit and its time.
+
+    ``facts`` holds what the check's message says beyond those (the scales compared, the
+    modules named, ...), keyed per check; :func:`fp16probe.presentation.gate.check_message`
+    words it.
+    """
 
     name: str
     passed: bool
     baseline: Any
     current: Any
     limit: Any
-    message: str
+    facts: Mapping[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """Return the check as JSON-ready data."""
-        return dict(self.__dict__)
+
+@dataclass(frozen=True)
+class GateWarning:
+    """Something the two reports differ in that no check judges, as a code and its data.
+
+    Codes: ``partial`` (``label``, ``steps``, ``requested``, ``stopped``: a run stopped early),
+    ``workload`` (``label`` of the setting, ``baseline``, ``current``: what was profiled differs),
+    ``modules`` (``only_baseline``, ``only_current``, ``both``: module names one report lacks),
+    ``stored_recommendation`` (``label``, ``stored``, ``analysed``: a file's stored verdict and
+    scale differ from their re-analysis). :func:`fp16probe.presentation.gate.warning_text` words it.
+    """
+
+    code: str
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,7 +207,7 @@ class GateResult:
     baseline: Snapshot
     current: Snapshot
     thresholds: GateThresholds
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[GateWarning, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -200,16 +219,7 @@ class GateResult:
         """Return the checks that failed."""
         return tuple(c for c in self.checks if not c.passed)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Return the result as JSON-ready data."""
-        return {
-            "passed": self.passed,
-            "checks": [c.to_dict() for c in self.checks],
-            "warnings": list(self.warnings),
-            "baseline": self.baseline.to_dict(),
-            "current": self.current.to_dict(),
-            "thresholds": self.thresholds.to_dict(),
-        }
+    # The JSON form, with every message and warning worded, is fp16probe.presentation.gate.result_dict.
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -272,6 +282,7 @@ def snapshot(report: Report, recommendation: Recommendation | None, *, fmt: str 
         modules[names[m.name]] = modules.get(names[m.name], Histogram()) + m.histogram
     ceiling = report.trace.ceiling
     stored = report.recommendation
+    verification, edited = _verification(report)
     return Snapshot(
         source=source,
         format=fmt,
@@ -285,8 +296,9 @@ def snapshot(report: Report, recommendation: Recommendation | None, *, fmt: str 
         ceiling=max(ceiling) if ceiling else None,
         modules=modules,
         workload=_workload(report),
-        verification=_verification(report),
+        verification=verification,
         stored_recommendation=None if stored is None else (str(stored.verdict), stored.log2_scale),
+        verification_edited=edited,
     )
 
 
@@ -308,17 +320,15 @@ def _workload(report: Report) -> dict[str, Any]:
     }
 
 
-def _verification(report: Report) -> tuple[bool, str] | None:
-    """``(held, summary)`` of the report's measured verification, re-judged from its own numbers."""
+def _verification(report: Report) -> tuple[tuple[bool, str] | None, bool]:
+    """``(held, summary)`` of the report's measured verification, re-judged from its own numbers,
+    and whether the report says it held when its numbers say it did not."""
     v = report.verification
     if v is None:
-        return None
+        return None, False
     judged = Verification.judge(v.predicted_overflow_steps, v.measured_overflow_steps,
                                 v.predicted_zeroed_fraction, v.measured_zeroed_fraction, v.tolerance)
-    summary = v.summary
-    if v.held and not judged:
-        summary += "; the report says it held, but its own numbers say it did not (edited?)"
-    return v.held and judged, summary
+    return (v.held and judged, v.summary), v.held and not judged
 
 
 # -- the checks -------------------------------------------------------------------------------
@@ -331,47 +341,36 @@ def compare(baseline: Snapshot, current: Snapshot, thresholds: GateThresholds = 
         start = time.perf_counter()
         c = check(baseline, current, thresholds)
         if c is not None:
-            checks.append(Check(c.name, c.passed, c.baseline, c.current, c.limit, c.message,
+            checks.append(Check(c.name, c.passed, c.baseline, c.current, c.limit, c.facts,
                                 time.perf_counter() - start))
     return GateResult(tuple(checks), baseline, current, thresholds, _workload_warnings(baseline, current))
 
 
-def _rise_check(name: str, before: float, after: float, limit: float, what: str) -> Check:
-    rise = after - before
-    return Check(name, rise <= limit, before, after, limit,
-                 f"{what} went from {num.percent(before)} to {num.percent(after)} ({_points(rise)}; allowed +{limit * 100:.3g})")
+def _rise_check(name: str, before: float, after: float, limit: float, facts: Mapping[str, Any]) -> Check:
+    return Check(name, after - before <= limit, before, after, limit, facts)
 
 
 def _at_baseline_scale(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     k = b.deployed_log2_scale
     return _rise_check("flushed_at_baseline_scale", b.flushed_at(k), c.flushed_at(k),
-                       t.max_flushed_increase_at_scale, f"flushed at the baseline's recommended {_scale(k)}")
+                       t.max_flushed_increase_at_scale, {"log2_scale": k})
 
 
 def _at_recommended_scale(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     kb, kc = b.deployed_log2_scale, c.deployed_log2_scale
     return _rise_check("flushed_at_recommended_scale", b.flushed_at(kb), c.flushed_at(kc),
-                       t.max_flushed_increase_at_scale,
-                       f"flushed at each run's own recommendation ({_scale(kb)} -> {_scale(kc)})")
+                       t.max_flushed_increase_at_scale, {"log2_scales": (kb, kc)})
 
 
 def _at_one(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
-    return _rise_check("flushed_fraction", b.flushed_fraction, c.flushed_fraction, t.max_flushed_increase,
-                       "flushed at S = 1")
+    return _rise_check("flushed_fraction", b.flushed_fraction, c.flushed_fraction, t.max_flushed_increase, {})
 
 
 def _verdict(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     worse = c.severity > b.severity
-    if worse:
-        how = "worse"
-    elif c.severity < b.severity:
-        how = "better"
-    else:
-        how = "as severe"
-    message = (f"verdict {b.verdict} -> {c.verdict} ({how}; severity {b.severity} -> {c.severity}"
-               f"{'' if t.fail_on_worse_verdict else ', not judged'})")
     return Check("verdict", not (worse and t.fail_on_worse_verdict), b.verdict, c.verdict,
-                 "no worse" if t.fail_on_worse_verdict else "ignored", message)
+                 "no worse" if t.fail_on_worse_verdict else "ignored",
+                 {"severity": (b.severity, c.severity), "judged": t.fail_on_worse_verdict})
 
 
 def _new_overflow(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
@@ -383,23 +382,17 @@ def _new_overflow(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     return Check(
         "new_overflow", not (new and t.fail_on_new_overflow), was, now,
         "none" if t.fail_on_new_overflow else "ignored",
-        f"at the baseline's {_scale(k)}: overflow {'yes' if was else 'no'} before, {'yes' if now else 'no'} now "
-        f"(max |g| {_magnitude(b.overflow_max)} -> {_magnitude(c.overflow_max)}, "
-        f"non-finite {b.overflow_values.nonfinite} -> {c.overflow_values.nonfinite})",
+        {"log2_scale": k, "max_abs": (b.overflow_max, c.overflow_max),
+         "nonfinite": (b.overflow_values.nonfinite, c.overflow_values.nonfinite)},
     )
 
 
 def _scale_shift(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     kb, kc = b.log2_scale, c.log2_scale
-    if kb is None and kc is None:
-        return Check("scale_shift", True, kb, kc, t.max_scale_shift_bits, "no scale recommended in either run")
+    facts = {"verdicts": (b.verdict, c.verdict)}
     if kb is None or kc is None:
-        return Check("scale_shift", False, kb, kc, t.max_scale_shift_bits,
-                     f"recommended scale changed from {_scale(kb)} to {_scale(kc)} "
-                     f"(verdict {b.verdict} -> {c.verdict})")
-    shift = kc - kb
-    return Check("scale_shift", abs(shift) <= t.max_scale_shift_bits, kb, kc, t.max_scale_shift_bits,
-                 f"recommended scale moved from 2^{kb} to 2^{kc} ({shift:+d} bits; allowed ±{t.max_scale_shift_bits})")
+        return Check("scale_shift", kb is None and kc is None, kb, kc, t.max_scale_shift_bits, facts)
+    return Check("scale_shift", abs(kc - kb) <= t.max_scale_shift_bits, kb, kc, t.max_scale_shift_bits, facts)
 
 
 def _module_regressions(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
@@ -414,19 +407,8 @@ def _module_regressions(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check:
     over = [r for r in rises if r[0] > t.max_module_increase]
     shown = over[: t.worst_n]
     listed = {name: [before, after] for _, name, before, after in shown}
-    if over:
-        named = ", ".join(f"{name} {num.percent(before)} -> {num.percent(after)}" for _, name, before, after in shown)
-        more = f" and {len(over) - len(shown)} more" if len(over) > len(shown) else ""
-        message = (f"{len(over)} module(s) lose more at the baseline's {_scale(k)}: {named}{more} "
-                   f"(allowed {_points(t.max_module_increase)} each)")
-    elif rises:
-        top = rises[0]
-        message = (f"no module's own flushed share at {_scale(k)} rose more than the allowed "
-                   f"{_points(t.max_module_increase)} (largest change: {top[1]} {_points(top[0])}; "
-                   f"{len(rises)} modules matched)")
-    else:
-        message = "no module is in both reports; nothing to match (see the warnings)"
-    return Check("module_regressions", not over, len(rises), listed, t.max_module_increase, message)
+    facts = {"log2_scale": k, "over": len(over), "largest": (rises[0][1], rises[0][0]) if rises else None}
+    return Check("module_regressions", not over, len(rises), listed, t.max_module_increase, facts)
 
 
 def _verified(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check | None:
@@ -434,46 +416,41 @@ def _verified(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check | None:
         return None
     held, summary = c.verification
     return Check("verification", held, None if b.verification is None else b.verification[0], held, "held",
-                 f"the current report's measured verification {'held' if held else 'did not hold'}: {summary}")
+                 {"summary": summary, "edited": c.verification_edited})
 
 
 # -- what the two reports profiled --------------------------------------------------------------
 
-def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[str, ...]:
+_WORKLOAD_KEYS = ("model_class", "precision", "captured", "inputs", "loss", "loss_scale", "format")
+
+
+def _workload_warnings(b: Snapshot, c: Snapshot) -> tuple[GateWarning, ...]:
     warnings = []
     for snap, label in ((b, "baseline"), (c, "current")):
         partial = snap.workload.get("partial")
         if partial:
-            of = f" of {partial['requested']}" if partial.get("requested") else ""
-            why = f" ({partial['stopped']})" if partial.get("stopped") else ""
-            warnings.append(f"the {label} report is partial: the run stopped early{why} after {partial['steps']}{of} "
-                            "step(s), so its numbers cover only those steps")
-    labels = {"model_class": "model", "precision": "precision", "captured": "captured kinds",
-              "inputs": "inputs", "loss": "loss", "loss_scale": "loss scale", "format": "target format"}
-    for key, label in labels.items():
+            warnings.append(GateWarning("partial", {"label": label, "steps": partial["steps"],
+                                                    "requested": partial.get("requested"),
+                                                    "stopped": partial.get("stopped")}))
+    for key in _WORKLOAD_KEYS:
         vb, vc = b.workload.get(key), c.workload.get(key)
         if vb != vc:
-            warnings.append(f"the reports profiled different {label}: {_short(vb)} (baseline) vs {_short(vc)} (current)")
+            warnings.append(GateWarning("workload", {"label": key, "baseline": vb, "current": vc}))
     only_b = sorted(b.modules.keys() - c.modules.keys(), key=natural_key)
     only_c = sorted(c.modules.keys() - b.modules.keys(), key=natural_key)
     if only_b or only_c:
-        warnings.append(
-            f"{len(only_b)} module(s) only in the baseline ({_names(only_b)}) and {len(only_c)} only in the current "
-            f"report ({_names(only_c)}); only the {len(b.modules.keys() & c.modules.keys())} in both are compared "
-            "module by module"
-        )
+        warnings.append(GateWarning("modules", {"only_baseline": only_b, "only_current": only_c,
+                                                "both": len(b.modules.keys() & c.modules.keys())}))
     for snap, label in ((b, "baseline"), (c, "current")):
         stored = snap.stored_recommendation
         same_format = snap.workload.get("format") in (None, snap.format)
         if stored is not None and same_format and (stored[0] != snap.verdict or stored[1] != snap.log2_scale):
-            warnings.append(
-                f"the {label} report's stored recommendation ({stored[0]}, {_scale(stored[1])}) differs from its "
-                f"re-analysis ({snap.verdict}, {_scale(snap.log2_scale)}); the gate judges the re-analysis"
-            )
+            warnings.append(GateWarning("stored_recommendation", {"label": label, "stored": stored,
+                                                                  "analysed": (snap.verdict, snap.log2_scale)}))
     return tuple(warnings)
 
 
-# -- words ------------------------------------------------------------------------------------
+# -- numbers ----------------------------------------------------------------------------------
 
 def _overflows(fmt: str, magnitude: float, log2_scale: int) -> bool:
     from fp16probe.formats import get_format
@@ -485,28 +462,3 @@ def _overflows(fmt: str, magnitude: float, log2_scale: int) -> bool:
 
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _points(rise: float) -> str:
-    value = f"{rise * 100:.3g}"
-    return f"{'+' if rise >= 0 else ''}{value} point{'' if value in ('1', '-1') else 's'}"
-
-
-def _magnitude(x: float) -> str:
-    return "inf" if not math.isfinite(x) else f"{x:.3g}"
-
-
-def _scale(k: int | None) -> str:
-    return "no scale" if k is None else f"S = 2^{k}"
-
-
-def _short(v: Any) -> str:
-    text = "none" if v is None else str(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _names(names: list[str]) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:4])
-    return shown + (f", and {len(names) - 4} more" if len(names) > 4 else "")

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from fp16probe.analysis.schedule import ScheduleTable
+from fp16probe.analysis.schedule import ScheduleNote, ScheduleTable
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation, Verdict
 
-__all__ = ["MOVES", "reconcile", "schedule_choice", "schedule_note", "with_verdict_note"]
+__all__ = ["MOVES", "reconcile", "schedule_choice", "verdict_note", "with_verdict_note"]
 
 MOVES = ("growth_factor", "backoff_factor", "growth_interval")  # what the schedule decides
 
@@ -47,20 +47,15 @@ def reconcile(rec: Recommendation, table: ScheduleTable) -> dict[str, Any] | Non
             "schedule_moves": theirs, "paste": paste, "hysteresis_rule": hysteresis}
 
 
-def schedule_note(rec: Recommendation) -> str:
-    """The line ``fp16probe schedule`` adds for a live run: the verdict's GradScaler, and whether its moves differ."""
-    if not rec.grad_scaler_kwargs:
-        return (f"The loss-scale verdict for this run (fp16probe analyze) is {rec.verdict.value}: it advises no "
-                "GradScaler; this table judges only how a scale would have moved over the recorded steps.")
-    paste = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.grad_scaler_kwargs.items())
-    if rec.evidence.get("one_answer") is None:
-        return (f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which moves the scale as "
-                "this table advises: paste that one.")
-    return (f"The loss-scale verdict (fp16probe analyze) pastes GradScaler({paste}), which this table's choice "
-            "moves differently: the verdict judges underflow at the scale in force against fp32 reruns, this table "
-            "skipped steps over the run's history. Paste the verdict's; use this table to tune how the scale moves.")
+def verdict_note(rec: Recommendation) -> ScheduleNote:
+    """The note ``fp16probe schedule`` adds for a live run: the verdict's GradScaler, and whether its moves differ.
+
+    :func:`fp16probe.presentation.schedule.note_text` words it.
+    """
+    return ScheduleNote("verdict", {"verdict": rec.verdict.value, "grad_scaler_kwargs": dict(rec.grad_scaler_kwargs or {}),
+                                    "differs": rec.evidence.get("one_answer") is not None})
 
 
 def with_verdict_note(table: ScheduleTable, rec: Recommendation) -> ScheduleTable:
-    """``table`` with :func:`schedule_note` for ``rec``, the live run's verdict, added to its notes."""
-    return replace(table, notes=(*table.notes, schedule_note(rec)))
+    """``table`` with :func:`verdict_note` for ``rec``, the live run's verdict, added to its notes."""
+    return replace(table, notes=(*table.notes, verdict_note(rec)))

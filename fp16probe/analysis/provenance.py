@@ -11,12 +11,11 @@ Two sources, with a division of labour the text must respect:
   as defaults, with init_scale 65536.
 
 So 2000 is a widely-run, once-validated default, not a measured optimum, and it is not
-the paper's. :func:`wording_problems` checks any text against these rules.
+the paper's. ``tests/fixtures/wording.py`` (``wording_problems``), a lint the tests run over
+every verdict's text, checks any text against these rules.
 """
 
 from __future__ import annotations
-
-import re
 
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
 
@@ -30,8 +29,6 @@ __all__ = [
     "NVIDIA_GUIDE_URL",
     "PAPER",
     "SIMULATION_CAVEAT",
-    "WEIGHT_UPDATE_RULE",
-    "wording_problems",
 ]
 
 NVIDIA_GUIDE_URL = (
@@ -65,42 +62,3 @@ SIMULATION_CAVEAT = (
     "seeded), so it assumes future steps look like the profiled ones: a profile taken at "
     "nearly fixed weights cannot see the drift in gradient magnitudes that training brings."
 )
-WEIGHT_UPDATE_RULE = (
-    "Without fp32 master weights an update is lost when it is below half an ulp of the "
-    f"weight, i.e. when |w| is at least about 2^11 |update| in fp16 ({PAPER})."
-)
-
-_SENTENCE = re.compile(r"(?<=[.!?;])\s+")
-
-
-def wording_problems(text: str) -> list[str]:
-    """Return every way ``text`` breaks the provenance rules (empty when it keeps them).
-
-    Rules: nothing is called optimal; "optimum" appears only as "not a measured optimum";
-    a sentence that mentions 2000 or the x2 / x0.5 factors does not cite the paper, and the
-    text then cites NVIDIA's guide by URL; 65536 is only ever GradScaler's default; talk of
-    underflow or flushing cites the paper (arXiv:1710.03740); the project's own source
-    labels (LIT-...) never reach the reader.
-    """
-    problems: list[str] = []
-    lower = text.lower()
-    if "optimal" in lower:
-        problems.append("calls something optimal")
-    for m in re.finditer(r"optimum", lower):
-        if not lower[max(0, m.start() - 20) : m.start()].endswith("not a measured "):
-            problems.append("uses 'optimum' other than as 'not a measured optimum'")
-    mentions_constants = re.search(r"(?<![\d.])2000(?!\d)|x0\.5|×0\.5", text) is not None
-    if mentions_constants and NVIDIA_GUIDE_URL not in text:
-        problems.append("mentions 2000 or x0.5 without citing NVIDIA's guide by URL")
-    for sentence in _SENTENCE.split(text):
-        if re.search(r"(?<![\d.])2000(?!\d)", sentence) and (
-            "1710.03740" in sentence or "LIT-011" in sentence or "Micikevicius" in sentence
-        ):
-            problems.append(f"credits 2000 to the paper: {sentence!r}")
-        if re.search(r"65536|65,536", sentence) and "GradScaler" not in sentence:
-            problems.append(f"mentions 65536 without saying it is GradScaler's default: {sentence!r}")
-    if re.search(r"underflow|flush", lower) and "1710.03740" not in text:
-        problems.append("talks of underflow without citing Micikevicius et al. (arXiv:1710.03740)")
-    if re.search(r"\bLIT-\d+", text):
-        problems.append("cites a source by the project's label (LIT-...) instead of authors, title and id")
-    return problems

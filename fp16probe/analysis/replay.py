@@ -66,21 +66,19 @@ class ScalerRule:
     consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
-        problems = []
-        if not (self.growth_factor > 1.0):
-            problems.append(f"growth_factor={self.growth_factor!r} (must be > 1, as GradScaler requires)")
-        if not (0.0 <= self.backoff_factor < 1.0):
-            problems.append(f"backoff_factor={self.backoff_factor!r} (must be in [0, 1))")
-        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
-            problems.append(f"growth_interval={self.growth_interval!r} (must be a positive integer)")
-        if int(self.hysteresis) != self.hysteresis or self.hysteresis < 1:
-            problems.append(f"hysteresis={self.hysteresis!r} (must be a positive integer; 1 is GradScaler's)")
-        if not (self.min_scale >= 0.0):
-            problems.append(f"min_scale={self.min_scale!r} (must be >= 0; 0 is GradScaler's, no floor)")
-        if not (self.init_scale > 0.0) or not math.isfinite(self.init_scale):
-            problems.append(f"init_scale={self.init_scale!r} (must be a positive finite number)")
-        if problems:
-            raise AnalysisError("invalid scaler rule: " + "; ".join(problems) + ": fix these arguments")
+        ok = (self.growth_factor > 1.0, 0.0 <= self.backoff_factor < 1.0,
+              int(self.growth_interval) == self.growth_interval and self.growth_interval >= 1,
+              int(self.hysteresis) == self.hysteresis and self.hysteresis >= 1,
+              self.min_scale >= 0.0, self.init_scale > 0.0 and math.isfinite(self.init_scale))
+        if not all(ok):
+            raise AnalysisError("invalid scaler rule: " + "; ".join(problem for good, problem in zip(ok, (
+                f"growth_factor={self.growth_factor!r} (must be > 1, as GradScaler requires)",
+                f"backoff_factor={self.backoff_factor!r} (must be in [0, 1))",
+                f"growth_interval={self.growth_interval!r} (must be a positive integer)",
+                f"hysteresis={self.hysteresis!r} (must be a positive integer; 1 is GradScaler's)",
+                f"min_scale={self.min_scale!r} (must be >= 0; 0 is GradScaler's, no floor)",
+                f"init_scale={self.init_scale!r} (must be a positive finite number)",
+            )) if not good) + ": fix these arguments")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None = None, **overrides: Any) -> "ScalerRule":

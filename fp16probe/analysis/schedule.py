@@ -42,12 +42,16 @@ from fp16probe.analysis.replay import ScalerRule, _ScalerState
 from fp16probe.analysis.whatif import kinds_of
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.formatting import count, percent
 from fp16probe.histogram import Histogram
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
 from fp16probe.report import Report, StepHistory
 
-__all__ = ["ScheduleRow", "ScheduleTable", "candidate_rules", "judge_schedules"]
+__all__ = ["DEFAULTS", "OWN", "ScheduleNote", "ScheduleRow", "ScheduleTable", "candidate_rules", "judge_schedules"]
+
+# The names of the two rules every table starts with (fp16probe.presentation.schedule labels them);
+# the grid's names say their settings ("interval 500"), DeepSpeed's and Megatron's their source.
+DEFAULTS = "defaults"
+OWN = "own"
 
 GRID_INTERVALS = (100, 500, 2000)  # beside the run's own interval, a quarter and four times it
 GRID_FACTORS = ((2.0, 0.25), (4.0, 0.5))  # beside x2/x0.5, at the run's own interval (else 2000)
@@ -82,8 +86,27 @@ class ScheduleRow:
 
 
 @dataclass(frozen=True)
+class ScheduleNote:
+    """Something the table's reader must know, as a code and its data.
+
+    Codes: ``not_reproduced`` (``steps``: where the run's own rule missed its recorded scale),
+    ``verdict`` (``verdict``, ``grad_scaler_kwargs``, ``differs``: the live run's loss-scale
+    verdict, added by :func:`fp16probe.analysis.one_answer.with_verdict_note`).
+    """
+
+    code: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ScheduleTable:
-    """Rules replayed over one run's history, and the plain-words answer."""
+    """Rules replayed over one run's history, the best one and whether GradScaler's defaults are fine.
+
+    ``flush_reference`` says where the flushed shares come from: ``"shadow"`` (the fp32 shadow
+    reruns), ``"fp32_run"`` (the run's own fp32 steps) or None. The plain-words answer is
+    :func:`fp16probe.presentation.schedule.schedule_answer`; the JSON form with it,
+    :func:`fp16probe.presentation.schedule.schedule_dict`.
+    """
 
     rows: tuple[ScheduleRow, ...]
     steps: int
@@ -93,10 +116,9 @@ class ScheduleTable:
     reproduced: bool | None  # the run's own rule reproduced its scales and skipped steps (None: no settings)
     mismatched_steps: tuple[int, ...]  # where it did not (the first few)
     flush_reference: str | None  # where the flushed shares come from (None: not available)
-    answer: str
     best: str
     defaults_fine: bool
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[ScheduleNote, ...] = field(default=())
 
     def row(self, name: str) -> ScheduleRow:
         """Return the row called ``name``; KeyError when none is."""
@@ -104,16 +126,6 @@ class ScheduleTable:
             if r.name == name:
                 return r
         raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the JSON form."""
-        return {
-            "rows": [r.to_dict() for r in self.rows], "steps": self.steps, "first_step": self.first_step,
-            "format": self.format, "max_flushed_fraction": self.max_flushed_fraction,
-            "reproduced": self.reproduced, "mismatched_steps": list(self.mismatched_steps),
-            "flush_reference": self.flush_reference, "answer": self.answer, "best": self.best,
-            "defaults_fine": self.defaults_fine, "notes": list(self.notes),
-        }
 
 
 def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tuple[str, ScalerRule]]:
@@ -124,13 +136,13 @@ def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tu
     growth x2 with backoff x0.25 ("/x4") and growth x4 with backoff x0.5. DeepSpeed's and
     Megatron's rules start from their own default initial scales.
     """
-    out: list[tuple[str, ScalerRule]] = [("GradScaler defaults", ScalerRule())]
+    out: list[tuple[str, ScalerRule]] = [(DEFAULTS, ScalerRule())]
     own_interval = None
     if run:
         own = ScalerRule(init_scale, float(run["growth_factor"]), float(run["backoff_factor"]),
                          int(run["growth_interval"]))
         own_interval = own.growth_interval
-        out.append(("this run's settings", own))
+        out.append((OWN, own))
     intervals = set(GRID_INTERVALS)
     if own_interval is not None:
         intervals |= {max(own_interval // 4, 1), own_interval * 4}
@@ -194,8 +206,8 @@ def _flush_refs(report: Report, kind: str) -> tuple[list[tuple[int, Histogram]],
         h = Histogram.sum(source.trace.histograms[k][i] for k in kinds if k in source.trace.histograms)
         if h.nonzero_finite:
             out.append((step, h))
-    words = "the fp32 shadow reruns" if source is report.shadow else "the run's own fp32 steps"
-    return out, (words if out else None)
+    code = "shadow" if source is report.shadow else "fp32_run"
+    return out, (code if out else None)
 
 
 def _replay(steps: _Steps, fmt: Format, rule: ScalerRule, tau: float, flush: bool) -> tuple[ScheduleRow, list[float], list[bool]]:
@@ -276,7 +288,7 @@ def judge_schedules(
     if not 0.0 <= max_flushed_fraction < 1.0:
         raise AnalysisError(f"max_flushed_fraction must be in [0, 1), got {max_flushed_fraction!r}: e.g. 1e-3 for 0.1%")
     fmt = format if isinstance(format, Format) else get_format(format)
-    refs, ref_words = _flush_refs(report, kind)
+    refs, reference = _flush_refs(report, kind)
     steps = _arrays(history, refs)
     first = next((s for s in history.scale if s is not None), None)
     init_scale = first if first is not None else float(GRADSCALER_DEFAULTS["init_scale"])
@@ -287,58 +299,28 @@ def judge_schedules(
     reproduced: bool | None = None
     mismatched: tuple[int, ...] = ()
     for name, rule in chosen:
-        row, scales, skipped = _replay(steps, fmt, rule, max_flushed_fraction, ref_words is not None)
+        row, scales, skipped = _replay(steps, fmt, rule, max_flushed_fraction, reference is not None)
         rows.append(ScheduleRow(**{**row.to_dict(), "name": name}))
-        if name == "this run's settings":
+        if name == OWN:
             bad = [history.first_step + t for t in range(len(history))
                    if history.scale[t] is not None
                    and (scales[t] != history.scale[t] or skipped[t] != bool(steps.found[t]))]
             reproduced, mismatched = not bad, tuple(bad[:10])
-    notes = []
-    if reproduced is False:
-        notes.append("The run's own settings replayed from its first scale do not reproduce its scales at steps "
-                     f"{', '.join(map(str, mismatched))}: the Probe may have started after the scaler's first "
-                     "step (its growth tracker was not 0), or the scaler was changed during the run.")
-    best, fine, answer = _answer(rows, len(history), max_flushed_fraction, ref_words)
+    notes = (ScheduleNote("not_reproduced", {"steps": mismatched}),) if reproduced is False else ()
+    best, fine = _best(rows)
     return ScheduleTable(tuple(rows), len(history), history.first_step, fmt.name, max_flushed_fraction,
-                         reproduced, mismatched, ref_words, answer, best, fine, tuple(notes))
+                         reproduced, mismatched, reference, best, fine, notes)
 
 
 def _key(r: ScheduleRow) -> tuple[float, float]:
     return (r.steps_over_threshold if r.steps_over_threshold is not None else 0, r.skipped_steps)
 
 
-def _answer(rows: Sequence[ScheduleRow], n: int, tau: float, ref: str | None) -> tuple[str, bool, str]:
-    """The best row by (steps over the threshold, skipped steps), whether the defaults are fine, and the words."""
+def _best(rows: Sequence[ScheduleRow]) -> tuple[str, bool]:
+    """The best row's name by (steps over the threshold, skipped steps), and whether the defaults are fine:
+    no row does at least as well on both and better on one."""
     best = min(rows, key=_key)
     defaults = rows[0]
-    own = next((r for r in rows if r.name == "this run's settings"), None)
     fine = not any(_key(r)[0] <= _key(defaults)[0] and _key(r)[1] <= _key(defaults)[1] and _key(r) != _key(defaults)
                    for r in rows)
-
-    def words(r: ScheduleRow) -> str:
-        s = f"skipped {count(r.skipped_steps)} step(s)"
-        if r.steps_over_threshold is None:
-            return s
-        if r.steps_over_threshold == 0:
-            return s + f" and never flushed more than {percent(tau)}"
-        return s + (f" and spent {percent(r.steps_over_threshold / n)} of steps flushing more than {percent(tau)} "
-                    f"(worst {percent(r.worst_flushed_fraction)})")
-
-    parts = [f"Over this run's {count(n)} recorded steps,"]
-    if own is not None:
-        parts.append(f"its own settings (growth_interval={own.rule['growth_interval']}) {words(own)};")
-    parts.append(f"GradScaler's defaults would have {words(defaults)}.")
-    if fine:
-        parts.append("The defaults are already fine for this run: no candidate flushes less without skipping more.")
-    else:
-        parts.append(f"{best.name} would have {words(best)}.")
-    if ref is None:
-        parts.append("Flushed shares need an fp32 reference (a shadow rerun, or an fp32 run); this report has none, "
-                     "so only skipped steps are compared.")
-    else:
-        parts.append(f"Flushed shares come from {ref}, moved with each step's largest gradient.")
-    parts.append("This is the run's past, not its future: gradients drift as training goes on, so profile again at "
-                 "later checkpoints.")
-    return best.name, fine, " ".join(parts)
-
+    return best.name, fine

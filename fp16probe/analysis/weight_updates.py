@@ -12,11 +12,9 @@ from typing import Any, Mapping
 
 import torch
 
-from fp16probe.analysis.provenance import WEIGHT_UPDATE_RULE
 from fp16probe.analysis.whatif import fraction
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.formatting import percent
 
 __all__ = ["ParameterUpdateLoss", "WeightUpdateLoss", "weight_update_loss"]
 
@@ -54,7 +52,6 @@ class WeightUpdateLoss:
 
     format: str
     parameters: tuple[ParameterUpdateLoss, ...]
-    text: str = ""
 
     @property
     def elements(self) -> int:
@@ -97,8 +94,8 @@ class WeightUpdateLoss:
             "rule_lost": self.rule_lost,
             "rule_lost_fraction": self.rule_lost_fraction,
             "parameters": [p.to_dict() for p in self.parameters],
-            "text": self.text,
         }
+        # fp16probe.presentation.answer.weight_update_words words it.
 
 
 def weight_update_loss(
@@ -142,9 +139,4 @@ def weight_update_loss(
         lost = moved & (summed.float() == w_low.float())
         rule = moved & (w.abs() >= ratio * u.abs())
         rows.append(ParameterUpdateLoss(name, w.numel(), int(moved.sum()), int(lost.sum()), int(rule.sum())))
-    result = WeightUpdateLoss(fmt.name, tuple(rows))
-    text = (f"Without fp32 master weights, {percent(result.lost_fraction)} of the {result.nonzero_updates} nonzero "
-            f"parameter updates would be lost when added to {fmt.name} weights (measured by casting); the "
-            f"|w| >= 2^{fmt.mantissa_bits + 1} |update| rule predicts {percent(result.rule_lost_fraction)}. "
-            f"{WEIGHT_UPDATE_RULE}")
-    return WeightUpdateLoss(fmt.name, tuple(rows), text)
+    return WeightUpdateLoss(fmt.name, tuple(rows))

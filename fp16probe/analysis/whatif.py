@@ -110,10 +110,6 @@ class WhatIfTable:
                 return r
         raise KeyError(f"log2_scale {log2_scale} is not in this table")
 
-    def first_overflowing_log2_scale(self) -> int | None:
-        """Return the smallest k in the table at which some profiled step overflows."""
-        return next((r.log2_scale for r in self.rows if r.overflow_steps), None)
-
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         return {

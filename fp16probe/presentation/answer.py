@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from fp16probe import formatting as num
+from fp16probe.analysis.provenance import PAPER
+from fp16probe.formats import get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
+from fp16probe.presentation.schedule import rule_label
 from fp16probe.presentation.verdict import insufficient_why
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
@@ -271,7 +274,7 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{', '.join(map(str, d['steps'][:8]))}: no live figure was judged."),
     "schedule_differs": lambda d: (f"fp16probe schedule, replaying this run's own {num.count(d['history_steps'])} "
         "steps, " + ("finds GradScaler's defaults already fine" if d["defaults_fine"]
-                     else f"advises {d['schedule_choice']!r}")
+                     else f"advises {rule_label(d['schedule_choice'])!r}")
         + ", which moves the scale differently: it judges skipped steps over the run's history, this verdict "
         "underflow at the scale in force against fp32 reruns. Paste the GradScaler above; use the schedule's table "
         "to tune how the scale moves."),
@@ -408,6 +411,23 @@ def emulated_sentence(rec: Recommendation) -> str:
     return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
             f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}"
             f"{'; ' + around if around else ''}{fixed}")
+
+
+WEIGHT_UPDATE_RULE = (
+    "Without fp32 master weights an update is lost when it is below half an ulp of the "
+    f"weight, i.e. when |w| is at least about 2^11 |update| in fp16 ({PAPER})."
+)
+
+
+def weight_update_words(wul: Mapping[str, Any]) -> str:
+    """The weight-update check in words, from ``WeightUpdateLoss.to_dict()``'s numbers (a stored sentence as stored)."""
+    if "text" in wul:  # a report from before the words moved here: the sentence it stored
+        return str(wul["text"])
+    bits = get_format(str(wul["format"])).mantissa_bits + 1
+    return (f"Without fp32 master weights, {num.percent(wul['lost_fraction'])} of the {wul['nonzero_updates']} nonzero "
+            f"parameter updates would be lost when added to {wul['format']} weights (measured by casting); the "
+            f"|w| >= 2^{bits} |update| rule predicts {num.percent(wul['rule_lost_fraction'])}. "
+            f"{WEIGHT_UPDATE_RULE}")
 
 
 def explanation_text(rec: Recommendation) -> str:

@@ -16,6 +16,7 @@ from xml.sax.saxutils import quoteattr as _xml_quoteattr
 
 from fp16probe.analysis.gate import GateResult
 from fp16probe.presentation import escape as safe
+from fp16probe.presentation.gate import check_message, warning_texts
 
 __all__ = ["error_junit", "error_markdown", "github_annotations", "github_error_annotation", "to_junit", "to_markdown"]
 
@@ -59,10 +60,10 @@ def to_markdown(result: GateResult, title: str = "fp16probe compare") -> str:
         "|---|---|---|",
     ]
     for c in result.checks:
-        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {_cell(c.message)} |")
+        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {_cell(check_message(c))} |")
     if result.warnings:
         lines.append("")
-        lines.extend(f"> **warning:** {_cell(w)}" for w in result.warnings)
+        lines.extend(f"> **warning:** {_cell(w)}" for w in warning_texts(result))
     return "\n".join(lines) + "\n\n"
 
 
@@ -96,14 +97,15 @@ def to_junit(result: GateResult, *, seconds: float | None = None, suite: str = S
     out.append("    </properties>")
     for c in result.checks:
         out.append(f'    <testcase classname="{suite}" name={quoteattr(c.name)} time="{c.seconds:.6f}">')
+        message = check_message(c)
         if not c.passed:
-            out.append(f"      <failure message={quoteattr(c.message)} type=\"regression\">{escape(c.message)}</failure>")
-        details = "\n".join(escape(line) for line in (c.message, f"baseline: {c.baseline}", f"current: {c.current}",
+            out.append(f"      <failure message={quoteattr(message)} type=\"regression\">{escape(message)}</failure>")
+        details = "\n".join(escape(line) for line in (message, f"baseline: {c.baseline}", f"current: {c.current}",
                                                       f"limit: {c.limit}"))
         out.append(f"      <system-out>{details}</system-out>")
         out.append("    </testcase>")
     if result.warnings:
-        out.append(f"    <system-err>{chr(10).join(escape(w) for w in result.warnings)}</system-err>")
+        out.append(f"    <system-err>{chr(10).join(escape(w) for w in warning_texts(result))}</system-err>")
     out += ["  </testsuite>", "</testsuites>", ""]
     return "\n".join(out)
 
@@ -118,9 +120,9 @@ def github_annotations(result: GateResult) -> list[str]:
     GitHub shows them as annotations on the run and the pull request.
     """
     lines = [
-        f"::error title={_property('fp16probe compare: ' + c.name)}::{_data(c.message)}" for c in result.failures
+        f"::error title={_property('fp16probe compare: ' + c.name)}::{_data(check_message(c))}" for c in result.failures
     ]
-    lines += [f"::warning title={_property('fp16probe compare')}::{_data(w)}" for w in result.warnings]
+    lines += [f"::warning title={_property('fp16probe compare')}::{_data(w)}" for w in warning_texts(result)]
     return lines
 
 

@@ -22,6 +22,8 @@ from fp16probe.formats import Format, get_format
 from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
+from fp16probe.presentation.gate import check_message, warning_texts
+from fp16probe.presentation.schedule import note_text, rule_label, schedule_answer
 from fp16probe.presentation.verdict import verdict_text
 from fp16probe.presentation.answer import (
     section_lines,
@@ -34,6 +36,7 @@ from fp16probe.presentation.answer import (
     run_header,
     short_answer,
     stacked_table,
+    weight_update_words,
     wrap_text,
 )
 from fp16probe.recommendation import Recommendation, Verdict
@@ -294,7 +297,7 @@ def _run_context(report: Report, width: int) -> Iterator[Any]:
             yield from _para(f"{key}: {value}", width, indent="  ")
     wul = work.weight_update_loss
     if wul:
-        yield from _para(f"weight updates ({wul['measured_on']}): {wul['text']}", width, indent="  ")
+        yield from _para(f"weight updates ({wul['measured_on']}): {weight_update_words(wul)}", width, indent="  ")
 
 
 def _verification(v: Verification, width: int) -> Iterator[Any]:
@@ -374,7 +377,7 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
             recovery = "no backoff" if not r.backoffs else "not recovered"
         else:
             recovery = f"{r.recovery_steps_mean:.0f} / {r.recovery_steps_max}"
-        rows.append([r.name, num.count(r.skipped_steps), over,
+        rows.append([rule_label(r.name), num.count(r.skipped_steps), over,
                      num.percent(r.mean_flushed_fraction) if flush else "n/a",
                      num.percent(r.worst_flushed_fraction) if flush else "n/a",
                      recovery, num.magnitude(r.final_scale)])
@@ -402,9 +405,9 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
                          "check: the run's own settings do NOT reproduce its recorded scales (see the note)",
                          width, "dim" if table.reproduced else "yellow")
     yield from _lines([""])
-    yield from _para(table.answer, width)
+    yield from _para(schedule_answer(table), width)
     for note in table.notes:
-        yield from _para(note, width, "yellow")
+        yield from _para(note_text(note), width, "yellow")
 
 
 def print_schedule(console: Any, table: Any) -> None:
@@ -535,9 +538,9 @@ def print_compare(console: Any, result: GateResult) -> None:
     table.add_column("details")
     for c in result.checks:
         table.add_row(Text(escape.text(c.name)), Text("pass") if c.passed else Text("FAIL", style="bold red"),
-                      Text(escape.text(c.message)))
+                      Text(escape.text(check_message(c))))
     console.print(table)
-    for w in result.warnings:
+    for w in warning_texts(result):
         console.print(Group(*_para(f"warning: {escape.text(w)}", console.width, "yellow", "  ")))
     if result.passed:
         console.print(Text("no regression", style="green"))

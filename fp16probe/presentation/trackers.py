@@ -183,57 +183,71 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
         k_in_force = 0 if scale is None else _exact_log2(scale)
         for k in KINDS:
             hs = trace.histograms.get(k)
-            if not hs or i >= len(hs):
-                continue
-            h = hs[i]
-            if h.total == 0:
-                continue
-            tag = f"{PREFIX}/{k}"
-            lh = log_histogram(h, axis)
-            if lh is not None:
-                histograms.append((tag, step, lh))
-            scalars.append((f"{tag}/flushed_fraction_at_1", step, flushed_fraction(h, fmt, 0)))
-            scalars.append((f"{tag}/max_abs", step, float(h.max_abs)))
-            scalars.append((f"{tag}/zero_fraction", step, fraction(h.zero, h.total)))
-            scalars.append((f"{tag}/nonfinite", step, float(h.nonfinite)))
-            if k == ACTIVATION:  # forward values are not multiplied by the loss scale
-                continue
-            if k_in_force is not None:
-                scalars.append((f"{tag}/flushed_fraction_at_scale_in_force", step,
-                                flushed_fraction(h, fmt, k_in_force)))
-            if rec_k is not None:
-                scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step,
-                                flushed_fraction(h, fmt, int(rec_k))))
-        ceiling = trace.ceiling
-        if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
-            scalars.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
-        if i < len(forward_steps):  # the forward pass's largest |x| and its headroom below fp16's max
-            v = forward_steps[i]
-            v = math.inf if isinstance(v, str) else float(v)
-            scalars.append((f"{PREFIX}/forward/max_abs", step, v))
-            if 0 < v < math.inf:
-                scalars.append((f"{PREFIX}/forward/headroom_bits", step, math.log2(65504.0 / v)))
-        if scale is not None:
-            scalars.append((f"{PREFIX}/loss_scale", step, float(scale)))
-        if scaled:
-            scalars.append((f"{PREFIX}/skipped_steps", step, float(skipped)))
-        if rec_k is not None:
-            scalars.append((f"{PREFIX}/recommended_log2_scale", step, float(rec_k)))
+            if hs and i < len(hs) and hs[i].total != 0:
+                _kind_points(k, hs[i], step, fmt, axis, k_in_force, rec_k, histograms, scalars)
+        scalars.extend(_step_scalars(report, i, step, forward_steps, scale, skipped if scaled else None, rec_k))
     if modules:
         for m in report.modules:
             lh = log_histogram(m.histogram, axis)
             if lh is not None:
                 histograms.append((f"{PREFIX}/{m.kind}/{escape.text(m.name)}", last_step, lh))
-    texts = []
-    if rec is not None:
-        caveats = rec.caveats
-        body = rec.text.rstrip()
-        if caveats:
-            body += "\n\n" + "\n".join(f"caveat: {c}" for c in caveats)
-        if body.strip():
-            # The stored text and caveats are report data: each line escaped, the line breaks kept.
-            texts.append((f"{PREFIX}/recommendation", "\n".join(escape.text(line) for line in body.strip().split("\n"))))
-    return TrackerSeries(tuple(histograms), tuple(scalars), tuple(texts), last_step)
+    return TrackerSeries(tuple(histograms), tuple(scalars), _recommendation_texts(rec), last_step)
+
+
+def _kind_points(k: str, h: Histogram, step: int, fmt: Format, axis: str, k_in_force: int | None,
+                 rec_k: int | None, histograms: list[tuple[str, int, LogHistogram]],
+                 scalars: list[tuple[str, int, float]]) -> None:
+    """One kind's histogram and scalars at one step, appended in the order they are logged."""
+    tag = f"{PREFIX}/{k}"
+    lh = log_histogram(h, axis)
+    if lh is not None:
+        histograms.append((tag, step, lh))
+    scalars.append((f"{tag}/flushed_fraction_at_1", step, flushed_fraction(h, fmt, 0)))
+    scalars.append((f"{tag}/max_abs", step, float(h.max_abs)))
+    scalars.append((f"{tag}/zero_fraction", step, fraction(h.zero, h.total)))
+    scalars.append((f"{tag}/nonfinite", step, float(h.nonfinite)))
+    if k == ACTIVATION:  # forward values are not multiplied by the loss scale
+        return
+    if k_in_force is not None:
+        scalars.append((f"{tag}/flushed_fraction_at_scale_in_force", step, flushed_fraction(h, fmt, k_in_force)))
+    if rec_k is not None:
+        scalars.append((f"{tag}/flushed_fraction_at_recommended_scale", step, flushed_fraction(h, fmt, int(rec_k))))
+
+
+def _step_scalars(report: Report, i: int, step: int, forward_steps: list[Any], scale: float | None,
+                  skipped: int | None, rec_k: int | None) -> list[tuple[str, int, float]]:
+    """The step's own scalars: the overflow ceiling, the forward maximum, the scale, skipped steps
+    (None: the run is not scaled), the recommended scale."""
+    out: list[tuple[str, int, float]] = []
+    ceiling = report.trace.ceiling
+    if ceiling is not None and i < len(ceiling) and math.isfinite(ceiling[i]):
+        out.append((f"{PREFIX}/overflow_ceiling", step, float(ceiling[i])))
+    if i < len(forward_steps):  # the forward pass's largest |x| and its headroom below fp16's max
+        v = forward_steps[i]
+        v = math.inf if isinstance(v, str) else float(v)
+        out.append((f"{PREFIX}/forward/max_abs", step, v))
+        if 0 < v < math.inf:
+            out.append((f"{PREFIX}/forward/headroom_bits", step, math.log2(65504.0 / v)))
+    if scale is not None:
+        out.append((f"{PREFIX}/loss_scale", step, float(scale)))
+    if skipped is not None:
+        out.append((f"{PREFIX}/skipped_steps", step, float(skipped)))
+    if rec_k is not None:
+        out.append((f"{PREFIX}/recommended_log2_scale", step, float(rec_k)))
+    return out
+
+
+def _recommendation_texts(rec: Recommendation | None) -> tuple[tuple[str, str], ...]:
+    """The recommendation's text and caveats as one logged text (none without a recommendation)."""
+    if rec is None:
+        return ()
+    body = rec.text.rstrip()
+    if rec.caveats:
+        body += "\n\n" + "\n".join(f"caveat: {c}" for c in rec.caveats)
+    if not body.strip():
+        return ()
+    # The stored text and caveats are report data: each line escaped, the line breaks kept.
+    return ((f"{PREFIX}/recommendation", "\n".join(escape.text(line) for line in body.strip().split("\n"))),)
 
 
 # -- sinks: one per tracker ---------------------------------------------------------------------

@@ -4,7 +4,7 @@
 numbers, evidence and thresholds, all decided in ``analysis/``) into the paragraph that
 ``Recommendation.text``, ``--explain``, the JSON output and the trackers show. An older
 report file's stored text is shown as it was stored (``Recommendation.stored_text``).
-The sentences about where the rules come from keep :func:`fp16probe.analysis.provenance.wording_problems`'s rules.
+The sentences about where the rules come from keep :mod:`fp16probe.analysis.provenance`'s rules (``tests/fixtures/wording.py`` checks them).
 """
 
 from __future__ import annotations
