@@ -105,12 +105,19 @@ def test_the_segformer_verdict_holds_in_a_real_fp16_step(tmp_path):
 
 @pytest.mark.slow
 def test_the_detr_verdict_holds_in_a_real_fp16_step():
-    """The tiny random DETR's gradients span more than fp16 holds: no S both keeps them and stays finite."""
+    """The tiny random DETR's gradients span more than fp16 holds: no S both keeps them and stays finite.
+
+    And fp16 moves them further than any S can: its Hungarian matching is a discrete choice made on the
+    fp16 costs, and in this step fp16 assigns other queries to the boxes than fp32 does (measured), so
+    the real fp16 gradients are far from fp32's at every S. The emulated step sees that (gradient_error);
+    the gradients' own verdict, the S to use, is kept as the backward verdict.
+    """
     pytest.importorskip("scipy")
     model = _detr()
     plan, batch = _batch(model)
     rec = fp16probe.profile(model, batches=[batch] * 2, steps=2).recommendation
-    assert rec.verdict.value == "no_single_scale" and rec.log2_scale is not None, rec
+    assert rec.verdict.value == "gradient_error" and rec.evidence["backward_verdict"] == "no_single_scale", rec
+    assert rec.log2_scale is not None
 
     reference = _grads(model, batch, scale=None)
     nonzero = sum(int((r != 0).sum()) for r in reference)
@@ -121,6 +128,9 @@ def test_the_detr_verdict_holds_in_a_real_fp16_step():
         return zeroed, sum(int((~torch.isfinite(g)).sum()) for g in got)
 
     at_1, at_s, above = measured(0), measured(rec.log2_scale), measured(rec.log2_scale + 5)
+    named = [n for n, p in model.named_parameters() if p.grad is not None].index(rec.evidence["emulated"]["first_parameter"])
+    real = _grads(model, batch, scale=2.0 ** rec.log2_scale)[named]
+    assert float((real - reference[named]).norm() / reference[named].norm()) > 0.05  # the real run: off, as said
     # Measured (torch 2.13, CPU): 11.4% zeroed at S = 1; 2.3% at the least bad S = 2^5 (predicted 2.6%), all
     # finite; 2^5 higher, 4,027 gradient values are inf/NaN. Neither side reaches the 0.1% threshold.
     assert at_s[1] == 0 and at_s[0] < at_1[0]

@@ -9,6 +9,7 @@ The sentences about where the rules come from keep :mod:`fp16probe.analysis.prov
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
@@ -425,6 +426,14 @@ def _forward(rec: Recommendation, fmt: Format) -> str:
                    f"2^-24 to 65504 only ({PAPER}).")
 
 
+def _gradient_error(rec: Recommendation, fmt: Format) -> str:
+    """The gradients' own verdict, for once the rounding error is fixed (``explanation_text`` leads with the error)."""
+    backward = rec.evidence.get("backward_verdict")
+    if backward not in _RENDER or backward == Verdict.GRADIENT_ERROR:
+        return _insufficient(rec, fmt)
+    return _RENDER[Verdict(backward)](dataclasses.replace(rec, verdict=Verdict(backward)), fmt)
+
+
 _RENDER: dict[Verdict, Callable[[Recommendation, Format], str]] = {
     Verdict.NONE_NEEDED: _none_needed,
     Verdict.CONSTANT: _scaled,
@@ -434,4 +443,5 @@ _RENDER: dict[Verdict, Callable[[Recommendation, Format], str]] = {
     Verdict.INSUFFICIENT_EVIDENCE: _insufficient,
     Verdict.FORWARD_OVERFLOW: _forward,
     Verdict.FORWARD_UNDERFLOW: _forward,
+    Verdict.GRADIENT_ERROR: _gradient_error,
 }
