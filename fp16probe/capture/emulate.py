@@ -44,9 +44,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
-from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
+from fp16probe.capture.ops import LAYOUT_OPS
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
-from fp16probe.capture.tracking import DtypeTracker, ModuleStack
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack, watched_forward
 
 __all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "merged_setting", "reference_step"]
 
@@ -385,19 +385,8 @@ def emulating(model: nn.Module, *, format: str = "fp16", target: str = "cuda", r
     if target not in TARGETS or regime not in REGIMES:
         raise ValueError(f"target must be one of {TARGETS} and regime one of {REGIMES}, got {target!r}, {regime!r}")
     em = _Emulator(model, _LOW_DTYPES[format], target, regime, set(keep_fp32), reference_outputs)
-    pre = nn.modules.module.register_module_forward_pre_hook(em.push)
-    post = nn.modules.module.register_module_forward_hook(em.pop, always_call=True)
-    mode = _Mode(em)
-    try:
-        with em.dtypes.watching_autocast():
-            mode.__enter__()
-            try:
-                yield em
-            finally:
-                leave_mode(mode)
-    finally:
-        pre.remove()
-        post.remove()
+    with watched_forward(em.push, em.pop, _Mode(em), em.dtypes):
+        yield em
 
 
 def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: str = "fp16",

@@ -41,10 +41,10 @@ from torch.overrides import TorchFunctionMode
 
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
 from fp16probe.capture.collector import Collected, Collector
-from fp16probe.capture.ops import LAYOUT_OPS, leave_mode
+from fp16probe.capture.ops import LAYOUT_OPS
 from fp16probe.formats import get_format
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
-from fp16probe.capture.tracking import DtypeTracker, ModuleStack
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack, watched_forward
 from fp16probe.sections import ForwardSection
 
 __all__ = ["FLUSH_AT", "OVERFLOW_AT", "SUBNORMAL_BELOW", "ForwardAudit", "custom_functions"]
@@ -134,19 +134,10 @@ class ForwardAudit(Collector):
         self.step_index = step
         self.steps.append(step)
         self._modules.reset(ROOT_NAME)
-        pre = nn.modules.module.register_module_forward_pre_hook(self._push)
-        post = nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
-        mode = _Mode(self)
         try:
-            with self._dtypes.watching_autocast():
-                mode.__enter__()
-                try:
-                    yield self
-                finally:
-                    leave_mode(mode)
+            with watched_forward(self._push, self._pop, _Mode(self), self._dtypes):
+                yield self
         finally:
-            pre.remove()
-            post.remove()
             self._dtypes.clear()
             self._seen.clear()
 

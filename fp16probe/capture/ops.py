@@ -48,7 +48,7 @@ from fp16probe.capture.autocast_rules import CAST_OPS, cast_is_low, op_name, out
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
-from fp16probe.capture.tracking import DtypeTracker, ModuleStack
+from fp16probe.capture.tracking import DtypeTracker, ModuleStack, leave_mode
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
 
 __all__ = ["LAYOUT_OPS", "attach", "leave_mode", "new_capture", "op_name"]
@@ -339,27 +339,6 @@ def _ask_autocast(func: Any, args: Sequence[Any], kwargs: Any, device: torch.dev
     if fp32_run:
         return _LOW if first.dtype == torch.float16 else _PASS
     return _FP32 if first.dtype == torch.float32 else _PASS
-
-
-def leave_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off the torch function mode stack, if it is still there.
-
-    A signal (Ctrl-C, SIGHUP) raised at the wrong moment inside torch's own dispatch, between
-    its taking the running mode off the stack and putting it back, leaves the mode off the
-    stack: a plain ``with mode:`` would then raise "trying to pop from empty mode stack" on the
-    way out and hide the signal behind a RuntimeError.
-    """
-    try:
-        stack = torch.overrides._get_current_function_mode_stack()
-    except Exception:  # a torch without the helper: leave as a with statement would
-        stack = [mode]
-    if stack and stack[-1] is mode:
-        mode.__exit__(None, None, None)
-    elif mode in stack:  # modes entered inside ours and left on (an interrupted forward): ours goes too
-        while stack and stack[-1] is not mode:
-            stack[-1].__exit__(None, None, None)
-            stack = torch.overrides._get_current_function_mode_stack()
-        mode.__exit__(None, None, None)
 
 
 def new_capture(recorder: Recorder, record: bool = True, target: str | None = None) -> _OpCapture:

@@ -32,9 +32,12 @@ from typing import Any
 
 import torch
 
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
 from fp16probe.capture.autocast_rules import around_autocast
 
-__all__ = ["DtypeTracker", "Frame", "ModuleStack", "is_low_dtype"]
+__all__ = ["DtypeTracker", "Frame", "ModuleStack", "is_low_dtype", "leave_mode", "watched_forward"]
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -192,3 +195,46 @@ class DtypeTracker:
                 yield
         finally:
             frames.clear()
+
+
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch function mode stack, if it is still there.
+
+    A signal (Ctrl-C, SIGHUP) raised at the wrong moment inside torch's own dispatch, between
+    its taking the running mode off the stack and putting it back, leaves the mode off the
+    stack: a plain ``with mode:`` would then raise "trying to pop from empty mode stack" on the
+    way out and hide the signal behind a RuntimeError.
+    """
+    try:
+        stack = torch.overrides._get_current_function_mode_stack()
+    except Exception:  # a torch without the helper: leave as a with statement would
+        stack = [mode]
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)
+    elif mode in stack:  # modes entered inside ours and left on (an interrupted forward): ours goes too
+        while stack and stack[-1] is not mode:
+            stack[-1].__exit__(None, None, None)
+            stack = torch.overrides._get_current_function_mode_stack()
+        mode.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def watched_forward(push: Callable[..., Any], pop: Callable[..., Any], mode: TorchFunctionMode,
+                    dtypes: "DtypeTracker") -> Iterator[None]:
+    """Run the block with ``push``/``pop`` on every module's forward, ``mode`` entered and autocast watched.
+
+    The forward audit and the emulated step watch a forward this one way; every hook and the mode
+    are undone on the way out, also by an exception or a signal (:func:`leave_mode`).
+    """
+    pre = nn.modules.module.register_module_forward_pre_hook(push)
+    post = nn.modules.module.register_module_forward_hook(pop, always_call=True)
+    try:
+        with dtypes.watching_autocast():
+            mode.__enter__()
+            try:
+                yield
+            finally:
+                leave_mode(mode)
+    finally:
+        pre.remove()
+        post.remove()
