@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fp16probe.report import Report
+from tests.fixtures.torchrun_jobs import run_jobs
 
 pytest.importorskip("transformers")
 pytest.importorskip("pytorch_lightning")
@@ -63,19 +64,8 @@ def _launch(name: str, job: Job, base: Path) -> tuple[subprocess.Popen, Path]:
 def jobs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
     """Run every job (AT_ONCE at a time); each one's output and folder."""
     base = tmp_path_factory.mktemp("callback_rank_faults")
-    done: dict[str, tuple[str, Path]] = {}
-    names = list(JOBS)
-    for i in range(0, len(names), AT_ONCE):
-        running = {n: _launch(n, JOBS[n], base) for n in names[i:i + AT_ONCE]}
-        for n, (proc, where) in running.items():
-            try:
-                out, _ = proc.communicate(timeout=4 * TIMEOUT_S + 120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-                pytest.fail(f"{n}: the torchrun job hung past {4 * TIMEOUT_S + 120} s:\n{out[-3000:]}")
-            done[n] = (out, where)
-    return done
+    done = run_jobs(JOBS, _launch, base, at_once=AT_ONCE, timeout_s=4 * TIMEOUT_S + 120)
+    return {n: (out, where) for n, (out, where, _) in done.items()}
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from fp16probe.cli import EXIT_LOAD, EXIT_OK, EXIT_USAGE
 from fp16probe.report import Report
 from tests.fixtures.cli import FIXTURES, prepare_cli_env, run
+from tests.fixtures.torchrun_jobs import run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10  # FP16PROBE_DIST_TIMEOUT for these jobs: small, so the suite stays fast
@@ -81,19 +81,7 @@ def _launch(name: str, job: Job, base: Path) -> tuple[subprocess.Popen, Path]:
 def jobs(tmp_path_factory) -> dict[str, tuple[str, Path, float]]:
     """Run every job (AT_ONCE at a time); each one's output, folder and finishing time."""
     base = tmp_path_factory.mktemp("rank_faults")
-    done: dict[str, tuple[str, Path, float]] = {}
-    names = list(JOBS)
-    for i in range(0, len(names), AT_ONCE):
-        running = {n: _launch(n, JOBS[n], base) for n in names[i:i + AT_ONCE]}
-        for n, (proc, where) in running.items():
-            try:
-                out, _ = proc.communicate(timeout=4 * TIMEOUT_S + 120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-                pytest.fail(f"{n}: the torchrun job hung past {4 * TIMEOUT_S + 120} s:\n{out[-3000:]}")
-            done[n] = (out, where, time.time())
-    return done
+    return run_jobs(JOBS, _launch, base, at_once=AT_ONCE, timeout_s=4 * TIMEOUT_S + 120)
 
 
 def _rank_exit(where: Path, rank: int) -> tuple[int, float] | None:
