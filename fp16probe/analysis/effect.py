@@ -389,7 +389,15 @@ def judge_report(report: Report, format: str | Format | None = None, *, kind: st
     """
     from fp16probe.analysis.recommend import analyze
 
-    rec = analyze(report, format, kind=kind, target=target)
+    return rejudge(report, analyze(report, format, kind=kind, target=target), format, kind=kind, target=target)
+
+
+def rejudge(report: Report, rec: Recommendation, format: str | Format | None = None, *, kind: str | None = None,
+            target: str | None = None) -> Recommendation:
+    """``rec``, the histograms' verdict on ``report`` (``analyze``'s, for ``format``), judged by the report's
+    emulation section, when it has one: what :func:`judge_report` does once the verdict is at hand."""
+    from fp16probe.analysis.recommend import analyze
+
     data = effect_of(report)
     if data is None or data.get("format") != rec.format:
         return rec

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.analysis.effect import fixes_to_try, judge_report, scales_to_check
+from fp16probe.analysis.effect import fixes_to_try, rejudge, scales_to_check
 from fp16probe.analysis.recommend import analyze
 from fp16probe.emulation import Emulation
 from fp16probe.formats import Format
@@ -111,5 +111,6 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
     data["seconds"] = round(time.perf_counter() - began, 3)
     report = report.with_sections({"emulation": Emulation.from_dict(data)})
     judged_as = fmt if fmt is not None and fmt.name == rec.format else rec.format
-    return report.with_recommendation(judge_report(report, judged_as, kind=kind, target=target))
+    # rec is the profile's analysis of this report: judged again by the emulation, not analysed twice
+    return report.with_recommendation(rejudge(report, rec, judged_as, kind=kind, target=target))
 
