@@ -15,6 +15,7 @@ from typing import Any
 
 from fp16probe.blockscale import BlockCounts, DelayedRecipe
 from fp16probe.errors import ReportFieldError
+from fp16probe.sources import Cited, citation_from_json, citation_to_json
 
 __all__ = ["BlockAdvice", "LayerLoss"]
 
@@ -37,6 +38,13 @@ def _strings(d: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a list of strings")
     return tuple(v)
+
+
+def _citations(d: Mapping[str, Any], path: str) -> tuple[Cited, ...]:
+    v = d.get("citations", [])
+    if not isinstance(v, list):
+        raise ReportFieldError(f"{path}.citations", f"{path}.citations: expected a list")
+    return tuple(citation_from_json(c, f"{path}.citations[{i}]") for i, c in enumerate(v))
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ class BlockAdvice:
     threshold: float
     layers: tuple[LayerLoss, ...]
     keep_high: tuple[str, ...]
-    citations: tuple[str, ...] = ()
+    citations: tuple[Cited, ...] = ()  # records (fp16probe.sources); an older file's sentences as stored
     delayed: DelayedRecipe | None = None
     note_codes: tuple[str, ...] = ()
     hook_errors: int = 0
@@ -127,7 +135,7 @@ class BlockAdvice:
             "threshold": self.threshold, "keep_high": list(self.keep_high),
             "layers": [layer.to_dict() for layer in self.layers],
             "te_code": self.te_code, "torchao_code": self.torchao_code, "notes": list(self.notes),
-            "citations": list(self.citations), "note_codes": list(self.note_codes),
+            "citations": [citation_to_json(c) for c in self.citations], "note_codes": list(self.note_codes),
             **({"delayed": self.delayed.to_dict()} if self.delayed is not None else {}),
             **({"hook_errors": self.hook_errors} if self.hook_errors else {}),
         }
@@ -144,7 +152,7 @@ class BlockAdvice:
             advised_recipe=_get(d, "advised_recipe", path, (str,), "a recipe"),
             threshold=float(_get(d, "threshold", path, (int, float), "a share")),
             layers=tuple(LayerLoss.from_dict(x, path=f"{path}.layers[{i}]") for i, x in enumerate(layers)),
-            keep_high=_strings(d, "keep_high", path), citations=_strings(d, "citations", path),
+            keep_high=_strings(d, "keep_high", path), citations=_citations(d, path),
             delayed=None if d.get("delayed") is None else _delayed(d["delayed"], f"{path}.delayed"),
             note_codes=_strings(d, "note_codes", path),
             hook_errors=int(_get(d, "hook_errors", path, (int,), "a count")) if "hook_errors" in d else 0,

@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Mapping, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict, cast
 
 from fp16probe.errors import ReportError
+
+if TYPE_CHECKING:
+    from fp16probe.sources import Cited
 
 __all__ = [
     "GRADSCALER_DEFAULTS",
@@ -233,7 +236,7 @@ class Recommendation:
     worst_modules: tuple[tuple[str, float], ...]
     evidence: Evidence
     thresholds: Thresholds
-    citations: tuple[str, ...]
+    citations: tuple[Cited, ...]  # records (fp16probe.sources); an older file's sentences as stored
     stored_text: str = field(default="", compare=False)  # words, derived from the data: not part of equality
     kind: str = "activation_grad"
     growth_interval_table: Mapping[str, Any] | None = None
@@ -248,7 +251,7 @@ class Recommendation:
         d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
         d["evidence"] = jsonable(self.evidence)
         d["thresholds"] = jsonable(self.thresholds)
-        d["citations"] = list(self.citations)
+        d["citations"] = [c if isinstance(c, str) else c.to_dict() for c in self.citations]
         d["growth_interval_table"] = jsonable(self.growth_interval_table)
         d["caveats"] = [c.to_dict() for c in self.caveats]
         return d
@@ -256,6 +259,8 @@ class Recommendation:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Recommendation":
         """Build a Recommendation from its JSON form; an unknown verdict raises ReportError."""
+        from fp16probe.sources import citation_from_json  # sources imports this module
+
         try:
             verdict = Verdict(d.get("verdict"))
         except ValueError as e:
@@ -267,7 +272,8 @@ class Recommendation:
         kw["stored_text"] = str(d.get("text") or "")
         kw["verdict"] = verdict
         kw["worst_modules"] = tuple((str(n), float(f)) for n, f in d.get("worst_modules", ()))
-        kw["citations"] = tuple(str(c) for c in d.get("citations", ()))
+        kw["citations"] = tuple(citation_from_json(c, f"recommendation.citations[{i}]")
+                                for i, c in enumerate(d.get("citations", ())))
         kw["grad_scaler_kwargs"] = dict(d.get("grad_scaler_kwargs", {}))
         kw["evidence"] = cast(Evidence, dict(d.get("evidence", {})))
         kw["thresholds"] = cast(Thresholds, dict(d.get("thresholds", {})))

@@ -15,11 +15,12 @@ from fp16probe.analysis.whatif import WhatIfTable, what_if
 from fp16probe.recommendation import Recommendation
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
-from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL
+from fp16probe.presentation.cite import cite
+from fp16probe.sources import NVIDIA_GUIDE_URL, Citation
 from tests.fixtures.wording import wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.sections import ForwardSection
-from fp16probe.presentation.verdict import verdict_text
+from fp16probe.presentation.verdict import row_note_words, verdict_text
 
 FAST = dict(horizon=2000)  # a shorter replay keeps these tests quick; the rule is the same
 
@@ -217,7 +218,7 @@ def test_fp8_e4m3_saturates_so_the_advice_is_per_tensor_scaling():
     assert e4.grad_scaler_kwargs == {} and "cannot back off" in e4.text and "448 / amax" in e4.text
     assert e4.evidence["per_tensor_scales"] == [["m", 7, 0.0]]  # 2^-11 * 2^7 = 2^-4 survives
     assert e4.evidence["saturated_fraction_at_scale"] == 0.0
-    assert any("Transformer Engine" in c for c in e4.citations)
+    assert any("Transformer Engine" in cite(c) for c in e4.citations)
     # Two tensors far apart: one scale each recovers what one global scale cannot.
     wide = make_report([{"small": H({-20: 100}), "big": H({0: 1})}])
     rec = analyze(wide, "fp8_e4m3", **FAST)
@@ -320,18 +321,22 @@ def test_every_verdicts_wording_keeps_the_provenance_rules():
         assert wording_problems(verdict_text(rec)) == [], (rec.verdict, verdict_text(rec))
         if rec.verdict != "insufficient_evidence":
             assert "1710.03740" in verdict_text(rec)  # the underflow mechanism is Micikevicius et al.'s
-        assert "LIT-" not in verdict_text(rec) and not any("LIT-" in str(c) for c in rec.citations + rec.caveats)
+        assert "LIT-" not in verdict_text(rec) and not any("LIT-" in cite(c) for c in rec.citations)
+        assert not any("LIT-" in str(c) for c in rec.caveats)
         assert "optimal" not in verdict_text(rec).lower()
         if rec.verdict not in ("none_needed", "per_tensor_scaling", "insufficient_evidence", "forward_overflow",
                                "forward_underflow"):
             # The schedule's constants are the guide's and GradScaler's defaults, said so.
             assert NVIDIA_GUIDE_URL in verdict_text(rec)
             assert "many other settings are valid" in verdict_text(rec) and "not a measured optimum" in verdict_text(rec)
-            assert any("1710.03740" in c for c in rec.citations)
-            assert any(NVIDIA_GUIDE_URL in c for c in rec.citations)
-            assert any("GradScaler" in c and "65536" in c for c in rec.citations)
+            # The sources are records (authors, title, arXiv id or URL), written as a line by presentation.
+            assert all(isinstance(c, Citation) and c.authors and c.title and (c.arxiv or c.url) for c in rec.citations)
+            shown = [cite(c) for c in rec.citations]
+            assert any("1710.03740" in c for c in shown)
+            assert any(NVIDIA_GUIDE_URL in c for c in shown)
+            assert any("GradScaler" in c and "65536" in c for c in shown)
         for row in (rec.growth_interval_table or {}).get("rows", []):
-            assert wording_problems(row["note"]) == []
+            assert wording_problems(row_note_words(row["note"])) == []
     assert seen == set(VERDICTS)
 
 

@@ -221,7 +221,7 @@ def test_cli_profile_prints_the_per_layer_table_advice_and_code(cli_env, fmt):
     out = result.output
     assert "lost: " in out and "advice:" in out and "TransformerEngine:" in out and "torchao:" in out
     assert ("MXFP8BlockScaling" if fmt.startswith("mx") else "NVFP4BlockScaling()") in out
-    assert "arXiv 2506.08027" in out and "GradScaler(" not in out
+    assert "arXiv:2506.08027" in out and "GradScaler(" not in out
     report = Report.load("r.json")
     advice = report.block_advice
     assert advice.format == fmt and advice.layers

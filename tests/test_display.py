@@ -22,6 +22,7 @@ from fp16probe.cli import app
 from fp16probe.presentation import answer, html, terminal
 from fp16probe.recommendation import Caveat
 from fp16probe.report import ACTIVATION_GRAD, Report
+from fp16probe.sources import GRADSCALER
 from tests.fixtures.reports import hand_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_show_explain_keeps_urls_and_names_whole(long_names, tmp_path):
     lines = _check_80_columns(result.output, [m.name for m in report.modules])
     assert "[/bold]" in result.output and "$\\frac{$" in result.output  # names as data, not markup
     for url in URL.findall(result.output):
-        assert url.rstrip(".,;)") in (NVIDIA_GUIDE, ) or url.startswith("https://arxiv.org/")
+        assert url.rstrip(".,;:)") in {NVIDIA_GUIDE, GRADSCALER.url} or url.startswith("https://arxiv.org/")
     if "docs.nvidia.com" in result.output:
         assert any(NVIDIA_GUIDE in ln for ln in lines)
     assert "LIT-" not in result.output, "sources are cited by authors, title and identifier"
@@ -136,6 +137,9 @@ def test_show_explain_of_the_demo_gives_the_replay_and_whole_urls():
     assert result.exit_code == 0, result.output
     lines = _check_80_columns(result.output, [])
     assert "growth_interval replay over 20,000 simulated steps" in result.output
+    # GradScaler's default row is marked in the table and said what it is once below it
+    assert any(ln.strip("│ ").startswith("2,000 (default) ") for ln in lines), result.output
+    assert sum(ln.startswith("(default): GradScaler's default growth_interval") for ln in lines) == 1
     assert any(ln.strip() == NVIDIA_GUIDE for ln in lines)  # the guide's URL alone on a line, whole
     assert "LIT-" not in result.output
 

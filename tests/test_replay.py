@@ -11,7 +11,9 @@ import torch
 from fp16probe.formats import get_format
 from fp16probe.errors import AnalysisError, Fp16ProbeError
 from fp16probe.analysis.replay import (
+    GRADSCALER_DEFAULT_ROW,
     GRADSCALER_DEFAULTS,
+    RESAMPLED_STEPS,
     GrowthIntervalTable,
     ReplayResult,
     ScalerRule,
@@ -19,6 +21,7 @@ from fp16probe.analysis.replay import (
     score_growth_intervals,
     simulate,
 )
+from fp16probe.presentation.verdict import method_words, row_note_words
 from fp16probe.report import Histogram, StepTrace
 
 BAD = (float("inf"), float("-inf"), float("nan"))
@@ -287,14 +290,15 @@ def test_growth_interval_table_marks_the_default_and_chooses_by_the_stated_rule(
     table = score_growth_intervals(trace_of(steps), "fp16", init_scale=2.0**14, horizon=4000, seed=1,
                                    candidates=(10, 100, 2000), max_flushed_fraction=0.6)
     by_g = {r.growth_interval: r for r in table.rows}
-    assert "GradScaler's default" in by_g[2000].note and "not a measured optimum" in by_g[2000].note
-    assert by_g[10].note == by_g[100].note == ""
+    assert by_g[2000].note == GRADSCALER_DEFAULT_ROW and by_g[10].note == by_g[100].note == ""
+    words = row_note_words(by_g[2000].note)
+    assert "GradScaler's default" in words and "not a measured optimum" in words
     assert by_g[10].skipped_steps > by_g[2000].skipped_steps
     good = [r for r in table.rows if r.meets_threshold]
     want = min(good, key=lambda r: (r.skipped_steps, r.mean_flushed_fraction, -r.growth_interval)) \
         if good else min(table.rows, key=lambda r: r.mean_flushed_fraction)
     assert table.chosen == want and sum(r.chosen for r in table.rows) == 1
     assert GrowthIntervalTable.from_dict(table.to_dict()) == table
-    assert "drift" in table.method
+    assert table.method == RESAMPLED_STEPS and "drift" in method_words(table.method)
     for r in table.rows:
         assert 0.0 <= r.mean_flushed_fraction <= 1.0 and math.isfinite(r.final_scale)

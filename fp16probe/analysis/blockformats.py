@@ -21,11 +21,11 @@ from collections.abc import Mapping
 
 from collections.abc import Callable
 
-from fp16probe.analysis.provenance import BLOCK_CITATIONS as CITATIONS
 from fp16probe.blockadvice import BlockAdvice, LayerLoss
 from fp16probe.blockscale import BlockCounts, BlockStats, DelayedRecipe, TensorBlockStats, delayed_scales
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import FAMILIES, SCALED_FORMATS, ElementFormat, Family, ScaledFormat, get_scaled
+from fp16probe.sources import BLOCK_FORMATS as CITATIONS
 
 __all__ = ["CITATIONS", "RECIPES", "THRESHOLDS", "BlockAdvice", "LayerLoss", "advise", "delayed_replay", "parse_recipe"]
 

@@ -26,18 +26,13 @@ from fp16probe.analysis.ceiling import (
     largest_safe_log2_scale,
     run_format,
 )
-from fp16probe.analysis.provenance import (
-    CITATION_GRADSCALER,
-    CITATION_NVIDIA_GUIDE,
-    CITATION_PAPER,
-    CITATION_TRANSFORMER_ENGINE,
-)
 from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
 from fp16probe.analysis import shadow
 from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
+from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, TRANSFORMER_ENGINE, Citation
 from fp16probe.histogram import Histogram
 from fp16probe.sections import CaptureNotes, Workload
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
@@ -350,12 +345,12 @@ def _weak_evidence(report: Report, m: _Measured, fmt: Format, tau: float) -> tup
 
 # -- step 4: the verdicts -------------------------------------------------------------------
 
-def _citations(verdict: Verdict) -> tuple[str, ...]:
+def _citations(verdict: Verdict) -> tuple[Citation, ...]:
     if verdict in (Verdict.NONE_NEEDED, Verdict.INSUFFICIENT_EVIDENCE):
-        return (CITATION_PAPER,)
+        return (MIXED_PRECISION_TRAINING,)
     if verdict is Verdict.PER_TENSOR_SCALING:
-        return (CITATION_PAPER, CITATION_TRANSFORMER_ENGINE)
-    return (CITATION_PAPER, CITATION_NVIDIA_GUIDE, CITATION_GRADSCALER)
+        return (MIXED_PRECISION_TRAINING, TRANSFORMER_ENGINE)
+    return (MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, GRADSCALER)
 
 
 def _worst(report: Report, m: _Measured, fmt: Format, k: int, n: int) -> tuple[tuple[str, float], ...]:
@@ -666,5 +661,5 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
         verdict=verdict, format=fmt.name, log2_scale=None, scale=None, grad_scaler_kwargs={},
         flushed_fraction_at_1=inner.flushed_fraction_at_1, flushed_fraction_at_scale=None,
         overflow_steps_at_scale=None, headroom_bits=None, worst_modules=inner.worst_modules, evidence=ev,
-        thresholds=th, citations=(CITATION_PAPER,), kind=inner.kind, caveats=caveats,
+        thresholds=th, citations=(MIXED_PRECISION_TRAINING,), kind=inner.kind, caveats=caveats,
     )

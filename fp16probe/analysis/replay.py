@@ -31,12 +31,13 @@ from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MAX_EXP, MIN_EXP
 from fp16probe.analysis.ceiling import Ceiling
-from fp16probe.analysis.provenance import GRADSCALER_DEFAULT_NOTE, SIMULATION_CAVEAT
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
 from fp16probe.report import Report, StepTrace, kinds_named
 
 __all__ = [
     "DEFAULT_GROWTH_INTERVALS",
+    "GRADSCALER_DEFAULT_ROW",
+    "RESAMPLED_STEPS",
     "GrowthIntervalRow",
     "GrowthIntervalTable",
     "ReplayResult",
@@ -356,6 +357,10 @@ def _run(model: _StepModel, fmt: Format, rule: ScalerRule, draws: np.ndarray) ->
 
 # -- choosing a growth interval -----------------------------------------------------------
 
+# The codes the table stores (worded in presentation.verdict): a row's note, the table's method.
+GRADSCALER_DEFAULT_ROW = "gradscaler_default"  # the row is GradScaler's default growth_interval
+RESAMPLED_STEPS = "resampled_steps"  # future steps drawn from the profiled ones, uniformly with replacement, seeded
+
 @dataclass(frozen=True)
 class GrowthIntervalRow:
     """One candidate growth_interval and what it cost over the simulated horizon."""
@@ -369,7 +374,7 @@ class GrowthIntervalRow:
     growths: int
     meets_threshold: bool
     chosen: bool = False
-    note: str = ""
+    note: str = ""  # GRADSCALER_DEFAULT_ROW or empty; an older file stored a sentence here, shown as it was
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
@@ -396,7 +401,7 @@ class GrowthIntervalTable:
     seed: int
     max_flushed_fraction: float
     rule: Mapping[str, Any] = field(default_factory=dict)
-    method: str = SIMULATION_CAVEAT
+    method: str = RESAMPLED_STEPS  # a code; an older file stored a sentence here, shown as it was
 
     @property
     def chosen(self) -> GrowthIntervalRow:
@@ -423,7 +428,7 @@ class GrowthIntervalTable:
             seed=int(d["seed"]),
             max_flushed_fraction=float(d["max_flushed_fraction"]),
             rule=dict(d.get("rule", {})),
-            method=str(d.get("method", SIMULATION_CAVEAT)),
+            method=str(d.get("method", RESAMPLED_STEPS)),
         )
 
 
@@ -472,7 +477,7 @@ def score_growth_intervals(
                 backoffs=res.backoffs,
                 growths=res.growths,
                 meets_threshold=mean is not None and mean <= max_flushed_fraction,
-                note=GRADSCALER_DEFAULT_NOTE if g == GRADSCALER_DEFAULTS["growth_interval"] else "",
+                note=GRADSCALER_DEFAULT_ROW if g == GRADSCALER_DEFAULTS["growth_interval"] else "",
             )
         )
     chosen = _choose(rows)

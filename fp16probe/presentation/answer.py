@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from fp16probe import formatting as num
-from fp16probe.analysis.provenance import PAPER
+from fp16probe.presentation.cite import PAPER
 from fp16probe.formats import get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape

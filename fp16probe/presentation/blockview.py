@@ -14,6 +14,7 @@ from fp16probe.blockscale import DelayedRecipe
 from fp16probe.formats import SCALED_FORMATS
 from fp16probe.formatting import percent
 from fp16probe.presentation.answer import stacked_table, wrap_text
+from fp16probe.presentation.cite import cite
 
 __all__ = ["NOTE_WORDS", "RECIPE_WORDS", "block_advice_lines", "block_notes", "te_code", "torchao_code"]
 
@@ -79,7 +80,7 @@ def block_advice_lines(block_advice: BlockAdvice, *, top: int | None = None, wid
     out += ["TransformerEngine:"] + ["  " + line for line in advice["te_code"].splitlines()]
     out += ["torchao:"] + ["  " + line for line in advice["torchao_code"].splitlines()]
     out += [f"note: {n}" for n in advice["notes"]]
-    out.append("sources: " + "; ".join(advice["citations"]))
+    out.append("sources: " + "; ".join(cite(c) for c in block_advice.citations))
     if width is None:
         return out
     code = {"  " + line for key in ("te_code", "torchao_code") for line in advice[key].splitlines()}

@@ -15,7 +15,8 @@ import re
 from fp16probe.analysis.whatif import worst_modules
 from fp16probe.errors import MissingExtraError
 from fp16probe.formats import Format, get_format
-from fp16probe.presentation.verdict import verdict_text
+from fp16probe.presentation.cite import cite
+from fp16probe.presentation.verdict import replay_table, verdict_text
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
@@ -86,15 +87,11 @@ def _explanation(rec: Recommendation, fmt: Format | None = None) -> str:
     evidence = evidence_rows(rec.evidence)
     if evidence:
         parts.append(_table(["evidence", "value"], [list(r) for r in evidence]))
-    replay = rec.growth_interval_table
-    if replay and replay.get("rows"):
-        parts.append(f"<p>growth_interval replay over {num.count(replay.get('horizon', 0))} simulated steps</p>"
-                     + _table(["growth_interval", "skipped steps", "mean flushed", "final scale"],
-                              [[num.count(r["growth_interval"]), num.count(r["skipped_steps"]),
-                                num.percent(r.get("mean_flushed_fraction")),
-                                num.magnitude(r.get("final_scale") or 0.0)] for r in replay["rows"]]))
+    if rec.growth_interval_table and rec.growth_interval_table.get("rows"):
+        title, heads, rows, notes = replay_table(rec.growth_interval_table)
+        parts.append(f"<p>{_esc(title)}</p>" + _table(heads, rows) + "".join(f"<p>{_esc(n)}</p>" for n in notes))
     if rec.citations:
-        parts.append("<p>sources:</p><ul>" + "".join(f"<li>{_esc(c)}</li>" for c in rec.citations) + "</ul>")
+        parts.append("<p>sources:</p><ul>" + "".join(f"<li>{_esc(cite(c))}</li>" for c in rec.citations) + "</ul>")
     return ("<details><summary>why: the reasoning, evidence, replay and sources</summary>"
             + "".join(parts) + "</details>")
 

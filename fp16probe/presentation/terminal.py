@@ -24,7 +24,8 @@ from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.gate import check_message, warning_texts
 from fp16probe.presentation.schedule import note_text, rule_label, schedule_answer
-from fp16probe.presentation.verdict import verdict_text
+from fp16probe.presentation.cite import cite
+from fp16probe.presentation.verdict import replay_table, verdict_text
 from fp16probe.presentation.answer import (
     section_lines,
     brief_answer,
@@ -342,20 +343,18 @@ def _explanation(rec: Recommendation, width: int, fmt: Format | None = None) -> 
         for name, value in evidence:
             table.add_row(*_cells([name, "\n".join(wrap_text(value, room))]))
         yield table
-    replay = rec.growth_interval_table
-    if replay and replay.get("rows"):
-        table = Table(title=f"growth_interval replay over {num.count(replay.get('horizon', 0))} "
-                            "simulated steps", title_justify="left")
-        for col in ("growth_interval", "skipped steps", "mean flushed", "final scale"):
+    if rec.growth_interval_table and rec.growth_interval_table.get("rows"):
+        title, heads, rows, notes = replay_table(rec.growth_interval_table)
+        table = Table(title=title, title_justify="left")
+        for col in heads:
             table.add_column(col, justify="right", no_wrap=True)
-        for r in replay["rows"]:
-            table.add_row(*_cells([num.count(r["growth_interval"]), num.count(r["skipped_steps"]),
-                                   num.percent(r.get("mean_flushed_fraction")),
-                                   num.magnitude(r.get("final_scale") or 0.0)]))
+        for row in rows:
+            table.add_row(*_cells(row))
         yield table
+        yield from _lines([ln for n in notes for ln in wrap_text(n, width, "  ")], "dim")
     if rec.citations:
         yield from _lines(["sources:"], "bold")
-        yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {c}", width, "  ")], "dim")
+        yield from _lines([ln for c in rec.citations for ln in wrap_text(f"- {cite(c)}", width, "  ")], "dim")
 
 
 def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:

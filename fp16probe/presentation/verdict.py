@@ -4,7 +4,8 @@
 numbers, evidence and thresholds, all decided in ``analysis/``) into the paragraph that
 ``Recommendation.text``, ``--explain``, the JSON output and the trackers show. An older
 report file's stored text is shown as it was stored (``Recommendation.stored_text``).
-The sentences about where the rules come from keep :mod:`fp16probe.analysis.provenance`'s rules (``tests/fixtures/wording.py`` checks them).
+The sentences about where the rules come from keep the division of labour :mod:`fp16probe.sources`
+states (``tests/fixtures/wording.py`` checks them).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-from fp16probe.analysis.provenance import NVIDIA_GUIDE_URL, PAPER, SIMULATION_CAVEAT
-from fp16probe.analysis.replay import GrowthIntervalTable
+from fp16probe.analysis.replay import GRADSCALER_DEFAULT_ROW, RESAMPLED_STEPS, GrowthIntervalTable
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
+from fp16probe.presentation import escape
+from fp16probe.presentation.cite import PAPER
 from fp16probe.recommendation import Recommendation, Verdict
+from fp16probe.sources import NVIDIA_GUIDE_URL
 
 __all__ = [
     "BF16_NO_SCALER",
@@ -26,8 +29,55 @@ __all__ = [
     "DEFAULTS_STANDING",
     "UNDERFLOW_MECHANISM",
     "insufficient_why",
+    "method_words",
+    "replay_table",
+    "row_note_words",
     "verdict_text",
 ]
+
+# The growth-interval table's codes (analysis.replay), in words; an older file's stored sentence is shown as it was.
+SIMULATION_CAVEAT = (
+    "The long-horizon replay resamples the profiled steps (uniformly, with replacement, "
+    "seeded), so it assumes future steps look like the profiled ones: a profile taken at "
+    "nearly fixed weights cannot see the drift in gradient magnitudes that training brings."
+)
+ROW_NOTES = {
+    GRADSCALER_DEFAULT_ROW: (
+        f"GradScaler's default growth_interval, from NVIDIA's guide ({NVIDIA_GUIDE_URL}): one validated "
+        "example among many valid settings, not a measured optimum"),
+}
+
+
+def method_words(method: str) -> str:
+    """How the replay drew its steps (``GrowthIntervalTable.method``), in words."""
+    return SIMULATION_CAVEAT if method == RESAMPLED_STEPS else escape.text(method)
+
+
+def row_note_words(note: str) -> str:
+    """A growth-interval row's note (``GrowthIntervalRow.note``) in words; empty for none."""
+    return ROW_NOTES.get(note) or escape.text(note)
+
+
+def replay_table(replay: Mapping[str, Any]) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """A stored growth-interval table (``Recommendation.growth_interval_table``) for a medium to lay out.
+
+    Returns the title, the column heads, the rows of cells and the notes under the table: a
+    row with a note is marked after its growth_interval (``(default)`` for GradScaler's, else
+    ``(note n)``) and the note is written once below.
+    """
+    notes: list[str] = []
+    rows = []
+    for r in replay.get("rows", []):
+        mark = ""
+        if r.get("note"):
+            words = row_note_words(str(r["note"]))
+            mark = " (default)" if r["note"] == GRADSCALER_DEFAULT_ROW else f" (note {len(notes) + 1})"
+            notes.append(f"{mark.strip()}: {words}")
+        rows.append([count(r["growth_interval"]) + mark, count(r["skipped_steps"]),
+                     percent(r.get("mean_flushed_fraction")), magnitude(r.get("final_scale") or 0.0)])
+    title = f"growth_interval replay over {count(replay.get('horizon', 0))} simulated steps"
+    return title, ["growth_interval", "skipped steps", "mean flushed", "final scale"], rows, notes
+
 
 UNDERFLOW_MECHANISM = (
     "Gradient values below half the format's smallest subnormal round to zero when cast, "
@@ -131,12 +181,12 @@ def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: Gro
                 f"probes that overflow ({c.skipped_steps} at growth_interval={c.growth_interval}, the longest "
                 "candidate, which probes least often). So the profile says: hold S; growth_interval is not a "
                 "measured optimum, and the profiled steps do not drift enough to choose a schedule (profile more "
-                f"steps of real training to see drift). {SIMULATION_CAVEAT}")
+                f"steps of real training to see drift). {method_words(table.method)}")
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
             f"{[r.growth_interval for r in table.rows]} over {table.horizon} simulated steps: it skipped "
             f"{c.skipped_steps} step(s) ({percent(c.skipped_fraction)}) and left {percent(c.mean_flushed_fraction)} "
             f"of values flushed, the fewest skipped steps among candidates within the threshold (or the "
-            f"least underflow when none is). {SIMULATION_CAVEAT}")
+            f"least underflow when none is). {method_words(table.method)}")
 
 
 # -- one function per verdict ------------------------------------------------------------------
