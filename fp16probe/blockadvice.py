@@ -15,7 +15,7 @@ from typing import Any
 
 from fp16probe.blockscale import BlockCounts, DelayedRecipe
 from fp16probe.errors import ReportFieldError
-from fp16probe.sources import Cited, citation_from_json, citation_to_json
+from fp16probe.recommendation import Cited, citation_from_json, citation_to_json
 
 __all__ = ["BlockAdvice", "LayerLoss"]
 

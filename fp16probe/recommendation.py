@@ -8,23 +8,24 @@ every presentation reads it by attribute. Its JSON keys are those of the first v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Mapping, TypedDict, cast
+from typing import Any, Mapping, TypedDict, cast
 
-from fp16probe.errors import ReportError
-
-if TYPE_CHECKING:
-    from fp16probe.sources import Cited
+from fp16probe.errors import ReportError, ReportFieldError
 
 __all__ = [
     "GRADSCALER_DEFAULTS",
     "Caveat",
+    "Citation",
+    "Cited",
     "Evidence",
     "GradScalerKwargs",
     "Recommendation",
     "Thresholds",
     "Verdict",
+    "citation_from_json",
+    "citation_to_json",
 ]
 
 
@@ -189,6 +190,52 @@ class Evidence(TypedDict, total=False):
 
 
 @dataclass(frozen=True)
+class Citation:
+    """One work the advice rests on: ``authors`` and ``title``, then an ``arxiv`` id, a ``url`` or both.
+
+    The records are in :mod:`fp16probe.sources`; ``presentation.cite`` writes one as a line. ``note`` is what the reader needs beside the title: where it appeared, which version, or
+    what of it the tool uses (GradScaler's defaults, Transformer Engine's scale rule).
+    """
+
+    authors: str
+    title: str
+    arxiv: str = ""
+    url: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """Return the JSON form: the non-empty fields."""
+        return {k: v for k, v in asdict(self).items() if v}
+
+
+Cited = Citation | str  # a record, or the sentence an older report stored (shown as it was)
+
+
+def citation_from_json(value: Any, path: str = "citations") -> Cited:
+    """A stored citation: a record, or an older report's sentence kept as it was.
+
+    A field that is not a string raises ReportFieldError naming it.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise ReportFieldError(path, f"{path}: expected a citation object or a string, got {type(value).__name__}")
+    known = {f.name for f in fields(Citation)}
+    for key in ("authors", "title"):
+        if not isinstance(value.get(key), str):
+            raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a string")
+    for key, v in value.items():
+        if key in known and not isinstance(v, str):
+            raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a string, got {type(v).__name__}")
+    return Citation(**{k: v for k, v in value.items() if k in known})
+
+
+def citation_to_json(c: Cited) -> dict[str, str] | str:
+    """The stored form: a record's non-empty fields, or an older file's sentence as it was."""
+    return c if isinstance(c, str) else c.to_dict()
+
+
+@dataclass(frozen=True)
 class Caveat:
     """A limit of the evidence: a ``code`` and its ``data``; ``str(caveat)`` words it (``presentation.answer``)."""
 
@@ -251,7 +298,7 @@ class Recommendation:
         d["worst_modules"] = [[n, f] for n, f in self.worst_modules]
         d["evidence"] = jsonable(self.evidence)
         d["thresholds"] = jsonable(self.thresholds)
-        d["citations"] = [c if isinstance(c, str) else c.to_dict() for c in self.citations]
+        d["citations"] = [citation_to_json(c) for c in self.citations]
         d["growth_interval_table"] = jsonable(self.growth_interval_table)
         d["caveats"] = [c.to_dict() for c in self.caveats]
         return d
@@ -259,8 +306,6 @@ class Recommendation:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Recommendation":
         """Build a Recommendation from its JSON form; an unknown verdict raises ReportError."""
-        from fp16probe.sources import citation_from_json  # sources imports this module
-
         try:
             verdict = Verdict(d.get("verdict"))
         except ValueError as e:

@@ -1,9 +1,8 @@
 """The works the analyzer's rules and constants come from, as records a report stores.
 
-A :class:`Citation` is a record (who, what, where to find it), not a sentence: analysis
-attaches records to its answers, a report file stores them as objects, and presentation
-writes them as a line (``presentation.cite``). An older report stored each citation as the
-sentence it showed; :func:`citation_from_json` keeps such a sentence as it was.
+Each is a :class:`~fp16probe.recommendation.Citation` (who, what, where to find it), not a
+sentence: analysis attaches records to its answers, a report file stores them as objects, and
+presentation writes them as a line (``presentation.cite``).
 
 Two sources for FP16 loss scaling, with a division of labour the words must respect:
 
@@ -22,11 +21,7 @@ every verdict's text, checks any text against these rules.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
-
-from fp16probe.errors import ReportFieldError
-from fp16probe.recommendation import GRADSCALER_DEFAULTS
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Citation
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -40,57 +35,7 @@ __all__ = [
     "NVIDIA_GUIDE",
     "NVIDIA_GUIDE_URL",
     "TRANSFORMER_ENGINE",
-    "Cited",
-    "Citation",
-    "citation_from_json",
-    "citation_to_json",
 ]
-
-
-@dataclass(frozen=True)
-class Citation:
-    """One work: ``authors`` and ``title``, then where to find it (an ``arxiv`` id, a ``url``, or both).
-
-    ``note`` is what the reader needs beside the title: where it appeared, which version, or
-    what of it the tool uses (GradScaler's defaults, Transformer Engine's scale rule).
-    """
-
-    authors: str
-    title: str
-    arxiv: str = ""
-    url: str = ""
-    note: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        """Return the JSON form: the non-empty fields."""
-        return {k: v for k, v in asdict(self).items() if v}
-
-
-Cited = Citation | str  # a record, or the sentence an older report stored
-
-
-def citation_from_json(value: Any, path: str = "citations") -> Cited:
-    """A stored citation: a record, or an older report's sentence kept as it was.
-
-    A field that is not a string raises ReportFieldError naming it.
-    """
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, dict):
-        raise ReportFieldError(path, f"{path}: expected a citation object or a string, got {type(value).__name__}")
-    known = {f.name for f in fields(Citation)}
-    for key in ("authors", "title"):
-        if not isinstance(value.get(key), str):
-            raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a string")
-    for key, v in value.items():
-        if key in known and not isinstance(v, str):
-            raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a string, got {type(v).__name__}")
-    return Citation(**{k: v for k, v in value.items() if k in known})
-
-
-def citation_to_json(c: Cited) -> dict[str, str] | str:
-    """The stored form: a record's non-empty fields, or an older file's sentence as it was."""
-    return c if isinstance(c, str) else c.to_dict()
 
 
 NVIDIA_GUIDE_URL = "https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html"

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Iterable, Mapping
 
 from fp16probe.errors import ReportFieldError
-from fp16probe.sources import citation_from_json
+from fp16probe.recommendation import citation_from_json
 
 __all__ = [
     "MAX_COUNT",

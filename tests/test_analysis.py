@@ -16,7 +16,8 @@ from fp16probe.recommendation import Recommendation
 from fp16probe.errors import AnalysisError, Fp16ProbeError, ReportError
 from fp16probe.formats import get_format
 from fp16probe.presentation.cite import cite
-from fp16probe.sources import NVIDIA_GUIDE_URL, Citation
+from fp16probe.recommendation import Citation
+from fp16probe.sources import NVIDIA_GUIDE_URL
 from tests.fixtures.wording import wording_problems
 from fp16probe.report import Histogram, Metadata, ModuleStats, Report, StepTrace
 from fp16probe.sections import ForwardSection

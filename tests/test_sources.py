@@ -16,7 +16,8 @@ from fp16probe.analysis.recommend import analyze
 from fp16probe.errors import ReportError
 from fp16probe.presentation.cite import PAPER, cite
 from fp16probe.report import Report
-from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE_URL, Citation
+from fp16probe.recommendation import Citation
+from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE_URL
 from tests.test_report_fixture import DATA
 from tests.test_report_schema import report_schema
 

@@ -32,7 +32,8 @@ from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTa
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
-from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, TRANSFORMER_ENGINE, Citation
+from fp16probe.recommendation import Citation
+from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, TRANSFORMER_ENGINE
 from fp16probe.histogram import Histogram
 from fp16probe.sections import CaptureNotes, Workload
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict

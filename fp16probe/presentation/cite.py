@@ -8,7 +8,8 @@ older report's stored sentence is shown as it was, escaped too.
 from __future__ import annotations
 
 from fp16probe.presentation import escape
-from fp16probe.sources import MIXED_PRECISION_TRAINING, Cited
+from fp16probe.recommendation import Cited
+from fp16probe.sources import MIXED_PRECISION_TRAINING
 
 __all__ = ["PAPER", "cite"]
 
