@@ -139,3 +139,57 @@ def test_cuda_buffers_and_random_state_are_as_they_were() -> None:
     after = torch.rand(8, device="cuda")
     torch.cuda.set_rng_state(rng)
     assert torch.equal(after, torch.rand(8, device="cuda"))
+
+
+def _kept(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None], torch.Tensor]:
+    return ({n: b.clone() for n, b in model.named_buffers()}, {n: p.grad for n, p in model.named_parameters()},
+            torch.get_rng_state())
+
+
+def _assert_as_before(model: nn.Module, kept: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None],
+                                                     torch.Tensor]) -> None:
+    buffers, grads, rng = kept
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    after = torch.rand(8)
+    torch.set_rng_state(rng)
+    assert torch.equal(after, torch.rand(8))
+
+
+@pytest.mark.parametrize("step", ["reference", "emulated"])
+def test_the_emulated_and_the_reference_step_keep_the_training_state(step: str) -> None:
+    from fp16probe.capture.emulate import emulated_step, reference_step
+
+    model = _model()
+    x = torch.randn(16, 4)
+    kept = _kept(model)
+    got = (reference_step(model, lambda: model(x).square().mean()) if step == "reference" else
+           emulated_step(model, lambda: model(x).square().mean(), target="cpu", scale=2.0**8))
+    assert all(g is not None for g in got.grads.values())  # the step's own gradients, read inside the block
+    _assert_as_before(model, kept)
+
+
+def test_a_failing_emulated_step_keeps_the_training_state() -> None:
+    from fp16probe.capture.emulate import emulated_step
+
+    model = _model()
+    kept = _kept(model)
+
+    def run() -> torch.Tensor:
+        model(torch.randn(16, 4)).sum().backward()
+        raise _Stop()
+
+    with pytest.raises(_Stop):
+        emulated_step(model, run, target="cpu")
+    _assert_as_before(model, kept)
+
+
+def test_a_shadow_rerun_keeps_the_training_state() -> None:
+    from fp16probe import Probe
+
+    model = _model()
+    x = torch.randn(16, 4)
+    with Probe(model, scaler=torch.amp.GradScaler("cpu"), shadow_every=1) as probe:
+        kept = _kept(model)
+        assert probe.shadow(lambda: model(x).float().square().mean())
+        _assert_as_before(model, kept)
