@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
 from fp16probe.capture.ops import LAYOUT_OPS
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
+from fp16probe.capture.state import kept_training_state
 from fp16probe.capture.tracking import DtypeTracker, ModuleStack, watched_forward
 
 __all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "merged_setting", "reference_step"]
@@ -281,57 +282,9 @@ class _Emulator:
         return out
 
 
-def _restore_state(model: nn.Module) -> Callable[[], None]:
-    """Save the model's buffers and the RNG states; the returned call puts them back."""
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    def restore() -> None:
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-    return restore
-
-
-def _take_grads(model: nn.Module, saved: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    got = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            got[n] = p.grad
-            p.grad = saved.get(n)
-    return got
-
-
-def _saved_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    saved = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            saved[n] = p.grad
-            p.grad = None
-    return saved
-
-
-@contextlib.contextmanager
-def _step_state(model: nn.Module, saved: dict[str, torch.Tensor | None] | None = None) -> Iterator[None]:
-    """Leave the model's buffers and the RNG state as they were (same dropout masks each time); on a
-    failure, put back the ``.grad`` tensors ``saved`` took too."""
-    restore = _restore_state(model)
-    try:
-        yield
-    except BaseException:
-        if saved is not None:
-            for n, p in model.named_parameters():
-                if n in saved:
-                    p.grad = saved[n]
-        raise
-    finally:
-        restore()
+def _step_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each trainable parameter's ``.grad`` by name: the step's own, read inside ``kept_training_state``."""
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _first_float(obj: Any) -> torch.Tensor | None:
@@ -345,7 +298,6 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
     ``keep_outputs``: also keep each module's first floating output (detached), for
     :func:`emulated_step`'s ``reference_outputs``.
     """
-    saved = _saved_grads(model)
     names_of = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
     outputs: dict[str, torch.Tensor] = {}
 
@@ -357,10 +309,10 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
 
     hook = nn.modules.module.register_module_forward_hook(keep) if keep_outputs else None
     try:
-        with _step_state(model, saved):
+        with kept_training_state(model):
             loss = run()
             loss.backward()
-            grads = _take_grads(model, saved)
+            grads = _step_grads(model)
     finally:
         if hook is not None:
             hook.remove()
@@ -409,8 +361,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
 
     Returns the unscaled fp32 gradients. Synchronises with the device once (the loss).
     """
-    saved = _saved_grads(model)
-    with _step_state(model, saved):
+    with kept_training_state(model):
         with emulating(model, format=format, target=target, regime=regime, keep_fp32=keep_fp32,
                        reference_outputs=reference_outputs) as em:
             loss = run()
@@ -420,7 +371,7 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
                 loss = loss.float()  # DeepSpeed's fp16 engine: loss.float() * cur_scale
         s = torch.full((1,), float(scale), dtype=torch.float32, device=loss.device)
         (loss * s).backward()
-        raw = _take_grads(model, saved)
+        raw = _step_grads(model)
     inv = 1.0 / float(scale)
     grads: dict[str, torch.Tensor | None] = {}
     with torch.no_grad():

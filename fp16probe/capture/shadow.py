@@ -17,10 +17,10 @@ rerun runs with every autocast context disabled, those the model enters itself i
 fp16 or bf16 values, or whose loss is not fp32, is discarded with the module and dtype
 named (``Shadow.discarded``), never recorded as a reference.
 
-The rerun leaves training exactly as it was: the parameters' ``.grad`` (the very tensors),
-the model's buffers (BatchNorm statistics) and the CPU and CUDA random states are saved
-before and put back after, and no optimizer steps. Training with a shadow is bit-identical
-to training without one.
+The rerun leaves training exactly as it was: it runs inside
+:func:`fp16probe.capture.state.kept_training_state`, which puts back the parameters' ``.grad``
+(the very tensors), the model's buffers (BatchNorm statistics) and the CPU and CUDA random
+states, and no optimizer steps. Training with a shadow is bit-identical to training without one.
 
 Where the batch comes from: by default the model's own forward call is replayed (its
 arguments, seen by a forward pre-hook at the first forward of a shadowed step) and the
@@ -44,6 +44,7 @@ from torch import nn
 from fp16probe.capture.autocast_rules import around_autocast
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.recorder import iter_tensors
+from fp16probe.capture.state import kept_training_state
 from fp16probe.sections import ShadowRuns
 
 __all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "ShadowReruns", "autocast_off", "forward_autocast",
@@ -256,10 +257,6 @@ class Shadow:
         if self._running or not self.due:
             return False
         device = device or _device_of((), {}, self.model)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        buffers = [(b, b.clone()) for b in self.model.buffers()]
-        cuda = [device.index or 0] if device.type == "cuda" else []
         live_enabled = self.live.enabled
         timer = _Timer(device)
         self._running = True
@@ -267,10 +264,9 @@ class Shadow:
         recorded = False
         try:
             self.live.enabled = False  # the live Probe's hooks stay quiet during the rerun
-            for p in params:
-                p.grad = None
             check = _DtypeCheck()
-            with (torch.random.fork_rng(devices=cuda, enabled=True), autocast_off(),
+            # kept_training_state is left last: the fp32 Probe's step reads the rerun's .grad first
+            with (kept_training_state(self.model), autocast_off(),
                   torch.autocast(device.type, enabled=False), check.watching(self.model)):
                 self.probe.start()
                 try:
@@ -292,11 +288,6 @@ class Shadow:
                         self.probe.discard_step()  # reference would hold a step no rerun is listed for
                     self.probe.stop()
         finally:
-            for p, g in zip(params, grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
             self.live.enabled = live_enabled
             self._running = False
             self.seconds += timer.stop(self._events)
