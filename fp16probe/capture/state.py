@@ -58,6 +58,6 @@ def kept_training_state(model: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
         with torch.no_grad():
             for m, name, b, saved in buffers:
-                if m._buffers.get(name) is not b:  # the step replaced it (a cache rebuilt): the old one goes back
-                    m._buffers[name] = b
+                if getattr(m, name, None) is not b:  # the step replaced it (a cache rebuilt): the old one goes back
+                    setattr(m, name, b)  # a registered buffer's name: Module.__setattr__ sets the buffer
                 b.copy_(saved)
