@@ -80,7 +80,7 @@ def block_advice_lines(block_advice: BlockAdvice, *, top: int | None = None, wid
     out += ["TransformerEngine:"] + ["  " + line for line in advice["te_code"].splitlines()]
     out += ["torchao:"] + ["  " + line for line in advice["torchao_code"].splitlines()]
     out += [f"note: {n}" for n in advice["notes"]]
-    out.append("sources: " + "; ".join(cite(c) for c in block_advice.citations))
+    out += ["sources:"] + [f"- {cite(c)}" for c in block_advice.citations]
     if width is None:
         return out
     code = {"  " + line for key in ("te_code", "torchao_code") for line in advice[key].splitlines()}
