@@ -144,7 +144,7 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[s
                                                                             device=a2.device))
     bad = (~finite).to(torch.uint8)
     e_t, _ = _exponent_and_class(a_fin.amax().reshape(1, 1))
-    zeros = (finite & ~nonzero).sum()
+    zeros = torch.count_nonzero(finite & ~nonzero)  # faster than a boolean .sum(), the same count
     n_bad = bad.sum()
     extras = {}
     for lay in layouts:
@@ -171,8 +171,8 @@ def relative_histograms(x: torch.Tensor, layouts: Sequence[str], outs: Mapping[s
             spread = torch.zeros(SPREAD_BINS + 1, dtype=torch.int64, device=gap.device)
             spread.index_add_(0, gap, torch.ones((), dtype=torch.int64, device=gap.device).expand(gap.numel()))
             spreads[lay].add_(spread[:SPREAD_BINS])
-        in_bad_block = (valid & ~block_finite).sum()
-        out_of_range = (valid & block_finite & ~in_range).sum()
+        in_bad_block = torch.count_nonzero(valid & ~block_finite)
+        out_of_range = torch.count_nonzero(valid & block_finite & ~in_range)
         extras[lay] = torch.stack([zeros, n_bad + in_bad_block, out_of_range])
     return extras
 
@@ -279,8 +279,8 @@ def nvfp4_counts(
     q = a0 * recip  # torchao then clamps to +-6: what lies past 7 is saturated
     counts = _classify(torch.where(finite, a, torch.zeros((), device=a.device)), q, el)
     nonzero = finite & a.ne(0)
-    lost_values = (nonzero & lost).sum()
-    lost_blocks = (lost & nonzero.any(dim=1, keepdim=True)).sum()
+    lost_values = torch.count_nonzero(nonzero & lost)
+    lost_blocks = torch.count_nonzero(lost & nonzero.any(dim=1, keepdim=True))
     # A value q rounds to 0 with probability 1 - 2q when q < 0.5 (E2M1's smallest subnormal).
     sr_zero = torch.where(nonzero, (1.0 - 2.0 * q.double()).clamp(min=0.0), torch.zeros((), dtype=torch.float64,
                                                                                       device=a.device)).sum()

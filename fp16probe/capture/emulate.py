@@ -400,7 +400,8 @@ def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[st
         nonzero = r != 0
         rows.append(torch.stack([
             (e64 - r64).square().sum(), r64.square().sum(),
-            (nonzero & (e == 0)).sum().double(), nonzero.sum().double(), (~torch.isfinite(e)).sum().double(),
+            torch.count_nonzero(nonzero & (e == 0)).double(), torch.count_nonzero(nonzero).double(),
+            torch.count_nonzero(~torch.isfinite(e)).double(),
         ]))
     return torch.stack([t.to(rows[0].device) for t in rows]) if rows else torch.zeros((0, 5), dtype=torch.float64)
 
