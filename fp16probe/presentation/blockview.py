@@ -98,7 +98,7 @@ NOTE_WORDS: dict[str, Callable[[BlockAdvice], str]] = {
                                     "as TE does); later steps use the amax window",
     "conv1d": lambda a: "Conv1D layers (GPT-2 in transformers) are not nn.Linear: TransformerEngine and torchao "
                         "convert nn.Linear only; the shares are those the layer has as a Linear",
-    "nvfp4_threshold": lambda a: f"threshold {a.threshold:.3g}: E2M1 flushes values more than 4.6 binades below "
+    "nvfp4_threshold": lambda a: f"threshold {percent(a.threshold)}: E2M1 flushes values more than 4.6 binades below "
                                  "their block's max, about 6-7% of a Gaussian block of 16 by design",
     "blocks_lost": lambda a: "some blocks lose every value: their E4M3 block scale flushes",
     "hook_errors": lambda a: f"{a.hook_errors} tensor(s) could not be counted (hook errors)",
