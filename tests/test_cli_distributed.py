@@ -43,3 +43,37 @@ def test_torchrun_profile_merges_two_ranks(tmp_path):
     # Weight gradients are all-reduced by DDP: counted once, not once per rank.
     for m in merged.modules_of(WEIGHT_GRAD):
         assert m.histogram.total == singles[0].module(m.name, WEIGHT_GRAD).histogram.total, m.name
+
+
+
+_JOINED = '''
+import sys
+import torch
+import torch.distributed as dist
+from fp16probe.running.ranks import RankGuard, joined_from_env
+
+if sys.argv[1] == "own":  # the group a run joins for itself goes with the run, its control group too
+    with joined_from_env() as joined:
+        assert joined and dist.is_initialized()
+        RankGuard().check_same_model(torch.nn.Linear(2, 2))
+    assert not dist.is_initialized()
+else:  # a group the caller made stays the caller's
+    dist.init_process_group("gloo")
+    with joined_from_env() as joined:
+        assert joined
+        RankGuard().check_same_model(torch.nn.Linear(2, 2))
+    assert dist.is_initialized()
+    dist.destroy_process_group()
+print("joined_from_env ok")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", ["own", "callers"])
+def test_a_run_destroys_the_process_group_it_joined_and_only_that(tmp_path, group):
+    """A process leaving with gloo's groups alive now and then aborts at exit (SIGABRT after a good run)."""
+    worker = tmp_path / "joined.py"
+    worker.write_text(_JOINED)
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--tee", "3", str(worker), group], tmp_path)
+    assert proc.stdout.count("joined_from_env ok") == 2, proc.stdout

@@ -330,11 +330,16 @@ def profile_request(request: ProfileRequest, *, on_notes: Callable[[list[str]], 
     the context whose ``update(done)`` is called after each step (``FP16PROBE_DIST_TIMEOUT`` bounds
     torch.distributed's collectives, see docs/faults.md). Errors are :func:`profile`'s.
     """
-    from fp16probe.capture import distributed
-    from fp16probe.running.ranks import timeout_s
+    from fp16probe.running.ranks import joined_from_env
 
-    r = request
-    is_dist = distributed.init_from_env(timeout=timeout_s())
+    with joined_from_env() as is_dist:
+        return _profile_request(request, is_dist, on_notes, progress)
+
+
+def _profile_request(r: ProfileRequest, is_dist: bool, on_notes: Callable[[list[str]], None] | None,
+                     progress: Progress) -> Report | None:
+    from fp16probe.capture import distributed
+
     rank = distributed.rank()
     dev = pick_device(r.device)
     if is_dist and dev.type == "cuda":

@@ -19,8 +19,10 @@ the pair), which is why every collective after a stop runs on it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,7 +31,8 @@ import torch
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankGuard", "Settled", "TIMEOUT_ENV", "is_collective_error", "status_of", "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RankGuard", "Settled", "TIMEOUT_ENV", "is_collective_error", "joined_from_env",
+           "status_of", "timeout_s"]
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "FP16PROBE_DIST_TIMEOUT"
@@ -118,6 +121,29 @@ class Settled:
 
 
 _GROUPS: dict[tuple[int, float], Any] = {}
+
+
+@contextlib.contextmanager
+def joined_from_env() -> Iterator[bool]:
+    """Join the process group torchrun describes (``timeout_s()`` bounds its waits) for one run; yield whether distributed.
+
+    A group this joined is destroyed on the way out, on every path: a process that exits with
+    gloo's groups alive leaves their threads to interpreter shutdown, which now and then aborts
+    it ("terminate called without an active exception", SIGABRT) after a run that succeeded.
+    A group the caller made before stays theirs.
+    """
+    from fp16probe.capture import distributed
+
+    made = not distributed.is_distributed()
+    joined = distributed.init_from_env(timeout=timeout_s())
+    try:
+        yield joined
+    finally:
+        if made and distributed.is_distributed():
+            import torch.distributed as dist
+
+            _GROUPS.clear()  # the control groups go with the default group
+            dist.destroy_process_group()
 
 
 class RankGuard:
