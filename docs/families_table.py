@@ -33,8 +33,8 @@ for model, label in models:
     subprocess.run([sys.executable, "-m", "fp16probe", "profile", model, "--out", str(report), "--json"],
                    check=True, env=env, cwd=out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     data = json.loads(report.read_text())
-    extra, rec = data["metadata"]["extra"], data["recommendation"]
+    work, rec = data["workload"], data["recommendation"]  # what ran: the report's workload section
     scale = "" if rec["log2_scale"] in (None, 0) else f", S = 2^{rec['log2_scale']}"
-    loss = extra["loss"].split(", on invented labels")[0]
-    print(f"| `{data['metadata']['model_class']}` | {extra.get('family', '')} | {loss} | "
+    loss = work["loss"].split(", on invented labels")[0]
+    print(f"| `{data['metadata']['model_class']}` | {work.get('family', '')} | {loss} | "
           f"{rec['verdict']}{scale} (flushed at S = 1: {rec['flushed_fraction_at_1']:.2%}) |")

@@ -443,3 +443,31 @@ def test_all_nonfinite_gradients_are_not_called_fine():
     assert verdict_text(rec).startswith("No verdict for fp16")
     assert "7 inf/NaN values" in verdict_text(rec) and "divergence" in verdict_text(rec) and rec.grad_scaler_kwargs == {}
     assert not wording_problems(verdict_text(rec))
+
+
+def _rounding_data(fix_error2: float) -> dict:
+    """m.weight 10% off fp32 at S = 2^14; with m kept in fp32, sqrt(fix_error2) off."""
+    params = lambda e2: [[e2, 1.0, 0, 9, 0]]  # noqa: E731
+    return {"format": "fp16", "target": "cuda", "regime": "autocast", "batches": 1, "parameters": ["m.weight"],
+            "settings": [{"log2_scale": 14, "keep_fp32": [], "loss_low": False, "params": params(0.01),
+                          "outputs": [["m", [0.0, 1.0]]]},
+                         {"log2_scale": 14, "keep_fp32": ["m"], "loss_low": False, "params": params(fix_error2)}]}
+
+
+def test_gradient_error_offers_the_kept_in_fp32_fix_only_when_its_step_holds():
+    from fp16probe.analysis.effect import judged
+    from fp16probe.presentation.answer import short_answer
+
+    base = analyze(make_report([{"m": H({-30: 1000, 0: 1})}]), "fp16", **FAST)
+    works = judged(base, _rounding_data(0.0001))  # 1% off with m in fp32
+    assert works.verdict == "gradient_error" and works.evidence["fix_modules"] == ["m"]
+    assert works.evidence["emulated"]["fix_holds"] is True and "keep_in_fp32(model, ['m']" in works.evidence["fix_code"]
+    # m's output is within the tolerance: the error is made in backward, not where m's forward starts it
+    assert works.evidence["emulated"]["module_output_error"] is None
+    refuted = judged(base, _rounding_data(0.0081))  # still 9% off with m in fp32: no fix to offer
+    assert refuted.verdict == "gradient_error" and refuted.evidence["emulated"]["fix_holds"] is False
+    assert refuted.evidence["fix_modules"] == [] and refuted.evidence["fix_code"] == ""
+    text = "\n".join(line.text for line in short_answer(None, refuted))
+    assert "no fix found: with m in fp32 the emulated gradients are 9% off fp32" in text
+    assert "keep_in_fp32" not in text and "train in bf16" not in text
+    assert "not offered as a fix" in refuted.explanation(200)

@@ -275,3 +275,19 @@ def test_a_failing_step_leaves_the_gradients_and_the_mode_stack_as_they_were():
             step()
         assert torch.equal(model.weight.grad, before)
         assert not torch.overrides._get_current_function_mode_stack()
+
+
+def test_module_outputs_are_compared_as_returned_even_when_an_inplace_op_follows():
+    """ReLU(inplace=True) after a BatchNorm rewrote the reference step's kept output: BatchNorm's emulated
+    output compared 100% off (pre-ReLU against post-ReLU) and was named where the error starts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(inplace=True), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def run() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    ref = reference_step(model, run, keep_outputs=True)
+    step = emulated_step(model, run, scale=2.0**10, reference_outputs=ref.outputs)
+    err2, ref2 = (float(v) for v in step.outputs["1"])  # the BatchNorm's output
+    assert ref2 > 0 and (err2 / ref2) ** 0.5 < 0.01  # fp16 rounding, not the ReLU's zeros

@@ -337,25 +337,31 @@ def _emulated_overflow(data: Mapping[str, Any], eff: Effect, k: int) -> Caveat |
 
 def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int,
                     emulated: dict[str, Any]) -> Recommendation:
-    """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the code that keeps it."""
+    """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the code that keeps it.
+
+    The code is given only when that step holds (every judged parameter within TOLERANCE): a fix
+    the measurement refutes is reported as measured (``emulated["fix_holds"]``), never offered.
+    """
     over = eff.first_over
     culprit = eff.culprit or ROOT
     assert over is not None
     fixed = effect_at(data, k, [culprit])
+    holds = fixed is not None and culprit != ROOT and fixed.harmless
     if fixed is not None:
         emulated["fix"] = fixed.to_dict()
+        emulated["fix_holds"] = holds
     emulated["module"] = culprit
-    emulated["module_output_error"] = dict(eff.outputs).get(culprit)
+    out_error = dict(eff.outputs).get(culprit)  # kept where the error starts in the forward, else made in backward
+    emulated["module_output_error"] = out_error if out_error is not None and out_error > TOLERANCE else None
     emulated["first_parameter"] = over.name
     emulated["first_parameter_error"] = over.error
     out = _with(rec, emulated)
     ev = dict(out.evidence)
     ev["backward_verdict"] = rec.verdict.value
     ev["backward_log2_scale"] = rec.log2_scale
-    ev["fix_modules"] = [culprit] if culprit != ROOT else []
+    ev["fix_modules"] = [culprit] if holds else []
     target = str(data.get("target") or "cuda")
-    ev["fix_code"] = (f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")'
-                      if culprit != ROOT else "")
+    ev["fix_code"] = f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")' if holds else ""
     return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
 
 

@@ -295,8 +295,9 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
     """The fp32 step the emulated one is compared with: ``run()`` (forward and loss), backward, the gradients.
 
     The model's buffers, its ``.grad`` and the random state are as they were afterwards.
-    ``keep_outputs``: also keep each module's first floating output (detached), for
-    :func:`emulated_step`'s ``reference_outputs``.
+    ``keep_outputs``: also keep each module's first floating output (a copy, for
+    :func:`emulated_step`'s ``reference_outputs``): a later in-place op (``ReLU(inplace=True)``
+    after a BatchNorm) would otherwise change the output the emulated step is compared with.
     """
     names_of = {id(m): (n or ROOT_NAME) for n, m in model.named_modules()}
     outputs: dict[str, torch.Tensor] = {}
@@ -305,7 +306,7 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
         name = names_of.get(id(module))
         out = _first_float(output)
         if name is not None and name not in outputs and out is not None:
-            outputs[name] = out.detach()
+            outputs[name] = out.detach().clone()  # as the module returned it, before any in-place op after it
 
     hook = nn.modules.module.register_module_forward_hook(keep) if keep_outputs else None
     try:

@@ -179,8 +179,12 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
     fix = str(rec.evidence.get("fix_code") or "")
     if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
-        lines.append(Line("device", "fix (or train in bf16):"))
+        # bf16's range answers a forward verdict; rounding (gradient_error) is not a matter of range
+        lines.append(Line("device", "fix:" if rec.verdict is Verdict.GRADIENT_ERROR else "fix (or train in bf16):"))
         lines.append(Line("code", "import fp16probe\n" + fix))
+    unfixed = _fix_refuted(rec)
+    if unfixed:
+        lines.append(Line("todo", unfixed))
     if code:
         least_bad = "if you keep one scale, the least bad; " if todo else ""
         lines.append(Line("device", f"paste ({least_bad}{how}):"))
@@ -430,6 +434,20 @@ def weight_update_words(wul: Mapping[str, Any]) -> str:
             f"{WEIGHT_UPDATE_RULE}")
 
 
+def _fix_refuted(rec: Recommendation) -> str:
+    """For ``gradient_error``, the kept-in-fp32 step that did not bring the gradients within tolerance ('' otherwise)."""
+    em = rec.evidence.get("emulated") or {}
+    fix = em.get("fix")
+    if rec.verdict is not Verdict.GRADIENT_ERROR or not fix or em.get("fix_holds") is not False:
+        return ""
+    worst = fix.get("worst_parameters") or []
+    still = (f", {shorten_name(str(worst[0][0]), 36)} still {_error_words(worst[0][1], 0)}"
+             if worst and worst[0][1] is not None else "")
+    return (f"no fix found: with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
+            f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{still} (tolerance "
+            f"{num.percent(em.get('tolerance'))}); the error is not one module's to keep in fp32")
+
+
 def explanation_text(rec: Recommendation) -> str:
     """The reasoning: :attr:`Recommendation.text`, led for ``gradient_error`` by what the emulated step measured
     (the scale reasoning that follows is the gradients' verdict, for once the error is fixed)."""
@@ -444,7 +462,9 @@ def explanation_text(rec: Recommendation) -> str:
              if em.get("module_output_error") is not None else
              f"the error is made in backward, at or just after {em.get('module')}")
     fixed = (f" Keeping {', '.join(fix.get('keep_fp32') or [])} in fp32 (fp16probe.keep_in_fp32) brings the "
-             f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}." if fix else "")
+             f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}"
+             + (": not every parameter within the tolerance, so it is not offered as a fix." if em.get("fix_holds") is False
+                else ".") if fix else "")
     return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
             f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
             f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
