@@ -17,11 +17,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fp16probe import formatting as num
 from fp16probe.presentation.cite import PAPER
-from fp16probe.formats import get_format
+from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
 from fp16probe.presentation.schedule import rule_label
-from fp16probe.presentation.verdict import insufficient_why
+from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.sections import Workload
@@ -448,11 +448,13 @@ def _fix_refuted(rec: Recommendation) -> str:
             f"{num.percent(em.get('tolerance'))}); the error is not one module's to keep in fp32")
 
 
-def explanation_text(rec: Recommendation) -> str:
+def explanation_text(rec: Recommendation, fmt: Format | None = None) -> str:
     """The reasoning: :attr:`Recommendation.text`, led for ``gradient_error`` by what the emulated step measured
-    (the scale reasoning that follows is the gradients' verdict, for once the error is fixed)."""
+    (the scale reasoning that follows is the gradients' verdict, for once the error is fixed).
+
+    ``fmt``: ``rec.format`` as the caller resolved it (``verdict_text``'s)."""
     if rec.verdict is not Verdict.GRADIENT_ERROR:
-        return rec.text
+        return verdict_text(rec, fmt)
     em = rec.evidence.get("emulated") or {}
     fix = em.get("fix") or {}
     k = em.get("log2_scale")
@@ -468,7 +470,8 @@ def explanation_text(rec: Recommendation) -> str:
     return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
             f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
             f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
-            f"Once that is fixed, the gradients alone give: {rec.evidence.get('backward_verdict')}. {rec.text}")
+            f"{'Apart from that error' if em.get('fix_holds') is False else 'Once that is fixed'}, the gradients "
+            f"alone give: {rec.evidence.get('backward_verdict')}. {verdict_text(rec, fmt)}")
 
 
 def _what_to_do(rec: Recommendation) -> str:

@@ -16,10 +16,11 @@ from fp16probe.analysis.whatif import worst_modules
 from fp16probe.errors import MissingExtraError
 from fp16probe.formats import Format, get_format
 from fp16probe.presentation.cite import cite
-from fp16probe.presentation.verdict import replay_table, verdict_text
+from fp16probe.presentation.verdict import replay_table
 from fp16probe import formatting as num
 from fp16probe.presentation.answer import (
     evidence_rows,
+    explanation_text,
     recommendation_for,
     run_header,
     short_answer,
@@ -83,7 +84,7 @@ def _answer(rec: Recommendation, report: Report | None) -> str:
 
 
 def _explanation(rec: Recommendation, fmt: Format | None = None) -> str:
-    parts = [f"<p style='white-space:pre-wrap'>{_esc(verdict_text(rec, fmt))}</p>"]
+    parts = [f"<p style='white-space:pre-wrap'>{_esc(explanation_text(rec, fmt))}</p>"]
     evidence = evidence_rows(rec.evidence)
     if evidence:
         parts.append(_table(["evidence", "value"], [list(r) for r in evidence]))

@@ -25,11 +25,12 @@ from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.gate import check_message, warning_texts
 from fp16probe.presentation.schedule import note_text, rule_label, schedule_answer
 from fp16probe.presentation.cite import cite
-from fp16probe.presentation.verdict import replay_table, verdict_text
+from fp16probe.presentation.verdict import replay_table
 from fp16probe.presentation.answer import (
     section_lines,
     brief_answer,
     evidence_rows,
+    explanation_text,
     KIND_WORDS,
     fit_name,
     numerically_zero_sentence,
@@ -333,7 +334,7 @@ def _explanation(rec: Recommendation, width: int, fmt: Format | None = None) -> 
     from rich.table import Table
 
     yield from _lines(["", "why:"], "bold")
-    yield from _para(verdict_text(rec, fmt), width)
+    yield from _para(explanation_text(rec, fmt), width)
     evidence = evidence_rows(rec.evidence)
     if evidence:
         table = Table(title="evidence", title_justify="left")
