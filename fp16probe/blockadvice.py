@@ -15,7 +15,7 @@ from typing import Any
 
 from fp16probe.blockscale import BlockCounts, DelayedRecipe
 from fp16probe.errors import ReportFieldError
-from fp16probe.recommendation import Cited, citation_from_json, citation_to_json
+from fp16probe.recommendation import Cited, citation_to_json, citations_from_json
 
 __all__ = ["BlockAdvice", "LayerLoss"]
 
@@ -38,13 +38,6 @@ def _strings(d: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a list of strings")
     return tuple(v)
-
-
-def _citations(d: Mapping[str, Any], path: str) -> tuple[Cited, ...]:
-    v = d.get("citations", [])
-    if not isinstance(v, list):
-        raise ReportFieldError(f"{path}.citations", f"{path}.citations: expected a list")
-    return tuple(citation_from_json(c, f"{path}.citations[{i}]") for i, c in enumerate(v))
 
 
 @dataclass(frozen=True)
@@ -152,7 +145,7 @@ class BlockAdvice:
             advised_recipe=_get(d, "advised_recipe", path, (str,), "a recipe"),
             threshold=float(_get(d, "threshold", path, (int, float), "a share")),
             layers=tuple(LayerLoss.from_dict(x, path=f"{path}.layers[{i}]") for i, x in enumerate(layers)),
-            keep_high=_strings(d, "keep_high", path), citations=_citations(d, path),
+            keep_high=_strings(d, "keep_high", path), citations=citations_from_json(d.get("citations", []), f"{path}.citations"),
             delayed=None if d.get("delayed") is None else _delayed(d["delayed"], f"{path}.delayed"),
             note_codes=_strings(d, "note_codes", path),
             hook_errors=int(_get(d, "hook_errors", path, (int,), "a count")) if "hook_errors" in d else 0,

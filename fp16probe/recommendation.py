@@ -26,6 +26,7 @@ __all__ = [
     "Verdict",
     "citation_from_json",
     "citation_to_json",
+    "citations_from_json",
 ]
 
 
@@ -230,6 +231,13 @@ def citation_from_json(value: Any, path: str = "citations") -> Cited:
     return Citation(**{k: v for k, v in value.items() if k in known})
 
 
+def citations_from_json(value: Any, path: str) -> tuple[Cited, ...]:
+    """A stored list of citations (each a record or an older report's sentence); a bad one raises ReportFieldError."""
+    if not isinstance(value, list):
+        raise ReportFieldError(path, f"{path}: expected a list, got {type(value).__name__}")
+    return tuple(citation_from_json(c, f"{path}[{i}]") for i, c in enumerate(value))
+
+
 def citation_to_json(c: Cited) -> dict[str, str] | str:
     """The stored form: a record's non-empty fields, or an older file's sentence as it was."""
     return c if isinstance(c, str) else c.to_dict()
@@ -317,8 +325,7 @@ class Recommendation:
         kw["stored_text"] = str(d.get("text") or "")
         kw["verdict"] = verdict
         kw["worst_modules"] = tuple((str(n), float(f)) for n, f in d.get("worst_modules", ()))
-        kw["citations"] = tuple(citation_from_json(c, f"recommendation.citations[{i}]")
-                                for i, c in enumerate(d.get("citations", ())))
+        kw["citations"] = citations_from_json(d.get("citations", []), "recommendation.citations")
         kw["grad_scaler_kwargs"] = dict(d.get("grad_scaler_kwargs", {}))
         kw["evidence"] = cast(Evidence, dict(d.get("evidence", {})))
         kw["thresholds"] = cast(Thresholds, dict(d.get("thresholds", {})))

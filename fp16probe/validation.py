@@ -16,7 +16,7 @@ import sys
 from typing import Any, Iterable, Mapping
 
 from fp16probe.errors import ReportFieldError
-from fp16probe.recommendation import citation_from_json
+from fp16probe.recommendation import citations_from_json
 
 __all__ = [
     "MAX_COUNT",
@@ -350,8 +350,7 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
         _optional(d.get(key), f"{path}.{key}", _fraction)
     for key in ("grad_scaler_kwargs", "evidence", "thresholds", "growth_interval_table"):
         _optional(d.get(key), f"{path}.{key}", _object)
-    for i, c in enumerate(_list(d.get("citations", []), f"{path}.citations")):
-        citation_from_json(c, f"{path}.citations[{i}]")  # a record, or an older report's sentence
+    citations_from_json(d.get("citations", []), f"{path}.citations")  # records, or an older report's sentences
     for i, c in enumerate(_list(d.get("caveats", []), f"{path}.caveats")):
         if not isinstance(c, str):  # {"code", "data"}; older reports stored the sentence
             _str(_object(c, f"{path}.caveats[{i}]").get("code"), f"{path}.caveats[{i}].code")

@@ -92,3 +92,11 @@ def test_a_hostile_record_is_shown_escaped(demo):
     page = Report.from_dict(d)._repr_html_()
     assert "<script>" not in page and "\x1b" not in page
     assert "Mixed\\x1b]0;pwned\\x07 Precision" in page  # the stored record is what the page shows, escaped
+
+
+def test_citations_that_are_not_a_list_are_refused(demo):
+    d = json.loads(demo.to_json())
+    d["recommendation"]["citations"] = "Micikevicius et al."
+    with pytest.raises(ReportError, match=r"recommendation\.citations: expected a list"):
+        Report.from_dict(d)
+    assert list(jsonschema.Draft202012Validator(report_schema()).iter_errors(d))
