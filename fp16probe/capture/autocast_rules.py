@@ -23,6 +23,7 @@ the suite checks the CPU answers against CPU autocast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -112,7 +113,9 @@ def cast_is_low(op: str, args: Sequence[Any], kwargs: dict[str, Any],
     return None  # .to(device), .type() with no dtype
 _cache: dict[tuple[Any, ...], bool | None] = {}
 _lock = threading.Lock()
-_fake_mode: Any = None
+# One FakeTensorMode per thread: a mode keeps its in-kernel state on itself, and two threads' fake
+# calls through one mode fail ("AssertionError: False, True"), an answer then cached as unknown.
+_fake_modes = threading.local()
 
 
 def op_name(func: Any) -> str:
@@ -186,15 +189,14 @@ def _by_lists(name: str, floats: list[bool], target: str, regime: str) -> bool:
 def _ask_fake(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Callable[[torch.Tensor], bool],
               target: str, regime: str) -> bool | None:
     """Run ``func`` on fake tensors of the target run's dtypes; whether its output is fp16 (None: it failed)."""
-    global _fake_mode
     if op_name(func).endswith("_") or "out" in kwargs:
         return None  # in place: its dtype is its first input's (the caller's rule handles it)
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        if _fake_mode is None:
-            _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        mode = _fake_mode
+        mode = getattr(_fake_modes, "mode", None)
+        if mode is None:
+            mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
         device = "cuda" if target == "cuda" else "cpu"
 
         # DisableTorchFunction: the fake calls are not the model's, and no torch function mode
@@ -339,22 +341,84 @@ def _check_case(name: str, run: Callable[[Callable[..., torch.Tensor]], Any], de
     return {"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got}
 
 
+class _AutocastPatch:
+    """The one patch of ``torch.autocast``'s ``__enter__``/``__exit__``, shared by every block that wraps them.
+
+    The class's methods are replaced once, when the first block starts, and put back when the
+    last one ends (on any thread, in any order); a count kept under a lock decides. The wrappers
+    themselves are kept per thread: a block wraps the contexts entered on the thread that runs it
+    (the profile, the fp32 rerun), so a training loop on another thread enters its autocast as
+    written while they run. A block that saved and restored the methods itself would, when two
+    threads' blocks overlap without nesting, put back the other's wrapper for good.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._originals: tuple[Any, Any] | None = None
+        self._wrappers = threading.local()
+
+    def stack(self) -> list[tuple[Callable[..., Any] | None, Callable[..., Any] | None]]:
+        """This thread's wrappers, outermost block first."""
+        found = getattr(self._wrappers, "stack", None)
+        if found is None:
+            found = self._wrappers.stack = []
+        return found
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                cls = torch.amp.autocast_mode.autocast
+                enter, leave = self._originals = (cls.__enter__, cls.__exit__)
+                # Plain functions, so the class binds them to the context as it did its own. They close
+                # over the originals: a ``with`` looks ``__exit__`` up as it starts, so a context entered
+                # while patched leaves through the patch even after the last block has ended.
+                cls.__enter__ = lambda ctx: self._chain(enter, 0)(ctx)  # type: ignore[method-assign]
+                cls.__exit__ = lambda ctx, *exc: self._chain(leave, 1)(ctx, *exc)  # type: ignore[method-assign]
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._originals is not None:
+                cls = torch.amp.autocast_mode.autocast
+                cls.__enter__, cls.__exit__ = self._originals  # type: ignore[method-assign]
+                self._originals = None
+
+    def _chain(self, original: Callable[..., Any], index: int) -> Callable[..., Any]:
+        """``original`` (``__enter__`` for index 0, ``__exit__`` for 1) under this thread's wrappers, the latest outermost."""
+        call = original
+        for wrappers in self.stack():
+            wrap = wrappers[index]
+            if wrap is not None:
+                call = functools.partial(wrap, call)
+        return call
+
+
+_PATCH = _AutocastPatch()
+
+
 @contextlib.contextmanager
 def around_autocast(enter: Callable[..., Any] | None = None, exit: Callable[..., Any] | None = None) -> Iterator[None]:
     """Wrap ``torch.autocast``'s ``__enter__`` (``enter(original, ctx)``) and ``__exit__``
-    (``exit(original, ctx, *exc)``) while the block runs; the originals come back after.
+    (``exit(original, ctx, *exc)``) for the contexts this thread enters while the block runs.
 
     The one place the package patches autocast (its subclasses and its decorator form go through
-    these two methods): the forward audit notes the contexts entered, the fp32 rerun enters each disabled.
-    The patch is on the class, so it holds for the process while the block runs.
+    these two methods): the forward audit notes the contexts entered, the fp32 rerun enters each
+    disabled. Blocks nest, and overlap across threads in any order: the class's methods are
+    patched while any block runs and are the originals again when the last one ends
+    (:class:`_AutocastPatch`); other threads' autocast is left as written.
     """
-    cls = torch.amp.autocast_mode.autocast
-    original_enter, original_exit = cls.__enter__, cls.__exit__
-    if enter is not None:
-        cls.__enter__ = lambda ctx: enter(original_enter, ctx)  # type: ignore[method-assign]
-    if exit is not None:
-        cls.__exit__ = lambda ctx, *exc: exit(original_exit, ctx, *exc)  # type: ignore[method-assign]
+    _PATCH.acquire()
+    stack = _PATCH.stack()
+    wrappers = (enter, exit)
+    stack.append(wrappers)
     try:
         yield
     finally:
-        cls.__enter__, cls.__exit__ = original_enter, original_exit  # type: ignore[method-assign]
+        # by identity: a generator closed out of order (a signal) still takes off its own entry
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is wrappers:
+                del stack[i]
+                break
+        _PATCH.release()

@@ -121,9 +121,9 @@ def autocast_off() -> Iterator[None]:
     """Disable every ``torch.autocast`` entered inside, on every device, those a model enters itself too.
 
     ``torch.autocast(..., enabled=False)`` alone is undone by an autocast the forward enters
-    inside it; here each one entered while the block runs enters disabled. The patch is on
-    the autocast class, so it holds for the process while the block runs (a rerun, on the
-    training thread) and is undone after.
+    inside it; here each one this thread enters while the block runs enters disabled
+    (:func:`~fp16probe.capture.autocast_rules.around_autocast`: other threads' autocast is left
+    as written, and the class is as it was once the last such block on any thread ends).
     """
     def disabled_enter(enter: Any, ctx: Any) -> Any:
         saved = ctx._enabled
