@@ -170,3 +170,151 @@ def test_ctrl_c_during_verify_stops_it_and_keeps_the_report(monkeypatch):
     report = Report.load("r.json")
     assert not report.metadata.partial and report.verification is None
     assert report.workload.verification_stopped == "interrupted"
+
+
+# -- a stop after the last step: the analysis, the emulated step ------------------------------------------------
+
+
+def _tiny_profile_args(steps: int = 3):
+    from torch import nn
+
+    import cli_models  # tests/fixtures, on the path by the autouse fixture
+
+    return cli_models.TinyMLP(), list(cli_models.tiny_batches())[:steps], lambda out, b: nn.functional.mse_loss(
+        out, b[1])
+
+
+def _profiled(model, batches, loss):
+    """fp16probe.profile() for 3 steps; a KeyboardInterrupt out of it fails the test (it does not end the session)."""
+    import fp16probe
+
+    try:
+        return fp16probe.profile(model, batches, loss, steps=3)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C after the last step escaped profile(): the finished steps' report was lost")
+
+
+@pytest.mark.parametrize("forwards_before_signal", [None, 0, 1, 3],
+                         ids=["during-analysis", "emulation-start", "emulated-forward-1", "emulated-forward-3"])
+def test_ctrl_c_after_the_last_step_of_profile_returns_the_finished_steps(forwards_before_signal, monkeypatch):
+    """A real SIGINT to this process after the loop: profile() returns the 3 steps' report, no emulated forward
+    begins after it, and the report says the emulation pass was stopped. Before, the shield ended with the loop
+    and the KeyboardInterrupt lost the report."""
+    import fp16probe.capture.emulate as emulate
+    import fp16probe.running.profile as running_profile
+
+    model, batches, loss = _tiny_profile_args()
+    forwards = {"after_loop": 0, "after_signal": 0}
+    sent: list[bool] = []
+
+    def send() -> None:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    real_conclude, real_measure = running_profile.conclude, emulate.measure_effect
+
+    def conclude(*args, **kwargs):
+        if forwards_before_signal is None:
+            send()
+        return real_conclude(*args, **kwargs)
+
+    def measure(*args, **kwargs):
+        forwards["in_emulation"] = True
+        return real_measure(*args, **kwargs)
+
+    def count_forward(module, args):
+        if not forwards.get("in_emulation"):
+            return
+        if sent:
+            forwards["after_signal"] += 1
+        if forwards_before_signal is not None and forwards["after_loop"] == forwards_before_signal and not sent:
+            send()
+            # the handler runs here, at the next bytecode: nothing of this forward runs after it
+        forwards["after_loop"] += 1
+
+    monkeypatch.setattr(running_profile, "conclude", conclude)
+    monkeypatch.setattr(emulate, "measure_effect", measure)
+    model.register_forward_pre_hook(count_forward)
+    report = _profiled(model, batches, loss)
+    assert sent, "the signal was never sent"
+    assert report is not None and report.metadata.steps_seen == 3 and not report.metadata.partial
+    assert report.section("emulation").error == "stopped: interrupted"
+    assert forwards["after_signal"] == 0, forwards
+    assert report.recommendation is not None  # the histogram verdict, not judged by an emulation that did not run
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_stop_inside_the_emulated_step_puts_the_training_state_back(monkeypatch):
+    """The emulated step is stopped by the signal in its middle; the model's .grad and buffers are as they were."""
+    import torch
+    from torch import nn
+
+    import fp16probe.capture.emulate as emulate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    batches = [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)]
+    real_measure = emulate.measure_effect
+    seen: dict[str, object] = {}
+
+    def measure(model_, runs, **kwargs):
+        seen["grads"] = [p.grad for p in model_.parameters()]
+        seen["buffers"] = [b.clone() for b in model_.buffers()]
+
+        def interrupted_run():
+            loss = runs[0]()
+            os.kill(os.getpid(), signal.SIGINT)  # mid-step: after the forward, before the backward
+            return loss
+
+        return real_measure(model_, [interrupted_run, *runs[1:]], **kwargs)
+
+    monkeypatch.setattr(emulate, "measure_effect", measure)
+    report = _profiled(model, batches, lambda out, b: nn.functional.mse_loss(out, b[1]))
+    assert report.section("emulation").error == "stopped: interrupted"
+    assert all(a is b for a, b in zip(seen["grads"], [p.grad for p in model.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(seen["buffers"], model.buffers()))
+
+
+SLOW_ARGS = ["profile", "signal_runs:SlowMLP", "--batches", "cli_models:tiny_batches", "--loss", "cli_models:mse_loss",
+             "--steps", "2", "--out", "r.json"]
+LOOP_FORWARDS = 2  # one a step; the emulation pass's come after
+
+
+@pytest.mark.slow
+def test_sigterm_after_the_last_step_stops_the_emulation_at_once_and_writes_the_report(tmp_path):
+    """A forked CLI on a model of 0.3 s forwards gets SIGTERM at 6 moments after its loop's last forward began
+    (0.4-1.4 s: the end of the last step, the analysis, the emulated steps). Each exits 143 with its report written
+    and its emulation marked stopped, and no forward begins after the signal. Before, the emulation ran to its
+    end (4 more forwards), then the process exited."""
+    run(*SLOW_ARGS)  # warm: the forked children start with everything imported
+    whole = [float(t) for t in Path("forwards.txt").read_text().split()]
+    assert len(whole) > LOOP_FORWARDS + 2, "the emulation pass ran no forwards: nothing to stop"
+    delays = [0.4, 0.6, 0.8, 1.0, 1.2, 1.4]
+    whole_steps = 0
+    for i, delay in enumerate(delays):
+        where = tmp_path / f"trial{i}"
+        where.mkdir()
+        pid = fork_cli(SLOW_ARGS, where)
+        starts = where / "forwards.txt"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not starts.exists() or
+                                               len(starts.read_text().split()) < LOOP_FORWARDS):
+            time.sleep(0.01)
+        time.sleep(delay)
+        signalled = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        took = time.monotonic() - signalled
+        output = (where / "output.txt").read_text()
+        began = [float(t) for t in starts.read_text().split()]
+        late = [t - signalled for t in began if t > signalled + 0.05]  # a forward already under way may log late
+        assert os.waitstatus_to_exitcode(status) == EXIT_TERMINATED, (delay, output[-2000:])
+        assert not late, (delay, late)
+        report = Report.load(where / "r.json")
+        # a loaded machine can still be in the last step at the signal: a partial report of the first, as before
+        assert report.metadata.steps_seen in (LOOP_FORWARDS - 1, LOOP_FORWARDS), (delay, output[-2000:])
+        whole_steps += report.metadata.steps_seen == LOOP_FORWARDS
+        emulation = report.section("emulation")
+        assert emulation is not None and emulation.error == "stopped: terminated", (delay, emulation)
+        print(f"delay {delay} s: exit {took:.2f} s after SIGTERM, {len(began)} forwards")
+    assert whole_steps >= 3, whole_steps  # most signals did land after the loop

@@ -193,3 +193,26 @@ def test_a_shadow_rerun_keeps_the_training_state() -> None:
         kept = _kept(model)
         assert probe.shadow(lambda: model(x).float().square().mean())
         _assert_as_before(model, kept)
+
+
+def test_a_stop_signal_while_the_state_is_put_back_puts_all_of_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing in the middle of putting back (here as the random state is set) does not cut it short:
+    the buffers after that point are put back too, then the interrupt goes on."""
+    model = _model()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    real = torch.set_rng_state
+    calls: list[int] = []
+
+    def interrupted_once(state: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real(state)
+
+    monkeypatch.setattr(torch, "set_rng_state", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        with kept_training_state(model):
+            _step(model)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())

@@ -35,7 +35,8 @@ def kept_training_state(model: nn.Module) -> Iterator[None]:
 
     Inside the block every trainable parameter's ``.grad`` starts as None, so a backward there
     leaves the step's own gradients in ``.grad`` for the block to read before it ends. All of it
-    is put back when the block ends, by an exception too (``KeyboardInterrupt`` included). The
+    is put back when the block ends, by an exception too (``KeyboardInterrupt`` included, one that lands
+    while it is put back too: putting back is idempotent, and is done again whole). The
     weights are the caller's to leave alone (no optimizer steps in the block).
 
     Copies each buffer once on its device; no host sync.
@@ -46,11 +47,8 @@ def kept_training_state(model: nn.Module) -> Iterator[None]:
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
-    try:
-        for p in params:
-            p.grad = None
-        yield
-    finally:
+
+    def put_back() -> None:
         for p, g in zip(params, grads):
             p.grad = g
         torch.set_rng_state(cpu_rng)
@@ -61,3 +59,14 @@ def kept_training_state(model: nn.Module) -> Iterator[None]:
                 if getattr(m, name, None) is not b:  # the step replaced it (a cache rebuilt): the old one goes back
                     setattr(m, name, b)  # a registered buffer's name: Module.__setattr__ sets the buffer
                 b.copy_(saved)
+
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        try:
+            put_back()
+        except KeyboardInterrupt:  # a stop signal landed in the middle of it: all of it again, then the signal
+            put_back()
+            raise

@@ -24,6 +24,7 @@ from torch import nn
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
 from fp16probe.formats import FORMATS, SCALED_FORMATS, Format, get_format
 from fp16probe.report import ALL_GRADS, Report
+from fp16probe.emulation import Emulation
 from fp16probe.sections import Workload
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
                                       move_to, pick_device)
@@ -195,24 +196,28 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
     settings = RunSettings(steps=r.steps, device=str(dev), precision=precision,
                            loss_scale=_scale_of(scaler), lr=r.lr,
                            optimizer=optimizer if isinstance(optimizer, str) else None)
-    result, gather, guard, initial = _run_shielded(r, model, batch_src, loss, settings, probe, grad_scaler,
-                                                   on_step=on_step, regime=regime)
-    if result.steps_done == 0 or gather == "nothing":
-        _nothing_to_report(result, gather, guard, batch_src)
-        return None  # rank 0 speaks for the run
-    extra, gather = _run_extra(extra, optimizer, gather)
-    # The analysis and the emulated step's judgement take the Format, resolved here once.
-    fmt: str | Format = get_format(format) if format in FORMATS else format
-    report = _finish(probe, result, batch_src, loss, settings, format=fmt, kind=r.kind, notes=notes, extra=extra,
-                     gather=gather)
-    report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard, fmt=fmt)
-    if result.error is not None:
-        result.error.report = report
-        raise result.error
-    _check_hooks_kept(report)
-    if verify and report is not None and not report.metadata.partial:
-        report = _verified(report, initial, result.batches, loss, dev, target)
-    return report
+    # The shield holds until the report is made: a signal after the last step (the analysis, the emulated step,
+    # verify) stops what is left and keeps the finished steps' report, instead of losing it to a KeyboardInterrupt.
+    with stop_signals():
+        result, gather, guard, initial = _run_shielded(r, model, batch_src, loss, settings, probe, grad_scaler,
+                                                       on_step=on_step, regime=regime)
+        if result.steps_done == 0 or gather == "nothing":
+            _nothing_to_report(result, gather, guard, batch_src)
+            return None  # rank 0 speaks for the run
+        extra, gather = _run_extra(extra, optimizer, gather)
+        # The analysis and the emulated step's judgement take the Format, resolved here once.
+        fmt: str | Format = get_format(format) if format in FORMATS else format
+        report = _finish(probe, result, batch_src, loss, settings, format=fmt, kind=r.kind, notes=notes, extra=extra,
+                         gather=gather)
+        report = _with_measurements(report, r, model, result, loss, target=target, regime=regime, guard=guard,
+                                    fmt=fmt)
+        if result.error is not None:
+            result.error.report = report
+            raise result.error
+        _check_hooks_kept(report)
+        if verify and report is not None and not report.metadata.partial:
+            report = _verified(report, initial, result.batches, loss, dev, target)
+        return report
 
 
 def _target_of(r: ProfileRequest, model: nn.Module, device: str | torch.device | None) -> str:
@@ -294,9 +299,36 @@ def _with_measurements(report: Report | None, r: ProfileRequest, model: nn.Modul
     if report is not None and report.blocks is not None:
         report = _with_block_advice(report, str(r.format), r.recipe)
     if report is not None and r.precision == "fp32" and guard is None and result.error is None:
-        report = with_effect(report, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
-                             kind=r.kind, fmt=fmt if isinstance(fmt, Format) else None)
+        done = report
+        report = _unless_stopped(
+            lambda: with_effect(done, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
+                                kind=r.kind, fmt=fmt if isinstance(fmt, Format) else None),
+            lambda why: done.with_sections({"emulation": Emulation(error=f"stopped: {why}")}))
     return report
+
+
+def _unless_stopped(work: Callable[[], Report], stopped: Callable[[str], Report]) -> Report:
+    """``work()``, a pass after the loop that a stop signal may end (the emulated step, verify); ``stopped(why)``
+    instead when a signal came before it started or comes while it runs (``why``: interrupted, terminated, hangup).
+
+    The shield (disarmed since the loop ended) is armed while the pass runs, so SIGTERM ends it at once rather
+    than after its last step; it is armed before the check, so no signal falls between the two unseen.
+    """
+    from fp16probe.running.signals import STOP_SIGNALS, active
+
+    shield = active()
+    if shield is None:  # a profile_model called outside profile()'s shield
+        return work()
+    try:
+        shield.armed = True
+        if shield.received:  # a signal came while the report was made: the pass does not start
+            return stopped(STOP_SIGNALS[shield.received[0]][1])
+        return work()
+    except KeyboardInterrupt as e:
+        return stopped(STOPPED_HANGUP if isinstance(e, Hangup) else
+                       STOPPED_TERMINATED if isinstance(e, Terminated) else STOPPED_INTERRUPTED)
+    finally:
+        shield.disarm()
 
 
 def _check_hooks_kept(report: Report | None) -> None:
@@ -372,23 +404,12 @@ def _profile_request(r: ProfileRequest, is_dist: bool, on_notes: Callable[[list[
 
 def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device,
               target: str | None = None) -> Report:
-    """The report with its verification; a Ctrl-C or signal during it keeps the report, marked, without one."""
-    from fp16probe.running.signals import STOP_SIGNALS, active
+    """The report with its verification; a Ctrl-C or signal before or during it keeps the report, marked, without one."""
     from fp16probe.running.verify import verify as run_verification
 
-    shield = active()  # the command line's: disarmed since the loop ended
-    if shield is not None and shield.received:  # a signal came while the report was made: stop here
-        return _marked(report, STOP_SIGNALS[shield.received[0]][1])
-    if shield is not None:
-        shield.armed = True  # a long verification stays interruptible
-    try:
-        return report.with_verification(run_verification(initial, report, batches, loss, device=dev, target=target))
-    except KeyboardInterrupt as e:
-        return _marked(report, STOPPED_HANGUP if isinstance(e, Hangup) else
-                       STOPPED_TERMINATED if isinstance(e, Terminated) else STOPPED_INTERRUPTED)
-    finally:
-        if shield is not None:
-            shield.disarm()
+    return _unless_stopped(
+        lambda: report.with_verification(run_verification(initial, report, batches, loss, device=dev, target=target)),
+        lambda why: _marked(report, why))
 
 
 def _marked(report: Report, why: str) -> Report:
