@@ -193,3 +193,44 @@ def test_the_callers_optimizer_is_used_and_recorded():
     assert report.workload.optimizer == {"name": "sgd", "lr": 0.5}
     assert not torch.equal(model.weight, before)
     assert "weight_update_loss" in report.workload.to_dict()
+
+
+# -- .grad the caller left set ---------------------------------------------------------------------
+
+
+def _left_with_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    """A training loop's end, ``zero_grad(); backward(); step()``: .grad stays set (here large, as a scaled one is)."""
+    model.zero_grad()
+    mse(model(batch[0]), batch).backward()
+    for p in model.parameters():
+        p.grad.fill_(1000.0)
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_grads_the_caller_left_are_set_aside_for_the_profile_and_put_back():
+    """The first step's recorded weight gradients are the true ones (plain torch, same weights and batch), not
+    the caller's .grad plus them (1000.27 for a true 0.273 before); the caller's .grad tensors come back as they were."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = tiny_batches(1)[0]
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    mse(reference(batch[0]), batch).backward()
+    true = {n: p.grad.abs().max().item() for n, p in reference.named_parameters()}
+    left = _left_with_grads(model, batch)
+
+    report = profile(model, [batch], mse, steps=1)
+
+    recorded = {f"{m.name}": m.histogram.max_abs for m in report.modules if m.kind == "weight_grad"}
+    assert recorded.keys() == true.keys()
+    assert all(recorded[n] == pytest.approx(true[n], rel=1e-6) for n in true), (recorded, true)
+    assert all(p.grad is left[n] for n, p in model.named_parameters())
+    assert all(torch.all(p.grad == 1000.0) for p in model.parameters())
+
+
+def test_grads_the_caller_left_come_back_after_a_model_error_too():
+    model = faulty_models.FailsAtStep(at=3)
+    left = _left_with_grads(model, tiny_batches(1)[0])  # forward call 1
+    with pytest.raises(ModelError) as e:
+        profile(model, tiny_batches(), mse, steps=4)  # forward calls 2, 3 (raises)
+    assert e.value.report is not None and e.value.report.metadata.steps_seen == 1
+    assert all(p.grad is left[n] for n, p in model.named_parameters())

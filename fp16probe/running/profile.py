@@ -198,7 +198,7 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
                            optimizer=optimizer if isinstance(optimizer, str) else None)
     # The shield holds until the report is made: a signal after the last step (the analysis, the emulated step,
     # verify) stops what is left and keeps the finished steps' report, instead of losing it to a KeyboardInterrupt.
-    with stop_signals():
+    with stop_signals(), callers_grads_set_aside(model):
         result, gather, guard, initial = _run_shielded(r, model, batch_src, loss, settings, probe, grad_scaler,
                                                        on_step=on_step, regime=regime)
         if result.steps_done == 0 or gather == "nothing":
@@ -218,6 +218,25 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         if verify and report is not None and not report.metadata.partial:
             report = _verified(report, initial, result.batches, loss, dev, target)
         return report
+
+
+@contextlib.contextmanager
+def callers_grads_set_aside(model: nn.Module) -> Iterator[None]:
+    """Every parameter's ``.grad`` starts as None inside the block; the caller's come back after, by any exit.
+
+    A training loop that ends ``zero_grad(); backward(); step()`` leaves ``.grad`` set. The
+    profile's first backward would add to it (a first step's weight gradients recorded as
+    1000.27 for a true 0.273), and the loop's own ``zero_grad`` would then drop it. The very
+    tensors are put back (as :func:`prepare_model` left them: cast and moved with their parameters).
+    """
+    kept = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for p, _ in kept:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in kept:
+            p.grad = g
 
 
 def _target_of(r: ProfileRequest, model: nn.Module, device: str | torch.device | None) -> str:
