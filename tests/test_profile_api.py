@@ -234,3 +234,32 @@ def test_grads_the_caller_left_come_back_after_a_model_error_too():
         profile(model, tiny_batches(), mse, steps=4)  # forward calls 2, 3 (raises)
     assert e.value.report is not None and e.value.report.metadata.steps_seen == 1
     assert all(p.grad is left[n] for n, p in model.named_parameters())
+
+
+_FIRST_PROFILE = """
+import json, os, warnings
+import torch
+from torch import nn
+import fp16probe
+env, filters = dict(os.environ), list(warnings.filters)
+fp16probe.profile(nn.Linear(8, 4), [(torch.randn(5, 8), torch.randn(5, 4))] * 2,
+                  lambda out, b: nn.functional.mse_loss(out, b[1]), steps=2)
+print(json.dumps({"env": {k: v for k, v in os.environ.items() if env.get(k) != v},
+                  "filters": [repr(f) for f in warnings.filters if f not in filters]}))
+"""
+
+
+@pytest.mark.slow
+def test_the_first_profile_of_a_process_leaves_the_environment_and_the_warnings_filters_as_found():
+    """A fresh interpreter (the first profile imports torch._dynamo and sympy): before, TORCHINDUCTOR_CACHE_DIR
+    was left in os.environ and SymPy's 'once' filter in warnings.filters."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _FIRST_PROFILE], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"env": {}, "filters": []}

@@ -108,8 +108,14 @@ def test_probes_with_reruns_and_profiles_in_threads_leave_autocast_as_it_was(rou
 
 
 def test_fake_dtype_answers_are_the_same_from_threads_at_once() -> None:
-    """Each thread asks torch's fake kernels through a mode of its own: one shared mode failed under overlap."""
+    """Each thread asks torch's fake kernels through a mode of its own: one shared mode failed under overlap.
+    The fake calls are made one at a time: each quiets warnings with catch_warnings, which saves and puts back
+    the process's one filter list, and overlapping uses left an 'ignore everything' filter behind."""
+    import warnings
+
     from fp16probe.capture.autocast_rules import _ask_fake
+
+    filters = list(warnings.filters)
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     answers: list[bool | None] = []
@@ -120,3 +126,4 @@ def test_fake_dtype_answers_are_the_same_from_threads_at_once() -> None:
 
     _run_all([ask] * 4)
     assert answers == [True] * 160  # CPU autocast runs matmul in fp16
+    assert warnings.filters == filters

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -116,6 +117,30 @@ _lock = threading.Lock()
 # One FakeTensorMode per thread: a mode keeps its in-kernel state on itself, and two threads' fake
 # calls through one mode fail ("AssertionError: False, True"), an answer then cached as unknown.
 _fake_modes = threading.local()
+_fake_lock = threading.RLock()
+_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _fake_mode() -> Any:
+    """This thread's FakeTensorMode, made on first use with the process left as found.
+
+    Making the first one imports ``torch._dynamo``, which sets ``TORCHINDUCTOR_CACHE_DIR`` in
+    ``os.environ``, and sympy, which adds a warnings filter: a profile would leave both behind.
+    """
+    mode = getattr(_fake_modes, "mode", None)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        cache_dir = os.environ.get(_INDUCTOR_CACHE)
+        try:
+            with warnings.catch_warnings():  # the filters as they were, on the way out
+                mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        finally:
+            if cache_dir is None:
+                os.environ.pop(_INDUCTOR_CACHE, None)
+            else:
+                os.environ[_INDUCTOR_CACHE] = cache_dir
+    return mode
 
 
 def op_name(func: Any) -> str:
@@ -192,44 +217,43 @@ def _ask_fake(func: Any, args: Sequence[Any], kwargs: dict[str, Any], is_low: Ca
     if op_name(func).endswith("_") or "out" in kwargs:
         return None  # in place: its dtype is its first input's (the caller's rule handles it)
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        # one fake call at a time: catch_warnings saves and restores the process's one filter list, and two
+        # threads' overlapping uses would put back each other's (an "ignore" left for good)
+        with _fake_lock:
+            mode = _fake_mode()
+            device = "cuda" if target == "cuda" else "cpu"
 
-        mode = getattr(_fake_modes, "mode", None)
-        if mode is None:
-            mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=False)
-        device = "cuda" if target == "cuda" else "cpu"
+            # DisableTorchFunction: the fake calls are not the model's, and no torch function mode
+            # (the audit, op capture) may see them.
+            with warnings.catch_warnings(), torch._C.DisableTorchFunction():
+                warnings.simplefilter("ignore")
+                with mode:
+                    def fake(obj: Any) -> Any:
+                        if isinstance(obj, torch.Tensor):
+                            dtype = obj.dtype
+                            if obj.is_floating_point():
+                                dtype = torch.float16 if is_low(obj) else torch.float32
+                            return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=dtype,
+                                                       device=device)
+                        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+                            return type(obj)(fake(v) for v in obj)
+                        if isinstance(obj, dict):
+                            return {k: fake(v) for k, v in obj.items()}
+                        return obj
 
-        # DisableTorchFunction: the fake calls are not the model's, and no torch function mode
-        # (the audit, op capture) may see them.
-        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
-            warnings.simplefilter("ignore")
-            with mode:
-                def fake(obj: Any) -> Any:
-                    if isinstance(obj, torch.Tensor):
-                        dtype = obj.dtype
-                        if obj.is_floating_point():
-                            dtype = torch.float16 if is_low(obj) else torch.float32
-                        return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=dtype,
-                                                   device=device)
-                    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-                        return type(obj)(fake(v) for v in obj)
-                    if isinstance(obj, dict):
-                        return {k: fake(v) for k, v in obj.items()}
-                    return obj
-
-                a, k = fake(tuple(args)), fake(dict(kwargs))
-                if regime == "pure_fp16":
-                    out = func(*a, **k)
-                else:
-                    prev_on, prev_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-                    torch.set_autocast_enabled(device, True)
-                    torch.set_autocast_dtype(device, torch.float16)
-                    try:
+                    a, k = fake(tuple(args)), fake(dict(kwargs))
+                    if regime == "pure_fp16":
                         out = func(*a, **k)
-                    finally:
-                        torch.set_autocast_enabled(device, prev_on)
-                        torch.set_autocast_dtype(device, prev_dtype)
-                        torch.clear_autocast_cache()
+                    else:
+                        prev_on, prev_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+                        torch.set_autocast_enabled(device, True)
+                        torch.set_autocast_dtype(device, torch.float16)
+                        try:
+                            out = func(*a, **k)
+                        finally:
+                            torch.set_autocast_enabled(device, prev_on)
+                            torch.set_autocast_dtype(device, prev_dtype)
+                            torch.clear_autocast_cache()
         first = _first_float(out)
     except Exception:
         return None
