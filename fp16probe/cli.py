@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, get_args
 
@@ -381,6 +381,20 @@ def _check_profile_outputs(model: str | None, weights: Path | None, out: Path, p
     _check_output(out, "--out", inputs, writable=True)
     if plot is not None:
         _check_output(plot, "--plot", [*inputs, out], figure=True, writable=True)
+        _check_distinct({"--out": out, "--plot": plot})
+
+
+def _check_distinct(outputs: Mapping[str, Any]) -> None:
+    """Refuse two output options naming one file (before it exists too): the second write would replace the first."""
+    seen: dict[Path, str] = {}
+    for option, p in outputs.items():
+        if not p:
+            continue
+        key = Path(p).resolve()
+        if key in seen:
+            raise InputError(f"{option} {p} is also the {seen[key]} file: one would replace the other; "
+                             f"give {option} another path")
+        seen[key] = option
 
 
 def _print_notes(console: Any, notes: list[str]) -> None:
@@ -686,6 +700,9 @@ def compare(
         for option, p in outputs.items():
             if p:
                 _check_output(Path(p), option, [baseline, current])
+        # the summary is appended to $GITHUB_STEP_SUMMARY and --summary alike: only --junit must stand apart
+        _check_distinct({"--summary": summary, "--junit": junit})
+        _check_distinct({"$GITHUB_STEP_SUMMARY": outputs["$GITHUB_STEP_SUMMARY"], "--junit": junit})
         thresholds = gate.GateThresholds(
             max_flushed_increase=max_flushed_increase, max_flushed_increase_at_scale=max_flushed_increase_at_scale,
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,

@@ -5,6 +5,7 @@ Nothing here touches a model or a device; everything is host-side Python numbers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import threading
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Mapping, Sequence, TypedDict
 
 from fp16probe import validation
@@ -618,8 +620,37 @@ def append_text(path: str | os.PathLike[str], text: str) -> None:
     if target.in_place:
         write_in_place(target, text.encode("utf-8"), append=True)
         return
-    old = target.path.read_text(encoding="utf-8") if target.path.exists() else ""
-    atomic_write_text(target.path, old + text)
+    with _folder_locked(target.path.parent):  # read, add, rename: two appends at once would keep one
+        old = target.path.read_text(encoding="utf-8") if target.path.exists() else ""
+        atomic_write_text(target.path, old + text)
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (so no lock file is left behind) while the block runs.
+
+    Other processes' appends into that folder wait; where ``fcntl`` or a folder lock is not
+    available (Windows, some network file systems) the block runs unlocked, as before.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _mode_for(path: Path) -> int:
