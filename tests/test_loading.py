@@ -222,3 +222,23 @@ def test_malformed_hf_config_is_one_line_load_error(tmp_path, case):
     with pytest.raises(ModelLoadError, match=match) as info:
         load_model(str(folder))
     assert "\n" not in str(info.value)
+
+
+def test_a_torchscript_file_given_as_the_model_is_named_as_one(tmp_path):
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(path))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    text = str(e.value)
+    assert "TorchScript archive" in text and "corrupt" not in text and "weights_only" not in text
+    assert "\n" not in text
+
+
+def test_a_fp16probe_report_given_as_the_model_is_named_as_one(tmp_path):
+    path = tmp_path / "report.pt"
+    path.write_bytes((Path(__file__).parent / "data" / "report-v1-demo.json").read_bytes())
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    text = str(e.value)
+    assert "fp16probe report" in text and "fp16probe show" in text and "weights_only" not in text
+    assert "\n" not in text

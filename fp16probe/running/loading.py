@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import sys
+import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,6 +244,9 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         if not _is_refusal(e):
+            kind = _not_a_checkpoint(path)
+            if kind is not None:
+                raise ModelLoadError(f"{what} {path}: {kind}") from e
             raise ModelLoadError(
                 f"{what} {path}: cannot read it as a torch checkpoint (corrupt or truncated?): {first_line(e)}"
             ) from e
@@ -254,6 +258,28 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         raise ModelLoadError(f"{what} {path}: loading it failed: {type(e).__name__}: {first_line(e)}") from e
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What a file torch.load could not read is instead, said with what to do (None: nothing known, or unreadable).
+
+    Read from the file's first bytes and zip listing only: nothing in it is run.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+            if any(n.endswith("/constants.pkl") or "/code/__torch__/" in n for n in names):
+                return ("a TorchScript archive (torch.jit.save), not a checkpoint: fp16probe profiles a Python "
+                        "nn.Module; give its module:Class (with --weights for a state_dict) instead")
+    except (OSError, zipfile.BadZipFile):
+        return None
+    text = head.lstrip()
+    if text.startswith(b"{") and b'"schema_version"' in head and b'"metadata"' in head:
+        return "a fp16probe report (JSON), not a model: read it with fp16probe show, or profile the model it describes"
+    return None
 
 
 def _is_refusal(e: BaseException) -> bool:
