@@ -4,6 +4,8 @@ them holds in a real fp16 autocast step judged by the gradients' error against f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -136,3 +138,14 @@ def test_the_detr_verdict_holds_in_a_real_fp16_step():
     assert at_s[1] == 0 and at_s[0] < at_1[0]
     assert abs(at_s[0] - rec.flushed_fraction_at_scale) < 0.01, (at_s, rec.flushed_fraction_at_scale)
     assert at_s[0] > 1e-3 and above[1] > 0, (at_s, above)
+
+
+def test_the_extras_that_bring_the_detection_family_bring_scipy():
+    """transformers' *ForObjectDetection losses match boxes with scipy: [hf] brings the family, [dev] runs its tests
+    (without it the DETR tests above skip, and a fresh [hf] install stopped at step 1)."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("hf", "dev"):
+        assert any(req.split(">")[0].split("=")[0].strip() == "scipy" for req in extras[extra]), extra
