@@ -24,6 +24,7 @@ import typer
 import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError, message_of
+from fp16probe.validation import SCALER_DEVICES
 
 if TYPE_CHECKING:
     from fp16probe.blockadvice import BlockAdvice
@@ -596,6 +597,9 @@ def recommend(
 
     console = render.make_console()
     with _errors(console, debug):
+        if device is not None and device not in SCALER_DEVICES:  # it goes into the code to paste
+            raise InputError(f"--device {device!r}: expected a device type GradScaler takes: "
+                             f"{', '.join(SCALER_DEVICES)}")
         r = Report.load(report)
         fmt, knd, rec = _judged(r, format, kind)
         if json_out:

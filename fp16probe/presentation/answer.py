@@ -9,7 +9,6 @@ too long for its room is shortened in the middle at dots.
 
 from __future__ import annotations
 
-import math
 import re
 import textwrap
 from dataclasses import dataclass
@@ -20,11 +19,13 @@ from fp16probe.presentation.cite import PAPER
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
+from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.sections import Workload
+from fp16probe.validation import SCALER_DEVICES
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "evidence_rows",
     "findings",
     "fit_name",
+    "fix_code",
     "grad_scaler_code",
     "invented_sentence",
     "numerically_zero_sentence",
@@ -65,7 +67,6 @@ VERDICT_WORDS = {
 }
 ELLIPSIS = "…"
 NOTES_SHOWN = 10  # notes a summary lists; "and N more notes" stands for the rest
-_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
 
 
@@ -94,13 +95,17 @@ def recommendation_for(report: Report, format: str | None = None) -> Recommendat
 
 # -- the code to paste -------------------------------------------------------------------
 def scaler_device(report: Report | None, requested: str | None = None) -> tuple[str, str]:
-    """Return the device for the GradScaler line and, in words, how it was chosen."""
+    """Return the device for the GradScaler line and, in words, how it was chosen.
+
+    The device goes into code to paste: one of :data:`~fp16probe.validation.SCALER_DEVICES`, else cuda.
+    """
     if requested:
-        return requested, f"for {requested}, as asked"
+        if requested in SCALER_DEVICES:
+            return requested, f"for {requested}, as asked"
+        return "cuda", f"for CUDA; '{escape.text(requested)}' is not a device type GradScaler takes"
     ran = report.metadata.device.split(":")[0] if report is not None else ""
-    if not _DEVICE_TYPE.fullmatch(ran):  # the device goes into code to paste: a plain name or nothing
-        ran = escape.text(ran) if ran else ""
-        where = f"; this report's device '{ran}' is not a device type" if ran else ""
+    if ran and ran not in SCALER_DEVICES:
+        where = f"; this report's device '{escape.text(ran)}' is not a device type"
         return "cuda", f"for CUDA, where fp16 training runs{where}"
     if ran and ran != "cpu":
         return ran, f"for {ran}, where this profile ran"
@@ -109,7 +114,8 @@ def scaler_device(report: Report | None, requested: str | None = None) -> tuple[
 
 
 def grad_scaler_code(rec: Recommendation, device: str = "cuda", width: int | None = None) -> str:
-    """Return the Python line(s) creating the recommended GradScaler ('' when none is advised).
+    """Return the Python line(s) creating the recommended GradScaler ('' when none is advised or its
+    arguments are not GradScaler's: see :func:`fp16probe.presentation.paste.grad_scaler_call`).
 
     With ``width``, a call too long for it is split after commas, still valid Python.
     """
@@ -118,26 +124,24 @@ def grad_scaler_code(rec: Recommendation, device: str = "cuda", width: int | Non
         if rec.verdict is not Verdict.NONE_NEEDED:
             return ""
         kwargs = {"enabled": False}
-    args = [f'"{device}"'] + [f"{k}={_python(v)}" for k, v in kwargs.items()]
-    head = "scaler = torch.amp.GradScaler("
-    one = head + ", ".join(args) + ")"
-    if width is None or len(one) <= width:
-        return one
-    lines, current = [head], "    "
-    for i, arg in enumerate(args):
-        piece = arg + ("," if i < len(args) - 1 else ")")
-        if current.strip() and len(current) + 1 + len(piece) > width:
-            lines.append(current.rstrip())
-            current = "    "
-        current += ("" if not current.strip() else " ") + piece
-    lines.append(current.rstrip())
-    return "\n".join(lines)
+    return grad_scaler_call(kwargs, device, width) or ""
 
 
-def _python(v: Any) -> str:
-    if isinstance(v, float) and v >= 1024 and math.log2(v).is_integer():
-        return f"2.0**{int(math.log2(v))}"
-    return repr(v)
+def fix_code(rec: Recommendation, width: int | None = None) -> str | None:
+    """The code keeping a forward or gradient_error verdict's modules in fp32, from its checked names and device.
+
+    '' when the verdict offers no such fix; None when it offers one whose names or device do not fit
+    (then no code is shown, and the answer says why). A report's stored ``fix_code`` is never used.
+    """
+    ev = rec.evidence
+    modules = ev.get("fix_modules")
+    if rec.verdict not in _FIX_VERDICTS or not modules:
+        return ""
+    device = ev.get("fix_device") or ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda"
+    return keep_in_fp32_call(modules, device, width)
+
+
+_FIX_VERDICTS = (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR)
 
 
 # -- the short answer --------------------------------------------------------------------
@@ -172,16 +176,22 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("todo", todo))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
+    if not code and rec.grad_scaler_kwargs:
+        lines.append(Line("todo", "no GradScaler line: the recommendation's GradScaler arguments are not ones "
+                                  "torch.amp.GradScaler takes (grad_scaler_kwargs)"))
     if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
         code = ""
         lines.append(Line("todo", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
-    fix = str(rec.evidence.get("fix_code") or "")
-    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
+    fix = fix_code(rec, width)
+    if fix:
         # bf16's range answers a forward verdict; rounding (gradient_error) is not a matter of range
         lines.append(Line("device", "fix:" if rec.verdict is Verdict.GRADIENT_ERROR else "fix (or train in bf16):"))
-        lines.append(Line("code", "import fp16probe\n" + fix))
+        lines.append(Line("code", fix))
+    elif fix is None:
+        lines.append(Line("todo", "no fix code: the fix's module names or device (evidence fix_modules, fix_device) "
+                                  "are not names and a device fp16probe.keep_in_fp32 takes"))
     unfixed = _fix_refuted(rec)
     if unfixed:
         lines.append(Line("todo", unfixed))
