@@ -137,7 +137,8 @@ def fix_code(rec: Recommendation, width: int | None = None) -> str | None:
     modules = ev.get("fix_modules")
     if rec.verdict not in _FIX_VERDICTS or not modules:
         return ""
-    device = ev.get("fix_device") or ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda"
+    device = (ev["fix_device"] if "fix_device" in ev  # older reports: the target the verdict was judged for
+              else ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda")
     return keep_in_fp32_call(modules, device, width)
 
 
