@@ -220,6 +220,15 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
     raise typer.Exit(code)
 
 
+def _load_checked(path: Path) -> Report:
+    """Load a report and refuse one whose module histograms do not add up to its trace (as compare does)."""
+    from fp16probe.analysis.gate import check_consistency
+
+    report = Report.load(path)
+    check_consistency(report, str(path))
+    return report
+
+
 def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
     """Return the format and kind to judge ``report`` for (the flags, else the report's own) and the Recommendation."""
     from fp16probe.analysis.effect import judge_report
@@ -484,7 +493,7 @@ def show(
 
     console = render.make_console()
     with _errors(console, debug):
-        r = Report.load(report)
+        r = _load_checked(report)
         wanted = format or _stored_format(r)
         advice = _block_advice(r, wanted, recipe)
         rec = None
@@ -575,7 +584,7 @@ def plot(
         if output is None:
             raise InputError("plot needs --out FILE, the figure file (.png, .svg or .pdf), e.g. --out report.png")
         _check_output(output, "--out", [report], figure=True)
-        r = Report.load(report)
+        r = _load_checked(report)
         fmt, knd, rec = _judged(r, format, kind)
         with _writing(output, "--out"):
             _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
@@ -600,7 +609,7 @@ def recommend(
         if device is not None and device not in SCALER_DEVICES:  # it goes into the code to paste
             raise InputError(f"--device {device!r}: expected a device type GradScaler takes: "
                              f"{', '.join(SCALER_DEVICES)}")
-        r = Report.load(report)
+        r = _load_checked(report)
         fmt, knd, rec = _judged(r, format, kind)
         if json_out:
             from fp16probe.presentation.answer import grad_scaler_code, scaler_device
@@ -642,7 +651,7 @@ def schedule(
 
     console = render.make_console()
     with _errors(console, debug):
-        r = Report.load(report)
+        r = _load_checked(report)
         fmt, knd = target_of(r, format, kind)
         table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
         if r.shadow is not None:  # a live run judged by fp32 reruns: name the verdict's GradScaler too

@@ -301,3 +301,57 @@ def test_fuzz_block_advice_code_parses_to_its_recipe_and_kept_names(data, keep):
     kept = [line[4:] for line in advice.te_code.splitlines() if line.startswith("#   ")]
     if "# keep in bf16" in advice.te_code:  # TE's code for the recipe (not a pointer to torchao's)
         assert [ast.literal_eval(k) for k in kept] == list(keep)
+
+
+# -- the paper cuts: wrong-typed evidence, histograms that do not add up, names whole and visible --------
+@pytest.mark.parametrize("key,value", [("max_abs", []), ("largest_safe_log2_scale", "x"), ("emulated", -1)])
+def test_wrong_typed_evidence_is_exit_2_in_one_line(gradient_error_dict, tmp_path, key, value):
+    """Before: ``show`` crashed with TypeError/AttributeError (exit 4) on these, where every other field gets exit 2."""
+    d = copy.deepcopy(gradient_error_dict)
+    d["recommendation"]["evidence"][key] = value
+    for command in ("show", "recommend"):
+        result = _run(command, _write(tmp_path, d))
+        assert result.exit_code == 2, result.output
+        assert f"recommendation.evidence.{key}" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_module_histograms_that_do_not_add_up_to_the_trace_are_refused(gradient_error_dict, tmp_path):
+    """Before: show, recommend and schedule exit 0 on 10^9 module values against the trace's few; compare refused."""
+    d = copy.deepcopy(gradient_error_dict)
+    module = next(m for m in d["modules"] if m["kind"] == "activation_grad")
+    bins = module["histogram"]["bins"]
+    first = next(iter(bins))
+    bins[first] += 10**9
+    for command in ("show", "recommend", "schedule"):
+        result = _run(command, _write(tmp_path, d))
+        assert result.exit_code == 2, (command, result.output)
+        assert "do not add up to its per-step trace" in result.output
+    assert _run("show", _write(tmp_path, gradient_error_dict)).exit_code == 0
+
+
+def test_module_names_in_prose_are_whole_not_cut():
+    """Before: ``worst gpt_neox.….weight``: the one place a user is told what to change named nothing findable."""
+    from fp16probe.presentation.answer import fit_name, recommendation_summary, wrap_text
+
+    name = "gpt_neox.layers.11.attention.query_key_value." + "very_long_part_" * 8 + ".weight"
+    rec = Recommendation(
+        verdict=Verdict.CONSTANT, format="fp16", log2_scale=10, scale=1024.0, grad_scaler_kwargs={},
+        flushed_fraction_at_1=0.1, flushed_fraction_at_scale=0.0, overflow_steps_at_scale=0, headroom_bits=3,
+        worst_modules=[(name, 0.5)], evidence={}, thresholds={}, citations=())
+    for width in (40, 80):
+        text = recommendation_summary(rec, width)
+        assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+        assert name in "".join(line.strip() for line in text.splitlines())
+    assert "".join(fit_name(name, 30)) == name and max(map(len, fit_name(name, 30))) <= 30
+    assert name in "".join(line.strip() for line in wrap_text(f"keep {name} in fp32", 30))
+
+
+def test_zero_width_and_tag_characters_in_names_are_shown_escaped(gradient_error_dict, tmp_path):
+    from fp16probe.presentation import escape
+
+    assert escape.text("a\u200bb\u2060c\U000e0041d") == "a\\u200bb\\u2060c\\U000e0041d"
+    d = copy.deepcopy(gradient_error_dict)
+    d["metadata"]["model_class"] = "Net\u200b\u2060\U000e0041"
+    result = _run("show", _write(tmp_path, d))
+    assert result.exit_code == 0 and "Net\\u200b\\u2060\\U000e0041" in result.output
+    assert not re.search("[\u200b\u2060\U000e0000-\U000e007f]", result.output)

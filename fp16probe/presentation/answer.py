@@ -3,8 +3,9 @@
 Plain strings, no styling and no third-party imports: ``terminal`` renders them with rich,
 ``html`` as HTML, ``figures`` on a figure, so the three say the same thing. Every number
 comes from the report and its Recommendation. Module names and URLs are treated as data:
-a line is broken only at spaces, a module name only after a dot, a URL never, and a name
-too long for its room is shortened in the middle at dots.
+a line is broken only at spaces, a module name after a dot (within a part only when the part
+is longer than a line), a URL never; names are shown whole in prose, never cut to '…' (only a
+figure's labels, :func:`shorten_name`, are shortened).
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ def _flushed_sentence(rec: Recommendation, of: str = "") -> str:
 
 
 def _worst_sentence(rec: Recommendation) -> str:
-    worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
+    worst = ", ".join(f"{n} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
     return f"worst modules at S = 1: {worst}" if worst else ""
 
 
@@ -413,7 +414,7 @@ def emulated_sentence(rec: Recommendation) -> str:
     k = em.get("log2_scale")
     at = f"at S = {num.power_of_two(k)}" if k else "unscaled"
     worst = em.get("worst_parameters") or []
-    tail = (f" (worst {shorten_name(str(worst[0][0]), 36)}: {_error_words(worst[0][1], 0)})"
+    tail = (f" (worst {worst[0][0]}: {_error_words(worst[0][1], 0)})"
             if worst and worst[0][1] is not None and not em.get("nonfinite") else "")
     around = "; ".join(f"{num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
     around = f"first batch at S = {around}" if around else ""
@@ -452,7 +453,7 @@ def _fix_refuted(rec: Recommendation) -> str:
     if rec.verdict is not Verdict.GRADIENT_ERROR or not fix or em.get("fix_holds") is not False:
         return ""
     worst = fix.get("worst_parameters") or []
-    still = (f", {shorten_name(str(worst[0][0]), 36)} still {_error_words(worst[0][1], 0)}"
+    still = (f", {worst[0][0]} still {_error_words(worst[0][1], 0)}"
              if worst and worst[0][1] is not None else "")
     return (f"no fix found: with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
             f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{still} (tolerance "
@@ -490,7 +491,7 @@ def _what_to_do(rec: Recommendation) -> str:
     if rec.verdict is not Verdict.NO_SINGLE_SCALE:
         return ""
     names = [str(n) for n, _ in rec.evidence.get("flushing_modules_at_scale", [])]
-    keep = (f"keep {shorten_name(names[0], 36)}{' and the others listed' if len(names) > 1 else ''} in fp32"
+    keep = (f"keep {names[0]}{' and the others listed' if len(names) > 1 else ''} in fp32"
             if names else "keep the layers that flush the most in fp32")
     return f"what to do: train in bf16 (no loss scale needed), or {keep}, or scale per tensor"
 
@@ -699,19 +700,21 @@ def stacked_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: 
 
 
 def fit_name(name: str, width: int) -> list[str]:
-    """Split a dotted module name into lines of at most ``width``, only after dots.
+    """Split a dotted module name into lines of at most ``width``, after dots where it can.
 
-    A single part longer than ``width`` is shortened in its middle.
+    A single part longer than ``width`` is broken where the line ends: every character of the
+    name is shown, none is cut to '…' (a name is what the user searches their code for).
     """
     width = max(width, 4)
     lines, current = [], ""
     parts = name.split(".")
     for part in [p + "." for p in parts[:-1]] + [parts[-1]]:
-        if len(part) > width:
-            part = _middle(part, width)
         if current and len(current) + len(part) > width:
             lines.append(current)
             current = ""
+        while len(part) > width:
+            lines.append(part[:width])
+            part = part[width:]
         current += part
     return lines + [current] if current or not lines else lines
 
