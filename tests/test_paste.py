@@ -342,7 +342,7 @@ def test_module_names_in_prose_are_whole_not_cut():
         text = recommendation_summary(rec, width)
         assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
         assert name in "".join(line.strip() for line in text.splitlines())
-    assert "".join(fit_name(name, 30)) == name and max(map(len, fit_name(name, 30))) <= 30
+    assert "".join(fit_name(name, 30, whole=True)) == name and max(map(len, fit_name(name, 30, whole=True))) <= 30
     assert name in "".join(line.strip() for line in wrap_text(f"keep {name} in fp32", 30))
 
 

@@ -4,8 +4,8 @@ Plain strings, no styling and no third-party imports: ``terminal`` renders them 
 ``html`` as HTML, ``figures`` on a figure, so the three say the same thing. Every number
 comes from the report and its Recommendation. Module names and URLs are treated as data:
 a line is broken only at spaces, a module name after a dot (within a part only when the part
-is longer than a line), a URL never; names are shown whole in prose, never cut to '…' (only a
-figure's labels, :func:`shorten_name`, are shortened).
+is longer than a line), a URL never; names are shown whole in prose, never cut to '…' (a
+figure's labels, :func:`shorten_name`, and a part longer than a table's column are shortened).
 """
 
 from __future__ import annotations
@@ -669,7 +669,7 @@ def wrap_text(text: str, width: int, indent: str = "") -> list[str]:
                 lines.append(line)
             else:
                 lead = line[: len(line) - len(line.lstrip())]
-                lines += [lead + part for part in fit_name(line.strip(), width - len(lead))]
+                lines += [lead + part for part in fit_name(line.strip(), width - len(lead), whole=True)]
     return lines
 
 
@@ -699,16 +699,19 @@ def stacked_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: 
     return lines
 
 
-def fit_name(name: str, width: int) -> list[str]:
-    """Split a dotted module name into lines of at most ``width``, after dots where it can.
+def fit_name(name: str, width: int, *, whole: bool = False) -> list[str]:
+    """Split a dotted module name into lines of at most ``width``, only after dots.
 
-    A single part longer than ``width`` is broken where the line ends: every character of the
-    name is shown, none is cut to '…' (a name is what the user searches their code for).
+    A single part longer than ``width`` is shortened in its middle (a table's cell), or with
+    ``whole`` broken where the line ends, every character shown (prose: a name is what the
+    user searches their code for, so it is never cut to '…').
     """
     width = max(width, 4)
     lines, current = [], ""
     parts = name.split(".")
     for part in [p + "." for p in parts[:-1]] + [parts[-1]]:
+        if len(part) > width and not whole:
+            part = _middle(part, width)
         if current and len(current) + len(part) > width:
             lines.append(current)
             current = ""
