@@ -397,8 +397,8 @@ def check_grad_scaler_kwargs(d: Any, path: str = "grad_scaler_kwargs") -> Mappin
     Only :data:`GRAD_SCALER_ARGS` keys; ``init_scale`` a positive finite number, ``growth_factor`` above 1,
     ``backoff_factor`` in (0, 1), ``growth_interval`` a whole number from 1, ``enabled`` true or false.
     """
-    d = _object(d, path)
-    for key, v in d.items():
+    checked = _object(d, path)
+    for key, v in checked.items():
         where = f"{path}.{key}"
         if key not in GRAD_SCALER_ARGS:
             raise ReportFieldError(where, f"{path}: {_quoted(key)} is not an argument of torch.amp.GradScaler "
@@ -412,7 +412,7 @@ def check_grad_scaler_kwargs(d: Any, path: str = "grad_scaler_kwargs") -> Mappin
             lo, hi = {"init_scale": (0.0, math.inf), "growth_factor": (1.0, math.inf), "backoff_factor": (0.0, 1.0)}[key]
             if not lo < f < hi:
                 raise _fail(where, f"a number in ({lo:g}, {hi:g})", v)
-    return d
+    return checked
 
 
 def _quoted(key: str) -> str:
