@@ -15,6 +15,7 @@ from typing import Any
 
 from fp16probe.blockscale import BlockCounts, DelayedRecipe
 from fp16probe.errors import ReportFieldError
+from fp16probe.formats import SCALED_FORMATS
 from fp16probe.recommendation import Cited, citation_to_json, citations_from_json
 
 __all__ = ["BlockAdvice", "LayerLoss"]
@@ -97,22 +98,23 @@ class BlockAdvice:
     delayed: DelayedRecipe | None = None
     note_codes: tuple[str, ...] = ()
     hook_errors: int = 0
-    stored: Mapping[str, Any] = field(default_factory=dict, compare=False)  # a file's te_code, torchao_code, notes
+    stored: Mapping[str, Any] = field(default_factory=dict, compare=False)  # a file's notes
 
     # -- presentation (the words and the code, rendered on demand) --------------------
     @property
     def te_code(self) -> str:
-        """TransformerEngine code for the advised recipe (a file's stored code as it was stored)."""
+        """TransformerEngine code for the advised recipe, written from the checked fields (a file's stored code is
+        never shown: code comes from checked tokens only)."""
         from fp16probe.presentation.blockview import te_code
 
-        return str(self.stored.get("te_code") or te_code(self))
+        return te_code(self)
 
     @property
     def torchao_code(self) -> str:
-        """torchao code for the advised recipe (a file's stored code as it was stored)."""
+        """torchao code for the advised recipe, written from the checked fields (never a file's stored code)."""
         from fp16probe.presentation.blockview import torchao_code
 
-        return str(self.stored.get("torchao_code") or torchao_code(self))
+        return torchao_code(self)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -140,17 +142,24 @@ class BlockAdvice:
         layers = d.get("layers", [])
         if not isinstance(layers, list):
             raise ReportFieldError(f"{path}.layers", f"{path}.layers: expected a list")
+        fmt = _get(d, "format", path, (str,), "a format name")
+        if fmt not in SCALED_FORMATS:  # the format and recipes become code to paste: known ones only
+            raise ReportFieldError(f"{path}.format", f"{path}.format: expected one of {', '.join(SCALED_FORMATS)}, "
+                                                     f"got {fmt[:40]!r}")
+        recipes = SCALED_FORMATS[fmt].family.recipes
+        for key in ("recipe", "advised_recipe"):
+            if _get(d, key, path, (str,), "a recipe") not in recipes:
+                raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected one of {', '.join(recipes)} for "
+                                                        f"{fmt}, got {d[key][:40]!r}")
         return cls(
-            format=_get(d, "format", path, (str,), "a format name"), recipe=_get(d, "recipe", path, (str,), "a recipe"),
-            advised_recipe=_get(d, "advised_recipe", path, (str,), "a recipe"),
+            format=fmt, recipe=d["recipe"], advised_recipe=d["advised_recipe"],
             threshold=float(_get(d, "threshold", path, (int, float), "a share")),
             layers=tuple(LayerLoss.from_dict(x, path=f"{path}.layers[{i}]") for i, x in enumerate(layers)),
             keep_high=_strings(d, "keep_high", path), citations=citations_from_json(d.get("citations", []), f"{path}.citations"),
             delayed=None if d.get("delayed") is None else _delayed(d["delayed"], f"{path}.delayed"),
             note_codes=_strings(d, "note_codes", path),
             hook_errors=int(_get(d, "hook_errors", path, (int,), "a count")) if "hook_errors" in d else 0,
-            stored={"te_code": _get(d, "te_code", path, (str,), "code"),
-                    "torchao_code": _get(d, "torchao_code", path, (str,), "code"), "notes": _strings(d, "notes", path)},
+            stored={"notes": _strings(d, "notes", path)},  # a stored te_code or torchao_code is not read
         )
 
 

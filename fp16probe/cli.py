@@ -24,6 +24,7 @@ import typer
 import typer.core
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, ModelLoadError, message_of
+from fp16probe.validation import SCALER_DEVICES
 
 if TYPE_CHECKING:
     from fp16probe.blockadvice import BlockAdvice
@@ -217,6 +218,15 @@ def _fail(console: Any, message: str, code: int, debug: bool, print_error: Any) 
         traceback.print_exc(file=sys.stderr)
     print_error(console, message)
     raise typer.Exit(code)
+
+
+def _load_checked(path: Path) -> Report:
+    """Load a report and refuse one whose module histograms do not add up to its trace (as compare does)."""
+    from fp16probe.analysis.gate import check_consistency
+
+    report = Report.load(path)
+    check_consistency(report, str(path))
+    return report
 
 
 def _judged(report: Report, format: Any, kind: Any) -> tuple[str, str, Any]:
@@ -497,7 +507,7 @@ def show(
 
     console = render.make_console()
     with _errors(console, debug):
-        r = Report.load(report)
+        r = _load_checked(report)
         wanted = format or _stored_format(r)
         advice = _block_advice(r, wanted, recipe)
         rec = None
@@ -588,7 +598,7 @@ def plot(
         if output is None:
             raise InputError("plot needs --out FILE, the figure file (.png, .svg or .pdf), e.g. --out report.png")
         _check_output(output, "--out", [report], figure=True)
-        r = Report.load(report)
+        r = _load_checked(report)
         fmt, knd, rec = _judged(r, format, kind)
         with _writing(output, "--out"):
             _save_figures(r, output, recommendation=rec, format=fmt, kind=knd)
@@ -610,7 +620,10 @@ def recommend(
 
     console = render.make_console()
     with _errors(console, debug):
-        r = Report.load(report)
+        if device is not None and device not in SCALER_DEVICES:  # it goes into the code to paste
+            raise InputError(f"--device {device!r}: expected a device type GradScaler takes: "
+                             f"{', '.join(SCALER_DEVICES)}")
+        r = _load_checked(report)
         fmt, knd, rec = _judged(r, format, kind)
         if json_out:
             from fp16probe.presentation.answer import grad_scaler_code, scaler_device
@@ -652,7 +665,7 @@ def schedule(
 
     console = render.make_console()
     with _errors(console, debug):
-        r = Report.load(report)
+        r = _load_checked(report)
         fmt, knd = target_of(r, format, kind)
         table = judge_schedules(r, fmt, max_flushed_fraction=max_flushed, kind=knd)
         if r.shadow is not None:  # a live run judged by fp32 reruns: name the verdict's GradScaler too

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fp16probe.errors import ReportFieldError
+from fp16probe.validation import AUTOCAST_TARGETS, REGIMES
 
 __all__ = ["Emulation", "EmulatedSetting"]
 
@@ -127,6 +128,10 @@ class Emulation:
         for key in ("format", "target", "regime", "source"):
             if key in d and not isinstance(d[key], str):
                 raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a string, got {d[key]!r}")
+        for key, known in (("target", AUTOCAST_TARGETS), ("regime", REGIMES)):  # both are worded, the target pasted
+            if key in d and d[key] not in known:
+                shown = repr(d[key]) if len(repr(d[key])) <= 60 else repr(d[key])[:57] + "..."
+                raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected {' or '.join(known)}, got {shown}")
         names = d.get("parameters") or []
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ReportFieldError(f"{path}.parameters", f"{path}.parameters: expected a list of parameter names")

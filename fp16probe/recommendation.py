@@ -179,8 +179,9 @@ class Evidence(TypedDict, total=False):
     loss_fp16: bool  # the loss itself is fp16 in the target run: its seed gradient is S in fp16
     log2_scale_without_loss_cap: int  # what S would be with the loss computed in fp32
     custom_functions: list[str]  # custom autograd.Function nodes: their backward is opaque to the ceiling
-    fix_code: str  # the code to paste for a forward verdict
-    fix_modules: list[str]  # the modules that code keeps in fp32
+    fix_code: str  # older reports' code for the fix, as text: never shown (presentation.paste writes the code)
+    fix_modules: list[str]  # the modules a forward or gradient_error verdict's fix keeps in fp32
+    fix_device: str  # the device_type of that fix ("cuda", "cpu"): the target whose autocast it turns off
     fix_top_level: list[str]  # up to 3 ops that run in the model's own forward, outside any submodule
     forward_overflow_count: int  # fp16 forward tensors that pass fp16's max (forward_overflow lists the first 20)
     forward_flushing_count: int  # fp16 forward tensors that flush more than the threshold

@@ -19,10 +19,16 @@ from fp16probe.errors import ReportFieldError
 from fp16probe.recommendation import citations_from_json
 
 __all__ = [
+    "AUTOCAST_TARGETS",
+    "GRAD_SCALER_ARGS",
     "MAX_COUNT",
     "MAX_DEPTH",
+    "REGIMES",
+    "SCALER_DEVICES",
     "check_depth",
+    "check_evidence",
     "check_extra",
+    "check_grad_scaler_kwargs",
     "check_histogram",
     "check_history",
     "check_metadata",
@@ -42,6 +48,21 @@ MAX_DEPTH = 32
 FP32_MAX = 2.0**128 * (1 - 2.0**-24)
 
 _KINDS = ("activation_grad", "weight_grad", "activation")
+
+# -- the tokens code to paste is built from (presentation.paste renders it; nothing else may go in) --
+AUTOCAST_TARGETS = ("cuda", "cpu")
+"""The devices whose autocast rules a prediction applies (``capture.autocast_rules.TARGETS``): the
+``device_type`` of a pasted ``keep_in_fp32`` line."""
+
+REGIMES = ("autocast", "pure_fp16")
+"""How the target run computes in fp16 (``capture.autocast_rules.REGIMES``)."""
+
+SCALER_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu", "mtia", "xla", "npu")
+"""The device types a pasted ``torch.amp.GradScaler`` line may name."""
+
+GRAD_SCALER_ARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+"""``torch.amp.GradScaler``'s keyword arguments, in its signature's order: the only keys a recommendation's
+``grad_scaler_kwargs`` may hold."""
 _METADATA_STRINGS = ("fp16probe_version", "torch_version", "device", "model_class")
 _METADATA_OPTIONAL_STRINGS = ("precision", "param_dtype", "created", "regime")
 _METADATA_COUNTS = {"steps_seen": 0, "steps_total": 0, "every": 1, "world_size": 1}
@@ -350,6 +371,8 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
         _optional(d.get(key), f"{path}.{key}", _fraction)
     for key in ("grad_scaler_kwargs", "evidence", "thresholds", "growth_interval_table"):
         _optional(d.get(key), f"{path}.{key}", _object)
+    _optional(d.get("grad_scaler_kwargs"), f"{path}.grad_scaler_kwargs", check_grad_scaler_kwargs)
+    _optional(d.get("evidence"), f"{path}.evidence", check_evidence)
     citations_from_json(d.get("citations", []), f"{path}.citations")  # records, or an older report's sentences
     for i, c in enumerate(_list(d.get("caveats", []), f"{path}.caveats")):
         if not isinstance(c, str):  # {"code", "data"}; older reports stored the sentence
@@ -366,3 +389,107 @@ def check_recommendation(d: Any, path: str = "recommendation") -> None:
         _str(d.get(key), f"{path}.{key}")
     if "kind" in d:
         _str(d["kind"], f"{path}.kind")
+
+
+def check_grad_scaler_kwargs(d: Any, path: str = "grad_scaler_kwargs") -> Mapping[str, Any]:
+    """Check GradScaler's keyword arguments as GradScaler takes them and return them; they become code to paste.
+
+    Only :data:`GRAD_SCALER_ARGS` keys; ``init_scale`` a positive finite number, ``growth_factor`` above 1,
+    ``backoff_factor`` in (0, 1), ``growth_interval`` a whole number from 1, ``enabled`` true or false.
+    """
+    checked = _object(d, path)
+    for key, v in checked.items():
+        where = f"{path}.{key}"
+        if key not in GRAD_SCALER_ARGS:
+            raise ReportFieldError(where, f"{path}: {_quoted(key)} is not an argument of torch.amp.GradScaler "
+                                          f"(expected {', '.join(GRAD_SCALER_ARGS)})")
+        if key == "enabled":
+            _bool(v, where)
+        elif key == "growth_interval":
+            _int(v, where, 1, 2**31 - 1)
+        else:
+            f = _number(v, where, sys.float_info.max)
+            lo, hi = {"init_scale": (0.0, math.inf), "growth_factor": (1.0, math.inf), "backoff_factor": (0.0, 1.0)}[key]
+            if not lo < f < hi:
+                raise _fail(where, f"a number in ({lo:g}, {hi:g})", v)
+    return checked
+
+
+def _quoted(key: str) -> str:
+    shown = repr(key)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+# Evidence fields the outputs read, by type (the others are free-form, nesting checked).
+_EVIDENCE_NUMBERS = ("max_abs", "flushed_fraction_at_1", "flushed_fraction_at_scale", "format_span_bits")
+_EVIDENCE_INTS = {"largest_safe_log2_scale": (-1100, 1100), "backward_log2_scale": (-1100, 1100),
+                  "log2_scale_without_loss_cap": (-1100, 1100), "per_tensor_scale_log2": (-1100, 1100),
+                  "profiled_steps": (0, MAX_COUNT), "nonzero_values": (0, MAX_COUNT),
+                  "forward_overflow_count": (0, MAX_COUNT), "forward_flushing_count": (0, MAX_COUNT),
+                  "forward_tensors": (0, MAX_COUNT), "simulated_growth_interval": (1, MAX_COUNT)}
+_EVIDENCE_STRINGS = ("backward_verdict", "insufficient_reason", "ceiling_source", "forward_source", "fix_code")
+_EVIDENCE_BOOLS = ("simulated_candidates_tied", "loss_fp16", "simulated_meets_threshold")
+_EVIDENCE_OBJECTS = ("emulated", "by_kind", "insufficient_data", "before_loss_cap")
+_EVIDENCE_STRING_LISTS = ("fix_modules", "fix_top_level", "custom_functions")
+_EVIDENCE_RECORD_LISTS = ("forward_overflow", "forward_low_headroom", "forward_flushing")
+_EVIDENCE_PAIR_LISTS = ("limiting_modules", "flushing_modules_at_scale", "per_tensor_scales")
+# The emulated step's fields the outputs read (analysis.effect writes them).
+_EMULATED_NUMBERS = ("tolerance", "error", "module_output_error", "first_parameter_error")
+_EMULATED_STRINGS = ("module", "first_parameter", "target", "regime")
+
+
+def check_evidence(d: Any, path: str = "evidence") -> None:
+    """Check the evidence fields the outputs read, each as the analysis writes it (null allowed where it writes null).
+
+    A device or regime that code to paste or its words name must be one fp16probe knows
+    (:data:`AUTOCAST_TARGETS`, :data:`REGIMES`).
+    """
+    d = _object(d, path)
+    for key in _EVIDENCE_NUMBERS:
+        _optional(d.get(key), f"{path}.{key}", _number)
+    for key, (lo, hi) in _EVIDENCE_INTS.items():
+        _optional(d.get(key), f"{path}.{key}", _int, lo, hi)
+    for key in _EVIDENCE_STRINGS:
+        _optional(d.get(key), f"{path}.{key}", _str)
+    for key in _EVIDENCE_BOOLS:
+        _optional(d.get(key), f"{path}.{key}", _bool)
+    for key in _EVIDENCE_OBJECTS:
+        _optional(d.get(key), f"{path}.{key}", _object)
+    for key in _EVIDENCE_STRING_LISTS:
+        if d.get(key) is not None:
+            for i, v in enumerate(_list(d[key], f"{path}.{key}")):
+                _str(v, f"{path}.{key}[{i}]")
+    for key in _EVIDENCE_RECORD_LISTS:
+        if d.get(key) is not None:
+            for i, v in enumerate(_list(d[key], f"{path}.{key}")):
+                _object(v, f"{path}.{key}[{i}]")
+    for key in _EVIDENCE_PAIR_LISTS:
+        if d.get(key) is not None:
+            for i, v in enumerate(_list(d[key], f"{path}.{key}")):
+                if not _list(v, f"{path}.{key}[{i}]"):
+                    raise _fail(f"{path}.{key}[{i}]", "a [name, ...] row", v)
+                _str(v[0], f"{path}.{key}[{i}][0]")
+    _choice(d.get("target"), f"{path}.target", AUTOCAST_TARGETS)
+    _choice(d.get("fix_device"), f"{path}.fix_device", AUTOCAST_TARGETS)
+    _choice(d.get("regime"), f"{path}.regime", REGIMES)
+    em = d.get("emulated")
+    if em is not None:
+        where = f"{path}.emulated"
+        for key in _EMULATED_NUMBERS:
+            _optional(em.get(key), f"{where}.{key}", _number)
+        for key in _EMULATED_STRINGS:
+            _optional(em.get(key), f"{where}.{key}", _str)
+        _optional(em.get("log2_scale"), f"{where}.log2_scale", _int, -1100, 1100)
+        _optional(em.get("fix_holds"), f"{where}.fix_holds", _bool)
+        _optional(em.get("fix"), f"{where}.fix", _object)
+        _choice(em.get("target"), f"{where}.target", AUTOCAST_TARGETS)
+        _choice(em.get("regime"), f"{where}.regime", REGIMES)
+        fix = em.get("fix")
+        if fix is not None:
+            for i, v in enumerate(_list(fix.get("keep_fp32", []), f"{where}.fix.keep_fp32")):
+                _str(v, f"{where}.fix.keep_fp32[{i}]")
+
+
+def _choice(v: Any, path: str, choices: tuple[str, ...]) -> None:
+    if v is not None and v not in choices:
+        raise _fail(path, " or ".join(choices), v)

@@ -456,17 +456,17 @@ def _rounding_data(fix_error2: float) -> dict:
 
 def test_gradient_error_offers_the_kept_in_fp32_fix_only_when_its_step_holds():
     from fp16probe.analysis.effect import judged
-    from fp16probe.presentation.answer import short_answer
+    from fp16probe.presentation.answer import fix_code, short_answer
 
     base = analyze(make_report([{"m": H({-30: 1000, 0: 1})}]), "fp16", **FAST)
     works = judged(base, _rounding_data(0.0001))  # 1% off with m in fp32
     assert works.verdict == "gradient_error" and works.evidence["fix_modules"] == ["m"]
-    assert works.evidence["emulated"]["fix_holds"] is True and "keep_in_fp32(model, ['m']" in works.evidence["fix_code"]
+    assert works.evidence["emulated"]["fix_holds"] is True and "keep_in_fp32(model, ['m']" in fix_code(works)
     # m's output is within the tolerance: the error is made in backward, not where m's forward starts it
     assert works.evidence["emulated"]["module_output_error"] is None
     refuted = judged(base, _rounding_data(0.0081))  # still 9% off with m in fp32: no fix to offer
     assert refuted.verdict == "gradient_error" and refuted.evidence["emulated"]["fix_holds"] is False
-    assert refuted.evidence["fix_modules"] == [] and refuted.evidence["fix_code"] == ""
+    assert refuted.evidence["fix_modules"] == [] and fix_code(refuted) == ""
     text = "\n".join(line.text for line in short_answer(None, refuted))
     assert "no fix found: with m in fp32 the emulated gradients are 9% off fp32" in text
     assert "keep_in_fp32" not in text and "train in bf16" not in text

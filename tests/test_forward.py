@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fp16probe
+from fp16probe.presentation.answer import fix_code
 from fp16probe.analysis.recommend import analyze
 from fp16probe.capture.autocast_rules import output_is_low
 from fp16probe.capture.forward import ForwardAudit
@@ -80,7 +81,7 @@ def test_forward_overflow_is_named_with_a_fix_that_makes_a_real_fp16_run_finite(
     assert rec.verdict == "forward_overflow" and rec.grad_scaler_kwargs == {} and rec.log2_scale is None
     first = rec.evidence["forward_overflow"][0]
     assert first["module"] == first_module and first["headroom_bits"] < 0
-    assert first_module in rec.evidence["fix_modules"] and "keep_in_fp32" in rec.evidence["fix_code"]
+    assert first_module in rec.evidence["fix_modules"] and "keep_in_fp32" in fix_code(rec)
     assert "no GradScaler setting fixes this" in verdict_text(rec) and "bf16" in verdict_text(rec)
     # The fix as printed makes the real fp16 run finite on every step.
     fixed = fp16probe.keep_in_fp32(copy.deepcopy(model), rec.evidence["fix_modules"], device_type="cpu")

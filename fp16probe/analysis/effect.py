@@ -337,9 +337,9 @@ def _emulated_overflow(data: Mapping[str, Any], eff: Effect, k: int) -> Caveat |
 
 def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int,
                     emulated: dict[str, Any]) -> Recommendation:
-    """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the code that keeps it.
+    """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the modules to keep.
 
-    The code is given only when that step holds (every judged parameter within TOLERANCE): a fix
+    The fix (``fix_modules``, ``fix_device``) is given only when that step holds (every judged parameter within TOLERANCE): a fix
     the measurement refutes is reported as measured (``emulated["fix_holds"]``), never offered.
     """
     over = eff.first_over
@@ -360,8 +360,7 @@ def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k
     ev["backward_verdict"] = rec.verdict.value
     ev["backward_log2_scale"] = rec.log2_scale
     ev["fix_modules"] = [culprit] if holds else []
-    target = str(data.get("target") or "cuda")
-    ev["fix_code"] = f'fp16probe.keep_in_fp32(model, {[culprit]!r}, device_type="{target}")' if holds else ""
+    ev["fix_device"] = data.get("target") or "cuda"  # the code is presentation's, from these checked tokens
     return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
 
 

@@ -38,6 +38,7 @@ from fp16probe.histogram import Histogram
 from fp16probe.sections import CaptureNotes, Workload
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
 from fp16probe.report import ACTIVATION_GRAD, Report
+from fp16probe.validation import AUTOCAST_TARGETS
 
 __all__ = ["VERDICTS", "analyze", "largest_safe_log2_scale", "target_of"]
 
@@ -634,12 +635,6 @@ def fix_modules(ff: ForwardFindings, verdict: Verdict) -> list[str]:
     return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
 
 
-def _fix_code(modules: Sequence[str], device: str) -> str:
-    if not modules:
-        return ""
-    return f'fp16probe.keep_in_fp32(model, {list(modules)!r}, device_type="{device}")'
-
-
 def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFindings, inner: Recommendation,
                      verdict: Verdict) -> Recommendation:
     ev: Evidence = dict(inner.evidence)  # type: ignore[assignment]
@@ -647,9 +642,8 @@ def _forward_verdict(report: Report, fmt: Format, th: Thresholds, ff: ForwardFin
     ev["backward_verdict"] = inner.verdict.value
     ev["backward_log2_scale"] = inner.log2_scale
     modules = fix_modules(ff, verdict)
-    code = _fix_code(modules, ff.target if ff.target in ("cuda", "cpu") else "cuda")
-    ev["fix_code"] = code
-    ev["fix_modules"] = modules
+    ev["fix_modules"] = modules  # presentation writes the code from these and fix_device
+    ev["fix_device"] = ff.target if ff.target in AUTOCAST_TARGETS else "cuda"
     rows = ff.overflowing if verdict is Verdict.FORWARD_OVERFLOW else ff.flushing
     ev["fix_top_level"] = [t.name for t in rows if t.module == "(model)"][:3]
     ev["forward_overflow_count"] = len(ff.overflowing)

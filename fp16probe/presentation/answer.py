@@ -3,13 +3,13 @@
 Plain strings, no styling and no third-party imports: ``terminal`` renders them with rich,
 ``html`` as HTML, ``figures`` on a figure, so the three say the same thing. Every number
 comes from the report and its Recommendation. Module names and URLs are treated as data:
-a line is broken only at spaces, a module name only after a dot, a URL never, and a name
-too long for its room is shortened in the middle at dots.
+a line is broken only at spaces, a module name after a dot (within a part only when the part
+is longer than a line), a URL never; names are shown whole in prose, never cut to '…' (a
+figure's labels, :func:`shorten_name`, and a part longer than a table's column are shortened).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import textwrap
 from dataclasses import dataclass
@@ -20,11 +20,13 @@ from fp16probe.presentation.cite import PAPER
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
+from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 from fp16probe.sections import Workload
+from fp16probe.validation import SCALER_DEVICES
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "evidence_rows",
     "findings",
     "fit_name",
+    "fix_code",
     "grad_scaler_code",
     "invented_sentence",
     "numerically_zero_sentence",
@@ -65,7 +68,6 @@ VERDICT_WORDS = {
 }
 ELLIPSIS = "…"
 NOTES_SHOWN = 10  # notes a summary lists; "and N more notes" stands for the rest
-_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _EQUALS = re.compile(r"(\b\w{1,3}) = (\S)")
 
 
@@ -94,13 +96,17 @@ def recommendation_for(report: Report, format: str | None = None) -> Recommendat
 
 # -- the code to paste -------------------------------------------------------------------
 def scaler_device(report: Report | None, requested: str | None = None) -> tuple[str, str]:
-    """Return the device for the GradScaler line and, in words, how it was chosen."""
+    """Return the device for the GradScaler line and, in words, how it was chosen.
+
+    The device goes into code to paste: one of :data:`~fp16probe.validation.SCALER_DEVICES`, else cuda.
+    """
     if requested:
-        return requested, f"for {requested}, as asked"
+        if requested in SCALER_DEVICES:
+            return requested, f"for {requested}, as asked"
+        return "cuda", f"for CUDA; '{escape.text(requested)}' is not a device type GradScaler takes"
     ran = report.metadata.device.split(":")[0] if report is not None else ""
-    if not _DEVICE_TYPE.fullmatch(ran):  # the device goes into code to paste: a plain name or nothing
-        ran = escape.text(ran) if ran else ""
-        where = f"; this report's device '{ran}' is not a device type" if ran else ""
+    if ran and ran not in SCALER_DEVICES:
+        where = f"; this report's device '{escape.text(ran)}' is not a device type"
         return "cuda", f"for CUDA, where fp16 training runs{where}"
     if ran and ran != "cpu":
         return ran, f"for {ran}, where this profile ran"
@@ -109,7 +115,8 @@ def scaler_device(report: Report | None, requested: str | None = None) -> tuple[
 
 
 def grad_scaler_code(rec: Recommendation, device: str = "cuda", width: int | None = None) -> str:
-    """Return the Python line(s) creating the recommended GradScaler ('' when none is advised).
+    """Return the Python line(s) creating the recommended GradScaler ('' when none is advised or its
+    arguments are not GradScaler's: see :func:`fp16probe.presentation.paste.grad_scaler_call`).
 
     With ``width``, a call too long for it is split after commas, still valid Python.
     """
@@ -118,26 +125,25 @@ def grad_scaler_code(rec: Recommendation, device: str = "cuda", width: int | Non
         if rec.verdict is not Verdict.NONE_NEEDED:
             return ""
         kwargs = {"enabled": False}
-    args = [f'"{device}"'] + [f"{k}={_python(v)}" for k, v in kwargs.items()]
-    head = "scaler = torch.amp.GradScaler("
-    one = head + ", ".join(args) + ")"
-    if width is None or len(one) <= width:
-        return one
-    lines, current = [head], "    "
-    for i, arg in enumerate(args):
-        piece = arg + ("," if i < len(args) - 1 else ")")
-        if current.strip() and len(current) + 1 + len(piece) > width:
-            lines.append(current.rstrip())
-            current = "    "
-        current += ("" if not current.strip() else " ") + piece
-    lines.append(current.rstrip())
-    return "\n".join(lines)
+    return grad_scaler_call(kwargs, device, width) or ""
 
 
-def _python(v: Any) -> str:
-    if isinstance(v, float) and v >= 1024 and math.log2(v).is_integer():
-        return f"2.0**{int(math.log2(v))}"
-    return repr(v)
+def fix_code(rec: Recommendation, width: int | None = None) -> str | None:
+    """The code keeping a forward or gradient_error verdict's modules in fp32, from its checked names and device.
+
+    '' when the verdict offers no such fix; None when it offers one whose names or device do not fit
+    (then no code is shown, and the answer says why). A report's stored ``fix_code`` is never used.
+    """
+    ev = rec.evidence
+    modules = ev.get("fix_modules")
+    if rec.verdict not in _FIX_VERDICTS or not modules:
+        return ""
+    device = (ev["fix_device"] if "fix_device" in ev  # older reports: the target the verdict was judged for
+              else ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda")
+    return keep_in_fp32_call(modules, device, width)
+
+
+_FIX_VERDICTS = (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR)
 
 
 # -- the short answer --------------------------------------------------------------------
@@ -172,16 +178,22 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("todo", todo))
     dev, how = scaler_device(report, device)
     code = grad_scaler_code(rec, dev, width)
+    if not code and rec.grad_scaler_kwargs:
+        lines.append(Line("todo", "no GradScaler line: the recommendation's GradScaler arguments are not ones "
+                                  "torch.amp.GradScaler takes (grad_scaler_kwargs)"))
     if rec.format.startswith("fp8"):  # TransformerEngine and torchao scale FP8 tensors one by one
         code = ""
         lines.append(Line("todo", "FP8 training scales each tensor (TransformerEngine, torchao), not the loss: "
                                      "no GradScaler; fp16probe profile --format "
                                      f"{rec.format} gives the per-tensor, per-layer answer"))
-    fix = str(rec.evidence.get("fix_code") or "")
-    if fix and rec.verdict in (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR):
+    fix = fix_code(rec, width)
+    if fix:
         # bf16's range answers a forward verdict; rounding (gradient_error) is not a matter of range
         lines.append(Line("device", "fix:" if rec.verdict is Verdict.GRADIENT_ERROR else "fix (or train in bf16):"))
-        lines.append(Line("code", "import fp16probe\n" + fix))
+        lines.append(Line("code", fix))
+    elif fix is None:
+        lines.append(Line("todo", "no fix code: the fix's module names or device (evidence fix_modules, fix_device) "
+                                  "are not names and a device fp16probe.keep_in_fp32 takes"))
     unfixed = _fix_refuted(rec)
     if unfixed:
         lines.append(Line("todo", unfixed))
@@ -346,7 +358,7 @@ def _flushed_sentence(rec: Recommendation, of: str = "") -> str:
 
 
 def _worst_sentence(rec: Recommendation) -> str:
-    worst = ", ".join(f"{shorten_name(n, 40)} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
+    worst = ", ".join(f"{n} ({num.percent(f)})" for n, f in rec.worst_modules[:3])
     return f"worst modules at S = 1: {worst}" if worst else ""
 
 
@@ -402,7 +414,7 @@ def emulated_sentence(rec: Recommendation) -> str:
     k = em.get("log2_scale")
     at = f"at S = {num.power_of_two(k)}" if k else "unscaled"
     worst = em.get("worst_parameters") or []
-    tail = (f" (worst {shorten_name(str(worst[0][0]), 36)}: {_error_words(worst[0][1], 0)})"
+    tail = (f" (worst {worst[0][0]}: {_error_words(worst[0][1], 0)})"
             if worst and worst[0][1] is not None and not em.get("nonfinite") else "")
     around = "; ".join(f"{num.power_of_two(j)}: {_error_words(e, bad)}" for j, e, bad in em.get("neighbours") or ())
     around = f"first batch at S = {around}" if around else ""
@@ -441,7 +453,7 @@ def _fix_refuted(rec: Recommendation) -> str:
     if rec.verdict is not Verdict.GRADIENT_ERROR or not fix or em.get("fix_holds") is not False:
         return ""
     worst = fix.get("worst_parameters") or []
-    still = (f", {shorten_name(str(worst[0][0]), 36)} still {_error_words(worst[0][1], 0)}"
+    still = (f", {worst[0][0]} still {_error_words(worst[0][1], 0)}"
              if worst and worst[0][1] is not None else "")
     return (f"no fix found: with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
             f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{still} (tolerance "
@@ -479,7 +491,7 @@ def _what_to_do(rec: Recommendation) -> str:
     if rec.verdict is not Verdict.NO_SINGLE_SCALE:
         return ""
     names = [str(n) for n, _ in rec.evidence.get("flushing_modules_at_scale", [])]
-    keep = (f"keep {shorten_name(names[0], 36)}{' and the others listed' if len(names) > 1 else ''} in fp32"
+    keep = (f"keep {names[0]}{' and the others listed' if len(names) > 1 else ''} in fp32"
             if names else "keep the layers that flush the most in fp32")
     return f"what to do: train in bf16 (no loss scale needed), or {keep}, or scale per tensor"
 
@@ -657,7 +669,7 @@ def wrap_text(text: str, width: int, indent: str = "") -> list[str]:
                 lines.append(line)
             else:
                 lead = line[: len(line) - len(line.lstrip())]
-                lines += [lead + part for part in fit_name(line.strip(), width - len(lead))]
+                lines += [lead + part for part in fit_name(line.strip(), width - len(lead), whole=True)]
     return lines
 
 
@@ -687,20 +699,25 @@ def stacked_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: 
     return lines
 
 
-def fit_name(name: str, width: int) -> list[str]:
+def fit_name(name: str, width: int, *, whole: bool = False) -> list[str]:
     """Split a dotted module name into lines of at most ``width``, only after dots.
 
-    A single part longer than ``width`` is shortened in its middle.
+    A single part longer than ``width`` is shortened in its middle (a table's cell), or with
+    ``whole`` broken where the line ends, every character shown (prose: a name is what the
+    user searches their code for, so it is never cut to '…').
     """
     width = max(width, 4)
     lines, current = [], ""
     parts = name.split(".")
     for part in [p + "." for p in parts[:-1]] + [parts[-1]]:
-        if len(part) > width:
+        if len(part) > width and not whole:
             part = _middle(part, width)
         if current and len(current) + len(part) > width:
             lines.append(current)
             current = ""
+        while len(part) > width:
+            lines.append(part[:width])
+            part = part[width:]
         current += part
     return lines + [current] if current or not lines else lines
 

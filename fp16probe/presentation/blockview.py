@@ -110,9 +110,20 @@ def block_notes(advice: BlockAdvice) -> tuple[str, ...]:
     return tuple(NOTE_WORDS[c](advice) if c in NOTE_WORDS else c for c in advice.note_codes)
 
 
+_UNKNOWN = "# no code: the advice's format or recipe is not one fp16probe knows"
+
+
+def _known(advice: BlockAdvice) -> bool:
+    """Whether the format and recipe that go into the code are known ones (a report's are checked as it loads)."""
+    fmt = SCALED_FORMATS.get(advice.format)
+    return fmt is not None and advice.advised_recipe in fmt.family.recipes
+
+
 def te_code(advice: BlockAdvice) -> str:
     """TransformerEngine code for the advised recipe: the recipe object and the modules to keep in bf16."""
     format, recipe, keep, delayed = advice.format, advice.advised_recipe, advice.keep_high, advice.delayed
+    if not _known(advice):
+        return _UNKNOWN
     fmt = "Format.HYBRID" if SCALED_FORMATS[format].element.name == "e5m2" else "Format.E4M3"
     family = SCALED_FORMATS[format].family.name
     if family == "fp8":
@@ -137,7 +148,7 @@ def te_code(advice: BlockAdvice) -> str:
     lines = ["import transformer_engine.pytorch as te", imports, f"recipe = {obj}"]
     if keep:
         lines.append("# keep in bf16 (build them as torch.nn.Linear, not te.Linear):")
-        lines += [f"#   {name}" for name in keep]
+        lines += [f"#   {name!r}" for name in keep]  # a name's repr: one line, whatever it holds
     lines += ["with te.fp8_autocast(enabled=True, fp8_recipe=recipe):", "    loss = model(batch)"]
     return "\n".join(lines)
 
@@ -145,6 +156,8 @@ def te_code(advice: BlockAdvice) -> str:
 def torchao_code(advice: BlockAdvice) -> str:
     """torchao code for the advised recipe, leaving the layers to keep in high precision."""
     format, recipe, keep = advice.format, advice.advised_recipe, advice.keep_high
+    if not _known(advice):
+        return _UNKNOWN
     family = SCALED_FORMATS[format].family.name
     # One name a line: the code stays within 80 columns however many layers are kept.
     keep_line = ("KEEP = {\n" + "".join(f"    {name!r},\n" for name in sorted(set(keep))) + "}") if keep else "KEEP = set()"

@@ -3,8 +3,8 @@
 A report file is a CI artifact (it may come from an untrusted branch) and module names come
 from code the user may not have written, so every string of theirs is data. :func:`text` is the
 rule every medium starts from: C0 and C1 control characters (ESC, and so every terminal escape
-sequence, among them), DEL, bidirectional overrides and isolates, line and paragraph
-separators and lone surrogates are shown as visible escapes (``\\x1b``, ``\\n``, ``\\u202e``,
+sequence, among them), DEL, bidirectional overrides and isolates, zero-width and tag characters,
+line and paragraph separators and lone surrogates are shown as visible escapes (``\\x1b``, ``\\n``, ``\\u202e``,
 ``\\udc80``), so they can neither move the cursor, change a window title, link, reorder the
 text nor split a line. Each medium adds its own syntax on top:
 
@@ -32,13 +32,18 @@ __all__ = ["GuardedStream", "figure", "guard_line", "markdown", "markdown_code",
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # C0, DEL, C1; line/paragraph separators; bidi marks, embeddings, overrides and isolates; the
 # BOM/zero-width no-break space; lone surrogates (a JSON report may hold "\udc80").
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
+# Zero-width and invisible characters (U+200B-U+200D, U+2060-U+2064, U+180E) and the tag characters
+# (U+E0000-U+E007F) too: a name that holds them looks like another name.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069"
+                     "\ufeff\ud800-\udfff\U000e0000-\U000e007f]")
 
 
 def _visible(m: re.Match[str]) -> str:
     c = m.group()
     if c in _NAMED:
         return _NAMED[c]
+    if ord(c) > 0xFFFF:
+        return f"\\U{ord(c):08x}"
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 

@@ -74,8 +74,8 @@ def _answer(rec: Recommendation, report: Report | None) -> str:
         if line.kind == "verdict":
             parts.append(f"<p><span class='verdict' style='background:{color}'>{_escape(str(rec.verdict))}"
                          f"</span> {_esc(line.text)}</p>")
-        elif line.kind == "code":
-            parts.append(f"<pre>{_escape(line.text)}</pre>")
+        elif line.kind == "code":  # real lines: escaped one by one, so a newline stays a newline to copy
+            parts.append("<pre>" + "\n".join(_escape(code) for code in line.text.splitlines()) + "</pre>")
         elif line.kind in ("caveat", "invented"):
             parts.append(f"<p class='caveat'>{_esc(line.text)}</p>")
         else:

@@ -306,8 +306,11 @@ def _verification(v: Verification, width: int) -> Iterator[Any]:
     """The recommended setting run for real: predicted against measured, and what it proves."""
     from rich.table import Table
 
-    scaler = ("no loss scaler" if not v.scaler_kwargs else
-              "GradScaler(" + ", ".join(f"{k}={val!r}" for k, val in v.scaler_kwargs.items()) + ")")
+    from fp16probe.presentation.paste import grad_scaler_args
+
+    args = grad_scaler_args(v.scaler_kwargs)  # written as code: GradScaler's own arguments, checked, or words
+    scaler = ("no loss scaler" if not v.scaler_kwargs else "a GradScaler whose stored arguments are not GradScaler's"
+              if args is None else "GradScaler(" + ", ".join(f"{k}={val}" for k, val in args.items()) + ")")
     yield from _para(f"verification: the recommendation run for real: {v.precision} autocast on {v.device}, "
                      f"{v.steps} steps on the profiled batches, {scaler}", width)
     table = Table()

@@ -440,10 +440,12 @@ def _forward(rec: Recommendation, fmt: Format) -> str:
     inner, inner_k = ev.get("backward_verdict"), ev.get("backward_log2_scale")
     after = (f"Once the forward is fixed, the gradients alone give: {inner}"
              + (f" at S = 2^{inner_k}" if inner_k not in (None, 0) else "") + ".")
-    modules, code = list(ev.get("fix_modules") or []), ev.get("fix_code", "")
-    keep = (f"Keep {', '.join(modules[:5])}{', ...' if len(modules) > 5 else ''} in fp32 (autocast off inside, "
-            f"fp32 inputs: {code}; for a Hugging Face model loaded in fp16, list the same module names in "
-            "_keep_in_fp32_modules), or train in bf16, which has fp32's exponent range."
+    modules = [str(m) for m in ev.get("fix_modules") or []]
+    # The fix's code lists every name; a few are named here, more are counted (not listed twice).
+    named = ", ".join(modules) if len(modules) <= 3 else f"the {len(modules)} modules the fix names (evidence fix_modules)"
+    keep = (f"Keep {named} in fp32 (fp16probe.keep_in_fp32: autocast off inside, fp32 inputs; for a Hugging Face "
+            "model loaded in fp16, list the same module names in _keep_in_fp32_modules), or train in bf16, which "
+            "has fp32's exponent range."
             if modules else "The op runs in the model's top-level forward: compute it in fp32 there "
             "(torch.autocast(device_type, enabled=False) around it, with .float() inputs), or train in bf16.")
     top = list(ev.get("fix_top_level") or [])

@@ -1,0 +1,151 @@
+"""Code to paste, built from checked tokens only.
+
+Every line of code fp16probe asks a user to paste (the GradScaler line, the ``keep_in_fp32`` fix;
+TransformerEngine's and torchao's in :mod:`fp16probe.presentation.blockview`) is assembled here
+from values checked against what the call takes: a device type from a fixed set
+(:data:`fp16probe.validation.SCALER_DEVICES`, :data:`~fp16probe.validation.AUTOCAST_TARGETS`),
+module names through ``repr`` (a Python string literal whatever the name holds), numbers as
+numbers. No stored string is ever formatted into code and no stored code is ever shown: a
+report's ``fix_code`` is ignored. A value that does not fit gives no code (``None``), and the
+caller says so in words.
+
+Long calls wrap as Python is written (black's layout): the call on one line when it fits,
+else one argument a line, a list of names one name a line, and a name longer than its line
+split at dots into adjacent string literals, which Python joins back into the one name.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from typing import Any, Mapping, Sequence, Union
+
+from fp16probe.errors import ReportFieldError
+from fp16probe.validation import AUTOCAST_TARGETS, SCALER_DEVICES, check_grad_scaler_kwargs
+
+__all__ = ["Arg", "call_text", "grad_scaler_args", "grad_scaler_call", "keep_in_fp32_call", "string_literal"]
+
+Arg = Union[str, tuple[str, ...]]
+"""An argument already written as Python: an expression, or the items of a list literal."""
+
+_INDENT = "    "
+
+
+def grad_scaler_args(kwargs: Mapping[str, Any]) -> dict[str, str] | None:
+    """GradScaler's keyword arguments written as Python (``2.0**16``, ``2000``, ``False``); None when one does not fit.
+
+    Only GradScaler's own arguments, each checked as GradScaler takes it
+    (:func:`fp16probe.validation.check_grad_scaler_kwargs`).
+    """
+    try:
+        check_grad_scaler_kwargs(dict(kwargs))
+    except ReportFieldError:
+        return None
+    return {str(k): _number(v) for k, v in kwargs.items()}
+
+
+def _number(v: Any) -> str:
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, int):
+        return str(int(v))
+    f = float(v)
+    if f >= 1024 and math.log2(f).is_integer():
+        return f"2.0**{int(math.log2(f))}"
+    return repr(f)
+
+
+def grad_scaler_call(kwargs: Mapping[str, Any], device: str, width: int | None = None) -> str | None:
+    """``scaler = torch.amp.GradScaler("device", k=v, ...)``, split after commas when wider than ``width``.
+
+    None when ``device`` is not one of :data:`~fp16probe.validation.SCALER_DEVICES` or an argument does not fit.
+    """
+    args = grad_scaler_args(kwargs)
+    if args is None or device not in SCALER_DEVICES:
+        return None
+    parts = [f'"{device}"'] + [f"{k}={v}" for k, v in args.items()]  # a device from the fixed set
+    head = "scaler = torch.amp.GradScaler("
+    one = head + ", ".join(parts) + ")"
+    if width is None or len(one) <= width:
+        return one
+    lines, current = [head], _INDENT
+    for i, arg in enumerate(parts):  # a few short arguments: packed, as GradScaler's own docs write them
+        piece = arg + ("," if i < len(parts) - 1 else ")")
+        if current.strip() and len(current) + 1 + len(piece) > width:
+            lines.append(current.rstrip())
+            current = _INDENT
+        current += ("" if not current.strip() else " ") + piece
+    lines.append(current.rstrip())
+    return "\n".join(lines)
+
+
+def keep_in_fp32_call(modules: Any, device: Any, width: int | None = None) -> str | None:
+    """``import fp16probe`` and ``fp16probe.keep_in_fp32(model, [names], device_type="device")``.
+
+    None when ``modules`` is not a non-empty list of names or ``device`` not one of
+    :data:`~fp16probe.validation.AUTOCAST_TARGETS`.
+    """
+    if (not isinstance(modules, (list, tuple)) or not modules or not all(isinstance(m, str) for m in modules)
+            or device not in AUTOCAST_TARGETS):
+        return None
+    names = tuple(string_literal(m) for m in modules)
+    call = call_text("fp16probe.keep_in_fp32", ["model", names, f'device_type="{device}"'], width)  # a fixed-set device
+    return "import fp16probe\n" + call
+
+
+def string_literal(value: str) -> str:
+    """``value`` as a Python string literal (``repr``: quotes, backslashes and invisible characters escaped)."""
+    return repr(str(value))
+
+
+def call_text(func: str, args: Sequence[Arg], width: int | None = None) -> str:
+    """``func(args)`` as Python: one line when it fits ``width``, else one argument a line (black's layout).
+
+    A list that does not fit its line has one item a line; an item that does not fit is a string
+    literal split at dots into adjacent literals (Python joins them into one string).
+    """
+    def flat(arg: Arg) -> str:
+        return arg if isinstance(arg, str) else "[" + ", ".join(arg) + "]"
+
+    one = f"{func}({', '.join(flat(a) for a in args)})"
+    if width is None or len(one) <= width:
+        return one
+    lines = [f"{func}("]
+    for arg in args:
+        line = f"{_INDENT}{flat(arg)},"
+        if isinstance(arg, str) or len(line) <= width:
+            lines.append(line)
+            continue
+        lines.append(f"{_INDENT}[")
+        for item in arg:
+            pieces = _pieces(item, width - 2 * len(_INDENT) - 1)
+            lines += [f"{_INDENT * 2}{p}" for p in pieces[:-1]] + [f"{_INDENT * 2}{pieces[-1]},"]
+        lines.append(f"{_INDENT}],")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _pieces(literal: str, room: int) -> list[str]:
+    """A string literal as adjacent literals each at most ``room`` wide where it can be, split after dots."""
+    if len(literal) <= room:
+        return [literal]
+    value = ast.literal_eval(literal)  # the literal string_literal wrote: its value back
+    room = max(room, 8)
+    out: list[str] = []
+    current = ""
+    for part in re.split(r"(?<=\.)", value):
+        if len(repr(current + part)) <= room:
+            current += part
+            continue
+        if current:
+            out.append(current)
+            current = ""
+        for ch in part:  # a part longer than a line: split where it must be
+            if current and len(repr(current + ch)) > room:
+                out.append(current)
+                current = ""
+            current += ch
+    if current or not out:
+        out.append(current)
+    return [repr(p) for p in out]
