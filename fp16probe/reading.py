@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from fp16probe.errors import ReportError
 
@@ -47,6 +48,20 @@ def _too_big(path: Path, cap: int, size: str = "") -> ReportError:
                        f"you trust, raise the cap with {MAX_REPORT_MB_VARIABLE}=<MiB>")
 
 
+def _read_at_most(f: BinaryIO, limit: int, expected: int) -> bytes:
+    """Up to ``limit`` bytes of ``f``, read in pieces: ``f.read(limit)`` would allocate ``limit`` bytes at once
+    (a cap raised to 100 GiB is a MemoryError before a byte is read)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        part = f.read(min(limit - got, max(expected - got, 0) + 1, 2**30))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def read_report_text(path: Path) -> str:
     """The text of a report file: refused when it is not a regular file or is larger than :func:`max_report_bytes`."""
     cap = max_report_bytes()
@@ -65,7 +80,7 @@ def read_report_text(path: Path) -> str:
         raise _too_big(path, cap, f"{_mib(st.st_size)}, ")
     try:
         with open(path, "rb") as f:
-            data = f.read(cap + 1)  # the file may have grown since it was measured
+            data = _read_at_most(f, cap + 1, st.st_size)  # the file may have grown since it was measured
     except OSError as e:
         raise ReportError(f"{path}: cannot read report: {e.strerror or e}") from e
     if len(data) > cap:
