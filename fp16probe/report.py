@@ -116,12 +116,13 @@ class StepTrace:
     made before it was recorded.
     """
 
-    steps: tuple[int, ...] = ()
-    histograms: Mapping[str, tuple[Histogram, ...]] = field(default_factory=dict)
-    module_max: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    scale: tuple[float | None, ...] = ()
-    found_inf: tuple[bool, ...] = ()
-    ceiling: tuple[float, ...] | None = None
+    # Tuples, or read-only columns over arrays where the trace was read packed (fp16probe.columns).
+    steps: Sequence[int] = ()
+    histograms: Mapping[str, Sequence[Histogram]] = field(default_factory=dict)
+    module_max: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)
+    scale: Sequence[float | None] = ()
+    found_inf: Sequence[bool] = ()
+    ceiling: Sequence[float] | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -215,10 +216,11 @@ class StepHistory:
     """
 
     first_step: int = 0
-    scale: tuple[float | None, ...] = ()
-    grad_max: tuple[float | None, ...] = ()
-    ceiling: tuple[float | None, ...] = ()
-    forward_max: tuple[float | None, ...] | None = None
+    # Tuples, or read-only columns over arrays where the history was read packed (fp16probe.columns).
+    scale: Sequence[float | None] = ()
+    grad_max: Sequence[float | None] = ()
+    ceiling: Sequence[float | None] = ()
+    forward_max: Sequence[float | None] | None = None
 
     def __len__(self) -> int:
         return len(self.scale)
@@ -281,18 +283,18 @@ def _array(values: Sequence[Any], dtype: Any = np.float64) -> np.ndarray:
 def _object_of(v: Any, path: str) -> Mapping[str, Any]:
     if not isinstance(v, Mapping):
         raise ReportFieldError(path, f"{path}: expected an object, got {type(v).__name__}")
-    return v
+    return dict(v)
 
 
 def _packed_object(d: Any, path: str, required: Sequence[str]) -> Mapping[str, Any]:
     """A packed section's JSON, its ``layout`` and required fields checked."""
-    d = _object_of(d, path)
-    if d.get("layout") != columns.LAYOUT:
-        raise ReportFieldError(f"{path}.layout", f"{path}.layout: expected {columns.LAYOUT!r}, got {d.get('layout')!r:.40}")
+    obj = _object_of(d, path)
+    if obj.get("layout") != columns.LAYOUT:
+        raise ReportFieldError(f"{path}.layout", f"{path}.layout: expected {columns.LAYOUT!r}, got {obj.get('layout')!r:.40}")
     for key in required:
-        if key not in d:
+        if key not in obj:
             raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
-    return d
+    return obj
 
 
 def json_float(v: float | None) -> float | str | None:
