@@ -79,7 +79,8 @@ def synthetic_columns(steps: int, seed: int = 0) -> dict[str, Any]:
         jitter = rng.uniform(0.9, 1.1, (steps, BINS_PER_HISTOGRAM))
         counts = np.maximum((total * shape * jitter).astype(np.int64), 1)
         top = lo + BINS_PER_HISTOGRAM - 1
-        max_abs = np.ldexp(rng.uniform(0.5, 1.0, steps), top).astype(np.float32).astype(np.float64)
+        # inside (2^(top-1), 2^top] after rounding to float32
+        max_abs = np.ldexp(rng.uniform(0.501, 1.0, steps), top).astype(np.float32).astype(np.float64)
         out["hist"][kind] = {"lo": lo - MIN_EXP, "counts": counts, "zero": rng.integers(0, 1000, steps),
                              "max_abs": max_abs}
         maxima = np.ldexp(rng.uniform(0.5, 1.0, (len(names), steps)), rng.integers(-20, -2, (len(names), steps)))
