@@ -3,8 +3,9 @@
 A report is input that may come from an untrusted CI artifact: ``/dev/zero``, a FIFO or a
 gigabyte of JSON must end in one line and exit 2, not in a hang or a MemoryError. The cap
 (:data:`DEFAULT_MAX_REPORT_MB`, raised with the ``FP16PROBE_MAX_REPORT_MB`` environment
-variable) also bounds a report's step history: about 60 bytes a step, so the default holds
-some four million steps, and parsing stays within seconds per 100 MB.
+variable) also bounds a report's step history: a 12-layer GPT-2 sampled on every step writes
+about 7,800 bytes a step as lists and 1,800 packed (:mod:`fp16probe.columns`), so the default
+holds about 34,000 and 150,000 of its steps (measured: ``bench/long_history.py``, docs/faults.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from fp16probe.errors import ReportError
 
@@ -47,6 +49,20 @@ def _too_big(path: Path, cap: int, size: str = "") -> ReportError:
                        f"you trust, raise the cap with {MAX_REPORT_MB_VARIABLE}=<MiB>")
 
 
+def _read_at_most(f: BinaryIO, limit: int, expected: int) -> bytes:
+    """Up to ``limit`` bytes of ``f``, read in pieces: ``f.read(limit)`` would allocate ``limit`` bytes at once
+    (a cap raised to 100 GiB is a MemoryError before a byte is read)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        part = f.read(min(limit - got, max(expected - got, 0) + 1, 2**30))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def read_report_text(path: Path) -> str:
     """The text of a report file: refused when it is not a regular file or is larger than :func:`max_report_bytes`."""
     cap = max_report_bytes()
@@ -65,7 +81,7 @@ def read_report_text(path: Path) -> str:
         raise _too_big(path, cap, f"{_mib(st.st_size)}, ")
     try:
         with open(path, "rb") as f:
-            data = f.read(cap + 1)  # the file may have grown since it was measured
+            data = _read_at_most(f, cap + 1, st.st_size)  # the file may have grown since it was measured
     except OSError as e:
         raise ReportError(f"{path}: cannot read report: {e.strerror or e}") from e
     if len(data) > cap:

@@ -17,7 +17,9 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Mapping, Sequence, TypedDict
 
-from fp16probe import validation
+import numpy as np
+
+from fp16probe import columns, validation
 from fp16probe.errors import InputError, ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
 from fp16probe.blockscale import BlockStats
@@ -116,18 +118,22 @@ class StepTrace:
     made before it was recorded.
     """
 
-    steps: tuple[int, ...] = ()
-    histograms: Mapping[str, tuple[Histogram, ...]] = field(default_factory=dict)
-    module_max: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
-    scale: tuple[float | None, ...] = ()
-    found_inf: tuple[bool, ...] = ()
-    ceiling: tuple[float, ...] | None = None
+    # Tuples, or read-only columns over arrays where the trace was read packed (fp16probe.columns).
+    steps: Sequence[int] = ()
+    histograms: Mapping[str, Sequence[Histogram]] = field(default_factory=dict)
+    module_max: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)
+    scale: Sequence[float | None] = ()
+    found_inf: Sequence[bool] = ()
+    ceiling: Sequence[float] | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the JSON form (the ceiling only when recorded)."""
+        """Return the JSON form (the ceiling only when recorded): lists per step, or packed columns
+        (:mod:`fp16probe.columns`) for more than ``columns.PACK_FROM`` steps."""
+        if len(self) > columns.PACK_FROM:
+            return self._packed()
         return {
             "steps": list(self.steps),
             "histograms": {k: [h.to_dict() for h in hs] for k, hs in self.histograms.items()},
@@ -140,6 +146,8 @@ class StepTrace:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, path: str = "trace") -> "StepTrace":
         """Build the trace from its JSON; a bad field or a list of the wrong length raises ReportFieldError."""
+        if columns.is_packed(d):
+            return cls._unpacked(d, path)
         validation.check_trace(d, path)
         steps = tuple(d["steps"])
         histograms = {
@@ -154,6 +162,46 @@ class StepTrace:
         found_inf = tuple(d["found_inf"])
         ceiling = None if d.get("ceiling") is None else tuple(float(c) for c in d["ceiling"])
         return cls(steps, histograms, module_max, scale, found_inf, ceiling)
+
+    def _packed(self) -> dict[str, Any]:
+        names = {k: list(m) for k, m in self.module_max.items()}
+        return columns.pack_trace(
+            steps=_array(self.steps, np.int64), histograms=self.histograms, names=names,
+            module_max={k: np.stack([_array(m[n]) for n in names[k]]) if names[k] else np.zeros((0, len(self)))
+                        for k, m in self.module_max.items()},
+            scale=self.scale, found_inf=_array(self.found_inf, bool),
+            ceiling=None if self.ceiling is None else _array(self.ceiling))
+
+    @classmethod
+    def _unpacked(cls, d: Any, path: str) -> "StepTrace":
+        """Read the packed form (:mod:`fp16probe.columns`), checking what ``check_trace`` checks of the lists."""
+        d = _packed_object(d, path, ("steps", "histograms", "module_max", "scale", "found_inf"))
+        steps = columns.unpack(d["steps"], f"{path}.steps")
+        if steps.dtype.kind not in "ui" or (steps.size and int(steps.min()) < 0):
+            raise ReportFieldError(f"{path}.steps", f"{path}.steps: expected non-negative integers")
+        n = len(steps)
+        histograms = {}
+        for kind, packed in _object_of(d["histograms"], f"{path}.histograms").items():
+            validation.check_kind(kind, f"{path}.histograms")
+            histograms[kind] = columns.unpack_histograms(packed, f"{path}.histograms[{kind!r}]", n)
+        module_max: dict[str, dict[str, Sequence[float]]] = {}
+        for kind, packed in _object_of(d["module_max"], f"{path}.module_max").items():
+            validation.check_kind(kind, f"{path}.module_max")
+            where = f"{path}.module_max[{kind!r}]"
+            packed = _object_of(packed, where)
+            names = packed.get("names")
+            if not isinstance(names, list) or not all(isinstance(x, str) for x in names) or len(set(names)) != len(names):
+                raise ReportFieldError(f"{where}.names", f"{where}.names: expected a list of distinct module names")
+            values = columns.unpack_floats(packed.get("values"), f"{where}.values", len(names) * n, nullable=False)
+            matrix = values.array.reshape(len(names), n) if n else values.array.reshape(len(names), 0)
+            module_max[kind] = {name: columns.Column(matrix[j]) for j, name in enumerate(names)}
+        scale = columns.unpack_floats(d["scale"], f"{path}.scale", n, nullable=True)
+        found = columns.unpack(d["found_inf"], f"{path}.found_inf", n)
+        if found.dtype.kind != "u" or (found.size and int(found.max()) > 1):
+            raise ReportFieldError(f"{path}.found_inf", f"{path}.found_inf: expected 0 or 1 per step (|u1)")
+        ceiling = (None if d.get("ceiling") is None
+                   else columns.unpack_floats(d["ceiling"], f"{path}.ceiling", n, nullable=False, nonfinite="inf"))
+        return cls(columns.Column(steps), histograms, module_max, scale, columns.Column(found.astype(bool)), ceiling)
 
 
 @dataclass(frozen=True)
@@ -170,10 +218,11 @@ class StepHistory:
     """
 
     first_step: int = 0
-    scale: tuple[float | None, ...] = ()
-    grad_max: tuple[float | None, ...] = ()
-    ceiling: tuple[float | None, ...] = ()
-    forward_max: tuple[float | None, ...] | None = None
+    # Tuples, or read-only columns over arrays where the history was read packed (fp16probe.columns).
+    scale: Sequence[float | None] = ()
+    grad_max: Sequence[float | None] = ()
+    ceiling: Sequence[float | None] = ()
+    forward_max: Sequence[float | None] | None = None
 
     def __len__(self) -> int:
         return len(self.scale)
@@ -189,7 +238,9 @@ class StepHistory:
         return tuple(g is not None and not math.isfinite(g) for g in self.grad_max)
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the JSON form."""
+        """Return the JSON form: lists per step, or packed columns for more than ``columns.PACK_FROM`` steps."""
+        if len(self) > columns.PACK_FROM:
+            return columns.pack_history(self.first_step, self.scale, self.grad_max, self.ceiling, self.forward_max)
         return {
             "first_step": self.first_step,
             "scale": list(self.scale),
@@ -201,6 +252,18 @@ class StepHistory:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, path: str = "history") -> "StepHistory":
         """Build the history from its JSON; a bad field raises ReportFieldError naming it."""
+        if columns.is_packed(d):
+            d = _packed_object(d, path, ("first_step", "scale", "grad_max"))
+            first = validation.check_first_step(d["first_step"], f"{path}.first_step")
+            scale = columns.unpack_floats(d["scale"], f"{path}.scale", None, nullable=True)
+            n = len(scale)
+
+            def column(key: str) -> columns.Column:
+                return columns.unpack_floats(d[key], f"{path}.{key}", n, nullable=True, nonfinite="inf nan")
+
+            return cls(first_step=first, scale=scale, grad_max=column("grad_max"),
+                       ceiling=column("ceiling") if d.get("ceiling") is not None else (None,) * n,
+                       forward_max=column("forward_max") if d.get("forward_max") is not None else None)
         validation.check_history(d, path)
         fwd = d.get("forward_max")
         return cls(
@@ -210,6 +273,30 @@ class StepHistory:
             ceiling=tuple(_fromjson_float(c) for c in d.get("ceiling") or [None] * len(d["scale"])),
             forward_max=None if fwd is None else tuple(_fromjson_float(f) for f in fwd),
         )
+
+
+def _array(values: Sequence[Any], dtype: Any = np.float64) -> np.ndarray:
+    """A per-step field as an array: a packed column's own, else converted."""
+    if isinstance(values, columns.Column):
+        return values.array.astype(dtype, copy=False)
+    return np.asarray(values, dtype=dtype)
+
+
+def _object_of(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ReportFieldError(path, f"{path}: expected an object, got {type(v).__name__}")
+    return dict(v)
+
+
+def _packed_object(d: Any, path: str, required: Sequence[str]) -> Mapping[str, Any]:
+    """A packed section's JSON, its ``layout`` and required fields checked."""
+    obj = _object_of(d, path)
+    if obj.get("layout") != columns.LAYOUT:
+        raise ReportFieldError(f"{path}.layout", f"{path}.layout: expected {columns.LAYOUT!r}, got {obj.get('layout')!r:.40}")
+    for key in required:
+        if key not in obj:
+            raise ReportFieldError(f"{path}.{key}", f"{path}: missing field {key!r}")
+    return obj
 
 
 def json_float(v: float | None) -> float | str | None:

@@ -28,9 +28,11 @@ __all__ = [
     "check_depth",
     "check_evidence",
     "check_extra",
+    "check_first_step",
     "check_grad_scaler_kwargs",
     "check_histogram",
     "check_history",
+    "check_kind",
     "check_metadata",
     "check_module",
     "check_modules",
@@ -268,11 +270,24 @@ def check_steps_agree(metadata: Any, trace: Any) -> None:
     if not (isinstance(metadata, Mapping) and isinstance(trace, Mapping)):
         return  # the parts' own checks say what is wrong with them
     seen, steps = metadata.get("steps_seen"), trace.get("steps")
-    if type(seen) is int and isinstance(steps, list) and seen != len(steps):
+    if isinstance(steps, Mapping) and type(steps.get("count")) is int:  # packed (fp16probe.columns)
+        steps = range(steps["count"])
+    if type(seen) is int and isinstance(steps, (list, range)) and seen != len(steps):
         raise ReportFieldError(
             "metadata.steps_seen",
             f"metadata.steps_seen is {seen} but the trace holds {len(steps)} step(s); the two must agree",
         )
+
+
+def check_kind(kind: Any, path: str) -> None:
+    """Check a record kind used as a key (a trace's ``histograms`` and ``module_max``)."""
+    if kind not in _KINDS:
+        raise _fail(path, f"kinds among {', '.join(_KINDS)}", kind)
+
+
+def check_first_step(v: Any, path: str) -> int:
+    """Check a history's first step number."""
+    return _int(v, path)
 
 
 def check_history(d: Any, path: str = "history") -> None:

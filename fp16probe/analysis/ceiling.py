@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from fp16probe.columns import HistogramColumn
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import Histogram
 from fp16probe.report import GRAD_KINDS, Report, StepTrace
@@ -113,9 +114,12 @@ class Ceiling:
         kinds = [k for k in GRAD_KINDS if trace.histograms.get(k)]
         recorded = trace.ceiling
         steps = []
+        # A packed trace's per-step max_abs and inf/NaN as arrays: no Histogram built per step to read two fields.
+        tops = [(hs.max_abs.tolist(), hs.nonfinite.tolist()) if isinstance(hs, HistogramColumn)
+                else ([h.max_abs for h in hs], [h.nonfinite for h in hs]) for hs in (trace.histograms[k] for k in kinds)]
         for i in range(len(trace)):
-            finite = max([floor] + [trace.histograms[k][i].max_abs for k in kinds])
-            nonfinite = any(trace.histograms[k][i].nonfinite for k in kinds)
+            finite = max([floor] + [top[0][i] for top in tops])
+            nonfinite = any(top[1][i] for top in tops)
             if recorded is not None:
                 c = float(recorded[i])
                 if math.isfinite(c):

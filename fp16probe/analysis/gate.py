@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from fp16probe.columns import HistogramColumn
 from fp16probe.errors import ReportError
 from fp16probe.analysis.whatif import flushed_fraction
 from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
@@ -264,7 +265,8 @@ def check_consistency(report: Report, source: str = "report") -> None:
     for kind, per_step in report.trace.histograms.items():
         if not per_step:
             continue
-        steps, modules = Histogram.sum(per_step), report.histogram(kind)
+        steps = per_step.total() if isinstance(per_step, HistogramColumn) else Histogram.sum(per_step)
+        modules = report.histogram(kind)
         if steps.counts != modules.counts or (steps.zero, steps.inf, steps.nan) != (modules.zero, modules.inf, modules.nan):
             raise ReportError(
                 f"{source}: its {kind} module histograms ({modules.total} values) do not add up to its per-step "

@@ -220,7 +220,7 @@ class _Measured:
     kinds: tuple[str, ...]  # judged kinds
     hist: Histogram  # every judged value
     by_kind: Mapping[str, Histogram]  # judged kinds that hold values
-    kind_steps: list[Histogram] | None  # per-step judged values (None without a trace)
+    kind_steps: Sequence[Histogram] | None  # per-step judged values (None without a trace)
     ceiling: Ceiling
     scale_in_force: tuple[float, ...]  # distinct scales the trace recorded
 

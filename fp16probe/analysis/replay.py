@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fp16probe.columns import HistogramColumn
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MAX_EXP, MIN_EXP
@@ -242,8 +243,9 @@ class _StepModel:
 
     step_max: np.ndarray  # float64 [T]: the step's overflow ceiling (analysis.ceiling)
     nonfinite: np.ndarray  # bool [T]: inf/NaN that no scale explains (overflows at every scale)
-    cumulative: np.ndarray  # int64 [T, bins]: counts of `kind` at or below each bin
+    cumulative: np.ndarray  # int64 [T, bins]: counts of `kind` at or below each bin from `first_bin` on
     nonzero: np.ndarray  # int64 [T]
+    first_bin: int = 0  # the bins below it are empty at every step (a long trace keeps only the occupied band)
 
     @property
     def steps(self) -> int:
@@ -255,7 +257,10 @@ class _StepModel:
             return int(self.nonzero[t])
         k = math.frexp(scale)[1] - 1  # floor(log2 scale)
         hi = min(fmt.log2_flush_threshold - k, MAX_EXP) - MIN_EXP
-        return 0 if hi < 0 else int(self.cumulative[t, hi])
+        hi -= self.first_bin
+        if hi < 0:
+            return 0
+        return int(self.cumulative[t, hi]) if hi < self.cumulative.shape[1] else int(self.nonzero[t])
 
     def overflows(self, t: int, fmt: Format, scale: float) -> bool:
         if self.nonfinite[t]:
@@ -281,6 +286,15 @@ def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepMo
         raise AnalysisError(f"the ceiling has {len(ceiling.steps)} steps for a trace of {n}: build it from this trace")
     step_max = np.asarray([s.effective_max for s in ceiling.steps], dtype=np.float64)
     nonfinite = np.asarray([s.intrinsic for s in ceiling.steps], dtype=bool)
+    if all(isinstance(hs, HistogramColumn) for hs in hists):  # a packed trace: its arrays, the occupied band only
+        cols = [hs for hs in hists if isinstance(hs, HistogramColumn)]
+        first = min((int(c.lo[c.width > 0].min()) for c in cols if (c.width > 0).any()), default=0)
+        last = max((int((c.lo + c.width)[c.width > 0].max()) for c in cols if (c.width > 0).any()), default=first)
+        counts = np.zeros((n, max(last - first, 0)), dtype=np.int64)
+        for c in cols:
+            for lo in range(0, n, 65536):
+                counts[lo:lo + 65536] += c.dense(lo, min(lo + 65536, n))[:, first:last]
+        return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1), first)
     counts = np.zeros((n, len(hists[0][0].counts)), dtype=np.int64)
     for hs in hists:
         counts += np.asarray([h.counts for h in hs], dtype=np.int64)

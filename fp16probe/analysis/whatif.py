@@ -45,12 +45,29 @@ def merged(report: Report, kinds: Sequence[str]) -> Histogram:
     return Histogram.sum(report.histogram(k) for k in kinds)
 
 
-def per_step(report: Report, kinds: Sequence[str]) -> list[Histogram] | None:
-    """Return per-step histograms of ``kinds`` summed, or None when the trace has none."""
+def per_step(report: Report, kinds: Sequence[str]) -> Sequence[Histogram] | None:
+    """Return per-step histograms of ``kinds`` summed, or None when the trace has none.
+
+    Built one step at a time as it is read (a long trace is not copied into a Histogram per step)."""
     present = [report.trace.histograms[k] for k in kinds if report.trace.histograms.get(k)]
     if not present:
         return None
-    return [Histogram.sum(hs) for hs in zip(*present)]
+    return present[0] if len(present) == 1 else _SummedSteps(tuple(present))
+
+
+class _SummedSteps(Sequence[Histogram]):
+    """Step i: the sum of every sequence's i-th histogram."""
+
+    def __init__(self, parts: tuple[Sequence[Histogram], ...]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return min(len(p) for p in self.parts)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Histogram.sum(p[i] for p in self.parts)
 
 
 def fraction(part: int, whole: int) -> float:
