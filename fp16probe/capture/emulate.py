@@ -11,6 +11,10 @@ that format where the target rounds it:
 - an op the target's autocast lowers gets its fp32 inputs rounded (autocast's cast), and a
   low-precision output is rounded after the op computes in fp32 (what fp16 kernels do with
   their fp32 "opmath");
+- a tensor an op saves for backward and returns is saved as the target saves it, rounded
+  (``saved_tensors_hooks``): tanh, sigmoid, exp and softmax compute their gradients from their
+  own output, and GELU-tanh written out (``gelu_new``) then gets exactly 0 where fp16's tanh
+  is -1, as the real run does, not fp32's tiny 1 - t^2;
 - every rounded tensor's gradient is rounded in backward too (:class:`RoundTo`: the gradient
   of an fp16 tensor is an fp16 tensor), so a loss held in fp16 gets its seed gradient, the
   loss scale S, as an fp16 number (inf from S = 65520 on), as the real run does;
@@ -69,6 +73,25 @@ class RoundTo(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         """Round the gradient."""
         return grad.to(ctx.low).to(grad.dtype), None
+
+
+class _Saved:
+    """A tensor autograd saved for backward while an emulated op ran; the emulator may swap in its rounded value."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @staticmethod
+    def packed(t: torch.Tensor, saved: list["_Saved"]) -> "_Saved":
+        s = _Saved(t)
+        saved.append(s)
+        return s
+
+    @staticmethod
+    def unpacked(s: "_Saved") -> torch.Tensor:
+        return s.tensor
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,10 +239,25 @@ class _Emulator:
         low = output_is_low(func, args, kwargs, self.is_low, self.target, "pure_fp16" if off else self.regime)
         if low and not off:  # with autocast off, an op is low only when all its inputs are: nothing to cast
             args, kwargs = self._lowered_inputs(args, kwargs)
-        out = func(*args, **kwargs)
+        if not (low and torch.is_grad_enabled()):
+            out = func(*args, **kwargs)
+            return out if isinstance(out, _NO_TENSORS) else self._outputs(out, low)
+        # The op may save its own output for backward (tanh, sigmoid, exp, softmax, sqrt): the
+        # target saves it in the low format, as it returns it. Autograd would save the fp32 value
+        # computed here, before the rounding below: tanh's 1 - t^2 of an unrounded t near -1 is a
+        # small gradient where the target's t is exactly -1 and its gradient 0.
+        saved: list[_Saved] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved.packed(t, saved), _Saved.unpacked):
+            out = func(*args, **kwargs)
         if isinstance(out, _NO_TENSORS):
             return out
-        return self._outputs(out, low)
+        rounded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = self._outputs(out, low, rounded)
+        for s in saved:  # a saved output is held as the target holds it: rounded
+            got = rounded.get(id(s.tensor))
+            if got is not None and got[0] is s.tensor:
+                s.tensor = got[1]
+        return out
 
     def _lowered_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The op's inputs as the target passes them: fp32 ones autocast casts, and outside values, rounded."""
@@ -238,16 +276,20 @@ class _Emulator:
 
         return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
 
-    def _outputs(self, out: Any, low: bool) -> Any:
+    def _outputs(self, out: Any, low: bool, rounded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+        """Mark the op's floating outputs; round the low fp32 ones (each noted in ``rounded``: id -> (it, rounded))."""
         if isinstance(out, torch.Tensor):
             if not out.is_floating_point():
                 return out
             if low and out.dtype == torch.float32:
-                return self.held(out)
+                r = self.held(out)
+                if rounded is not None:
+                    rounded[id(out)] = (out, r.detach())
+                return r
             self.mark(out, low)
             return out
         if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-            return type(out)(self._outputs(v, low) for v in out)
+            return type(out)(self._outputs(v, low, rounded) for v in out)
         for t in iter_tensors(out):
             if t.is_floating_point():
                 self.mark(t, low)
