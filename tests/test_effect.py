@@ -489,3 +489,16 @@ def test_a_fix_the_real_run_refutes_is_not_offered():
     assert em["fix_holds"] is False and rec.evidence["fix_code"] == "" and rec.evidence["fix_modules"] == []
     assert real_run(model, batches[1:], _ce, checked_scale(rec), fp32_modules=[em["module"]])[0] > TOLERANCE
     assert any(line.text.startswith("no fix found") for line in short_answer(report, rec))
+
+
+def test_an_error_is_felt_only_above_half_its_noise():
+    """Hand-built data: b is 10% off; with noise 115% (3 batches) it is within the noise, with 15% it is felt."""
+    off = [[1e-6, 1.0, 0, 10, 0], [0.01, 1.0, 0, 10, 0], [1e-6, 1.0, 0, 10, 0]]
+    # spread / (k - 1) / (square / k) = noise^2 with k = 3, square = 3
+    noisy = {**_data(off), "noise": {"batches": 3, "params": [[2 * 1.15**2, 3.0]] * 3}}
+    quiet = {**_data(off), "noise": {"batches": 3, "params": [[2 * 0.15**2, 3.0]] * 3}}
+    eff = effect_at(noisy, 10)
+    assert eff.params[1].noise == pytest.approx(1.15) and eff.noise == pytest.approx(1.15)
+    assert not eff.harmless and eff.first_over.name == "b.weight" and eff.first_felt is None
+    assert effect_at(quiet, 10).first_felt.name == "b.weight"
+    assert effect_at(_data(off), 10).first_felt.name == "b.weight"  # not measured: the 5% line alone
