@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import AUTOCAST_TARGETS, REGIMES
 
-__all__ = ["Emulation", "EmulatedSetting"]
+__all__ = ["Emulation", "EmulatedSetting", "GradientNoise"]
 
 
 def _number(v: Any, path: str, *, allow_none: bool = False) -> float | None:
@@ -89,11 +89,43 @@ class EmulatedSetting:
 
 
 @dataclass(frozen=True)
+class GradientNoise:
+    """The fp32 gradients' batch-to-batch noise (:mod:`fp16probe.capture.noise`) over ``batches`` batches.
+
+    ``params``: per parameter (in :attr:`Emulation.parameters`' order) ``(sum_b ||g_b - mean||^2,
+    sum_b ||g_b||^2)``.
+    """
+
+    batches: int
+    params: tuple[tuple[float, float], ...]
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (the analysis reads this form)."""
+        return {"batches": self.batches, "params": [[a, b] for a, b in self.params], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "noise") -> "GradientNoise":
+        """Read and check the JSON form; a bad field raises ReportFieldError naming it."""
+        if not isinstance(d, Mapping):
+            raise ReportFieldError(path, f"{path}: expected an object, got {type(d).__name__}")
+        rows = []
+        for i, r in enumerate(d.get("params") or []):
+            p = f"{path}.params[{i}]"
+            if not isinstance(r, list) or len(r) != 2:
+                raise ReportFieldError(p, f"{p}: expected [spread^2, square^2]")
+            rows.append((_number(r[0], p) or 0.0, _number(r[1], p) or 0.0))
+        return cls(batches=int(_number(d.get("batches", 0), f"{path}.batches") or 0), params=tuple(rows),
+                   source=str(d.get("source", "")))
+
+
+@dataclass(frozen=True)
 class Emulation:
     """The emulation pass of a profile: the target it emulated and each setting it ran (see the module docstring).
 
     ``error``: why the pass did not run to the end (then nothing else is filled in).
     ``fp16``: under ``--format bf16``, the fp16 step at fp16's own S, for comparison.
+    ``noise``: the fp32 gradients' batch-to-batch noise (None in a report from before it, or with one batch).
     """
 
     format: str = "fp16"
@@ -106,6 +138,7 @@ class Emulation:
     seconds: float | None = None
     error: str | None = None
     fp16: "Emulation | None" = None
+    noise: GradientNoise | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (what :mod:`fp16probe.analysis.effect` reads)."""
@@ -118,6 +151,8 @@ class Emulation:
             d["error"] = self.error
         if self.fp16 is not None:
             d["fp16"] = self.fp16.to_dict()
+        if self.noise is not None:
+            d["noise"] = self.noise.to_dict()
         return d
 
     @classmethod
@@ -148,4 +183,5 @@ class Emulation:
                    source=str(d.get("source", "")),
                    seconds=_number(seconds, f"{path}.seconds", allow_none=True),
                    error=str(error) if error is not None else None,
-                   fp16=cls.from_dict(fp16, f"{path}.fp16") if fp16 is not None else None)
+                   fp16=cls.from_dict(fp16, f"{path}.fp16") if fp16 is not None else None,
+                   noise=GradientNoise.from_dict(d["noise"], f"{path}.noise") if d.get("noise") is not None else None)

@@ -225,6 +225,9 @@ CAVEAT_SAMPLES = {
                           "tolerance": 0.05},
     "emulated_overflow": {"log2_scale": 17, "nonfinite": 12, "error_below": 0.001, "target": "cuda",
                           "regime": "autocast"},
+    "error_within_noise": {"parameter": "layer1.bn1.bias", "error": 0.101, "noise": 1.15, "model_error": 0.06,
+                           "model_noise": 1.1, "noise_batches": 4, "noise_share": 0.5, "tolerance": 0.05,
+                           "log2_scale": 10, "target": "cpu", "format": "fp16"},
     "bf16_worse_than_fp16": {"error": 0.0025, "fp16_error": 0.0003, "fp16_log2_scale": 17, "target": "cuda"},
 }
 

@@ -11,6 +11,7 @@ off, the verdict says so and names the module, and the printed fix brings a real
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp16probe
+from fp16probe.analysis.effect import NOISE_SHARE, TOLERANCE, effect_at, judged
 from fp16probe.presentation.answer import fix_code
-from fp16probe.analysis.effect import TOLERANCE, effect_at, judged
 from fp16probe.analysis.recommend import analyze
 from fp16probe.presentation.answer import short_answer
 
@@ -61,6 +62,32 @@ def real_run(model: nn.Module, batches: Sequence[Any], loss: Callable[[Any, Any]
     return worst, nonfinite
 
 
+def real_felt(model: nn.Module, batches: Sequence[Any], loss: Callable[[Any, Any], torch.Tensor], log2_scale: int
+               ) -> bool:
+    """Whether any parameter of a real CPU fp16 autocast run at S is more than TOLERANCE off fp32 and more than
+    NOISE_SHARE of its fp32 gradient's batch-to-batch noise (sample variance over the batches, plain torch)."""
+    model = copy.deepcopy(model)
+    ref, low = [], []
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss(model(batch[0]), batch).backward()
+        ref.append({n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            value = loss(model(batch[0]), batch)
+        (value * torch.full((1,), 2.0**log2_scale)).backward()
+        low.append({n: p.grad.double() / 2.0**log2_scale for n, p in model.named_parameters() if p.grad is not None})
+    k = len(batches)
+    for n in ref[0]:
+        square = sum(float(r[n].square().sum()) for r in ref)
+        mean = sum(r[n] for r in ref) / k
+        noise = (sum(float((r[n] - mean).square().sum()) for r in ref) / (k - 1) / (square / k)) ** 0.5
+        error = (sum(float((g[n] - r[n]).square().sum()) for g, r in zip(low, ref)) / square) ** 0.5
+        if not error <= TOLERANCE and not error <= NOISE_SHARE * noise:  # NaN counts as felt
+            return True
+    return False
+
+
 def checked_scale(rec: fp16probe.Recommendation) -> int:
     """The S the verdict stands on (its own, or for a forward verdict the gradients' verdict's)."""
     k = rec.log2_scale if rec.verdict not in BAD[:2] else rec.evidence["backward_log2_scale"]
@@ -81,8 +108,10 @@ def check_against_real(model: nn.Module, batches: Sequence[Any], loss: Callable[
     assert not nonfinite, f"S = 2^{k} overflowed in a real step ({rec.verdict})"
     if error <= TOLERANCE:
         assert rec.verdict not in BAD, (rec.verdict, error)
-    else:
+    elif real_felt(model, batches, loss, k):
         assert rec.verdict in BAD, (rec.verdict, error)
+    else:  # more than 5% off, within the noise: no gradient_error (a forward flush is judged by its effect alone)
+        assert rec.verdict != "gradient_error", (rec.verdict, error)
     return report, error
 
 
@@ -176,21 +205,40 @@ class NaiveNorm(nn.Module):
 
 
 class NormNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, bias: float = 8.0) -> None:
         super().__init__()
         self.fc1, self.norm, self.fc2 = nn.Linear(16, 64), NaiveNorm(64), nn.Linear(64, 10)
         with torch.no_grad():
-            self.fc1.bias.fill_(8.0)  # a large mean against a spread of about 0.6: cancellation
+            self.fc1.bias.fill_(bias)  # a large mean against a spread of about 0.6: cancellation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.norm(self.fc1(x)))
 
 
-def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():
+def test_rounding_within_the_gradients_noise_is_not_an_alarm():
+    """The norm after Linear(bias 8): fp16 puts its gradients 5-9% off fp32 (over the old 5% line), against
+    batch-to-batch noise of 65-90%: no gradient_error, and the answer gives both numbers in one line
+    (its real training stays inside fp32's seed band: test_the_judgement_predicts_real_training)."""
     model, batches = NormNet(), _batches()
     report, error = check_against_real(model, batches, _ce)
     rec = report.recommendation
+    assert error > TOLERANCE and rec.verdict not in BAD
+    caveat = next(c for c in rec.caveats if c.code == "error_within_noise")
+    assert TOLERANCE < caveat.data["error"] < NOISE_SHARE * caveat.data["noise"] and caveat.data["noise_batches"] == 3
+    assert rec.evidence["emulated"]["noise"] > 0.3 and rec.evidence["emulated"]["noise_batches"] == 3
+    text = "\n".join(line.text for line in short_answer(report, rec))
+    assert "against batch-to-batch noise of" in text and "training will not feel it" in text
+
+
+def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():
+    """The same model where the batches carry no noise (one batch three times, as full-batch training): the 5%
+    line alone judges, and the error is the verdict, with its noise (0%) beside it."""
+    model, batches = NormNet(), _batches(1) * 3
+    report, error = check_against_real(model, batches, _ce)
+    rec = report.recommendation
     assert error > TOLERANCE and rec.verdict == "gradient_error"
+    assert rec.evidence["emulated"]["first_parameter_noise"] < 1e-6  # the same batch: roundoff only
+    assert "7.08% off fp32, against batch-to-batch noise of 1.45e-06%" in short_answer(report, rec)[0].text
     assert rec.evidence["fix_modules"] == ["norm"] and rec.evidence["emulated"]["module"] == "norm"
     assert rec.evidence["emulated"]["fix"]["error"] < TOLERANCE  # the fix, proved by a second emulated step
     assert rec.explanation(200).startswith("The emulated fp16 step") and "Keeping norm in fp32" in rec.explanation(200)
@@ -200,6 +248,49 @@ def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():
     fixed = fp16probe.keep_in_fp32(copy.deepcopy(model), ["norm"], device_type="cpu")
     again = profiled(fixed, batches, _ce).recommendation
     assert again.verdict not in BAD and again.evidence["emulated"]["error"] < TOLERANCE
+
+
+def _trained(model: nn.Module, seed: int, half: bool, steps: int = 150) -> float:
+    """The last 50 steps' mean loss of SGD (momentum 0.9, lr 0.05) on a fixed linear teacher's labels, batch 64,
+    in fp32 or under CPU fp16 autocast with torch.amp.GradScaler("cpu") (S = 2^10); inf for a NaN loss."""
+    model = copy.deepcopy(model)
+    teacher = torch.randn(16, 10, generator=torch.Generator().manual_seed(1000))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=half)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+            value = F.cross_entropy(model(x), (x @ teacher).argmax(-1))
+        scaler.scale(value).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(value.detach()))
+    last = torch.tensor(losses[-50:])
+    return float(last.mean()) if torch.isfinite(last).all() else float("inf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bias", [8.0, 12.0])
+def test_the_judgement_predicts_real_training(bias):
+    """Real training, 3 seeds each in fp32 and fp16 (CPU autocast, GradScaler): the norm after Linear(bias 8),
+    5-9% off (the old 5% rule alarmed), ends inside fp32's seed band and gets no alarm; after Linear(bias 12) the
+    fp16 losses leave the band (or go NaN) and the verdict is gradient_error."""
+    torch.manual_seed(0)
+    model = NormNet(bias)
+    teacher = torch.randn(16, 10, generator=torch.Generator().manual_seed(1000))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 16, generator=g) for _ in range(3)]
+    rec = profiled(model, [(x, (x @ teacher).argmax(-1)) for x in xs], _ce).recommendation
+    fp32 = [_trained(model, seed, False) for seed in range(3)]
+    fp16 = [_trained(model, seed, True) for seed in range(3)]
+    low, high = min(fp32), max(fp32)
+    spread = max(high - low, 0.01)
+    inside = all(low - spread <= v <= high + spread for v in fp16)
+    assert inside == (rec.verdict not in BAD), (rec.verdict, fp32, fp16)
+    assert inside == (bias == 8.0)
 
 
 # -- an MoE block and a custom autograd Function: no false alarm --------------------------------
@@ -347,12 +438,22 @@ def test_a_saved_report_is_judged_again_by_its_emulated_step(tmp_path):
     from fp16probe.analysis.effect import judge_report
     from fp16probe.report import Report
 
-    report = profiled(NormNet(), _batches(), _ce)
+    report = profiled(NormNet(), _batches(1) * 3, _ce)
     back = Report.load(report.save(tmp_path / "r.json"))
     assert analyze(back, "fp16").verdict not in BAD  # the histograms alone
     again = judge_report(back, "fp16")
     assert again.verdict == "gradient_error" and again.evidence["fix_modules"] == ["norm"]
     assert again.evidence["emulated"] == report.recommendation.evidence["emulated"]
+    # A report from before the noise was measured loads, and is judged by the 5% line alone, as it was
+    # (the noisy batches' report, whose error is within its noise, then alarms: nothing says otherwise).
+    noisy = profiled(NormNet(), _batches(), _ce)
+    assert noisy.recommendation.verdict not in BAD
+    data = json.loads(noisy.save(tmp_path / "n.json").read_text())
+    del data["sections"]["emulation"]["noise"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = judge_report(Report.load(tmp_path / "old.json"), "fp16")
+    assert old.verdict == "gradient_error" and old.evidence["emulated"]["noise"] is None
+    assert "batch-to-batch noise not measured" in "\n".join(line.text for line in short_answer(None, old))
 
 
 def test_verify_compares_the_same_invented_labels_in_both_runs():
@@ -368,8 +469,10 @@ def test_verify_compares_the_same_invented_labels_in_both_runs():
 
 def test_a_fix_the_real_run_refutes_is_not_offered():
     """The families table's toy ResNet (BatchNorm, ReLU(inplace=True)) on CPU fp16 autocast: its gradients are
-    more than 5% off in a real run, and keeping the module the emulated step blames in fp32 does not help
-    there either: the verdict says so and offers no fix (it printed keep_in_fp32 before)."""
+    more than 5% off in a real run. On two batches that error is a small share of the batch-to-batch noise
+    (the issue's BatchNorm ResNet trained like fp32): no alarm. On one batch twice (no noise) it is the verdict,
+    and keeping the module the emulated step blames in fp32 does not help in the real run either: the verdict
+    says so and offers no fix (it printed keep_in_fp32 before)."""
     from tests.fixtures.family_models import TinyResNet
 
     torch.manual_seed(0)
@@ -377,9 +480,26 @@ def test_a_fix_the_real_run_refutes_is_not_offered():
     batches = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(2)]
     model = TinyResNet()
     report, error = check_against_real(model, batches, _ce)
+    assert error > TOLERANCE and report.recommendation.verdict not in BAD
+    assert any(c.code == "error_within_noise" for c in report.recommendation.caveats)
+
+    report, error = check_against_real(model, batches[1:] * 2, _ce)
     rec = report.recommendation
     em = rec.evidence["emulated"]
     assert error > TOLERANCE and rec.verdict == "gradient_error"
     assert em["fix_holds"] is False and fix_code(rec) == "" and rec.evidence["fix_modules"] == []
-    assert real_run(model, batches, _ce, checked_scale(rec), fp32_modules=[em["module"]])[0] > TOLERANCE
+    assert real_run(model, batches[1:], _ce, checked_scale(rec), fp32_modules=[em["module"]])[0] > TOLERANCE
     assert any(line.text.startswith("no fix found") for line in short_answer(report, rec))
+
+
+def test_an_error_is_felt_only_above_half_its_noise():
+    """Hand-built data: b is 10% off; with noise 115% (3 batches) it is within the noise, with 15% it is felt."""
+    off = [[1e-6, 1.0, 0, 10, 0], [0.01, 1.0, 0, 10, 0], [1e-6, 1.0, 0, 10, 0]]
+    # spread / (k - 1) / (square / k) = noise^2 with k = 3, square = 3
+    noisy = {**_data(off), "noise": {"batches": 3, "params": [[2 * 1.15**2, 3.0]] * 3}}
+    quiet = {**_data(off), "noise": {"batches": 3, "params": [[2 * 0.15**2, 3.0]] * 3}}
+    eff = effect_at(noisy, 10)
+    assert eff.params[1].noise == pytest.approx(1.15) and eff.noise == pytest.approx(1.15)
+    assert not eff.harmless and eff.first_over.name == "b.weight" and eff.first_felt is None
+    assert effect_at(quiet, 10).first_felt.name == "b.weight"
+    assert effect_at(_data(off), 10).first_felt.name == "b.weight"  # not measured: the 5% line alone

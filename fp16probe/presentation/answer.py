@@ -324,6 +324,12 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{': ' + num.percent(d['flushed_fraction']) + ' of its values' if d.get('flushed_fraction') else ''}), but "
         f"the emulated step's gradients are {num.percent(d['error'])} off fp32 at S = {num.power_of_two(d['log2_scale'])}"
         f", within {num.percent(d['tolerance'])}: no effect on training seen, so the loss-scale verdict leads."),
+    "error_within_noise": lambda d: (f"{d['format']} error {num.percent(d['error'])} of the gradient "
+        f"({escape.text(str(d['parameter']))}), against batch-to-batch noise of {num.percent(d['noise'])} (fp32 gradients of "
+        f"{d['noise_batches']} batches): training will not feel it. An error within {num.percent(d['noise_share'])} "
+        "of the noise SGD already tolerates adds to it as a slightly smaller batch would (McCandlish et al., \"An "
+        "Empirical Model of Large-Batch Training\", arXiv:1812.06162), so no alarm; an error the same from step to "
+        "step (a bias, not noise) would not average out."),
     "emulated_overflow": lambda d: (f"The emulated step under {_run(d)} held {num.count(d['nonfinite'])} inf/NaN "
         f"gradient value(s) at S = {num.power_of_two(d['log2_scale'])}, and none at half that S "
         f"({num.percent(d['error_below'])} off fp32): a gradient the overflow ceiling did not see reaches fp16's max "
@@ -394,12 +400,25 @@ def _verdict_sentence(rec: Recommendation) -> str:
         start = (f"; it starts at {em.get('module')} (output {num.percent(em.get('module_output_error'))} off)"
                  if em.get("module_output_error") is not None else f"; made in backward at or just after {em.get('module')}")
         k = em.get("log2_scale")
-        return (f"{head}: {em.get('first_parameter')} is {_error_words(em.get('first_parameter_error'), 0)} "
+        return (f"{head}: {em.get('first_parameter')} is {_error_words(em.get('first_parameter_error'), 0)}"
+                f"{_against_noise(em.get('first_parameter_noise') if em.get('first_parameter_error') is not None else None)} "
                 f"{'at S = ' + num.power_of_two(k) if k else 'unscaled'} with no overflow and no flush, under "
-                f"{num.fp16_run(str(em.get('regime')), str(em.get('target')))}{start}")
+                f"{_target_run(rec.format, em)}{start}")
     if rec.verdict is Verdict.INSUFFICIENT_EVIDENCE:  # the analysis's words say why and what to do
         return f"{head}: {insufficient_why(rec)} (--explain says what to do)"
     return head
+
+
+def _target_run(fmt: str, em: Mapping[str, Any]) -> str:
+    """The run a verdict judges, named by its format: "fp16 autocast on CUDA", "bf16 autocast on cpu"."""
+    target = str(em.get("target"))
+    return (num.fp16_run(str(em.get("regime")), target) if fmt == "fp16"
+            else f"{fmt} autocast on {target.upper() if target == 'cuda' else target}")
+
+
+def _against_noise(noise: Any) -> str:
+    """", against batch-to-batch noise of 115%" ('' when the noise was not measured)."""
+    return f", against batch-to-batch noise of {num.percent(noise)}" if noise is not None else ""
 
 
 def _error_words(error: Any, nonfinite: Any) -> str:
@@ -421,12 +440,16 @@ def emulated_sentence(rec: Recommendation) -> str:
     fix = em.get("fix")
     fixed = (f"; with {', '.join(fix['keep_fp32'])} in fp32: {_error_words(fix.get('error'), fix.get('nonfinite'))}"
              if fix else "")
-    target = str(em.get("target"))
-    run = (num.fp16_run(str(em.get("regime")), target) if rec.format == "fp16"
-           else f"{rec.format} autocast on {target.upper() if target == 'cuda' else target}")
+    run = _target_run(rec.format, em)
+    noise = (f"; batch-to-batch noise {num.percent(em.get('noise'))} ({em.get('noise_batches')} fp32 batches)"
+             if em.get("noise") is not None else "; batch-to-batch noise not measured (fewer than two batches, or a "
+             f"report from before it): the error is judged against {num.percent(em.get('tolerance'))} alone" if "noise" in em else "")
+    fp16 = em.get("fp16") if rec.format == "bf16" else None
+    beside = (f"; fp16 at S = {num.power_of_two(fp16.get('log2_scale'))}: "
+              f"{_error_words(fp16.get('error'), fp16.get('nonfinite'))}" if isinstance(fp16, Mapping) else "")
     return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
-            f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}"
-            f"{'; ' + around if around else ''}{fixed}")
+            f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}{noise}"
+            f"{'; ' + around if around else ''}{fixed}{beside}")
 
 
 WEIGHT_UPDATE_RULE = (

@@ -28,11 +28,15 @@ from fp16probe.report import Report
 from fp16probe.running.inputs import call_model
 from fp16probe.running.losses import Loss
 
-__all__ = ["EMULATED_BATCHES", "loss_generators", "with_effect"]
+__all__ = ["EMULATED_BATCHES", "KEPT_BATCHES", "NOISE_BATCHES", "loss_generators", "with_effect"]
 
 # S/2, S and 2S run on the first batch, S on the others, each fix on all: with 2 batches, 2 fp32 and
 # 4 emulated steps (GPT-2 small from its config on this CPU: 60 s -> 87 s for a 10-step profile).
 EMULATED_BATCHES = 2
+# The fp32 gradients' batch-to-batch noise (fp16probe.capture.noise) over up to this many of the profile's
+# batches: 4 fp32 steps more, cheap beside the emulated ones; 2 is the least that measures a spread.
+NOISE_BATCHES = 4
+KEPT_BATCHES = max(EMULATED_BATCHES, NOISE_BATCHES)  # the batches the profile keeps for this pass
 
 
 def loss_generators(obj: Any, depth: int = 0) -> list[torch.Generator]:
@@ -74,6 +78,7 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
     ``fmt``: the verdict's format as the caller resolved it (else its name is looked up here).
     """
     from fp16probe.capture.emulate import measure_effect, merged_setting
+    from fp16probe.capture.noise import measure_noise
 
     rec = report.recommendation
     if rec is None or rec.format not in ("fp16", "bf16") or not batches:
@@ -101,6 +106,8 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
             if k16 is not None:
                 data["fp16"] = measure_effect(model, runs, format="fp16", target=target, regime=regime,
                                               settings=[(int(k16), ())])
+        if len(batches) > 1:  # one batch has no spread: the judgement then says the noise is not measured
+            data["noise"] = measure_noise(model, _runs(model, batches[:NOISE_BATCHES], loss), data["parameters"])
         for fix in fixes_to_try(rec, data):
             more = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
                                   settings=[(k, fix)])

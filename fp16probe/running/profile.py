@@ -31,7 +31,7 @@ from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_l
 from fp16probe.running.loading import load_model, quiet_transformers
 from fp16probe.running.losses import Loss, as_loss, make_loss
 from fp16probe.running.optimizers import OPTIMIZERS, make_optimizer
-from fp16probe.running.effect import EMULATED_BATCHES, with_effect
+from fp16probe.running.effect import KEPT_BATCHES, with_effect
 from fp16probe.running.request import ProfileRequest
 from fp16probe.running.signals import Hangup, Terminated, stop_signals
 
@@ -277,7 +277,7 @@ def _run_shielded(r: ProfileRequest, model: nn.Module, batch_src: Batches, loss:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
                                  keep_batches=verify, audit=audit, guard=guard,
-                                 keep_first=EMULATED_BATCHES if precision == "fp32" else 0)
+                                 keep_first=KEPT_BATCHES if precision == "fp32" else 0)
         shield.disarm()  # the loop is over: a second Ctrl-C or a SIGTERM no longer aborts the report
         gather: Any = None
         if guard is not None:
@@ -320,7 +320,7 @@ def _with_measurements(report: Report | None, r: ProfileRequest, model: nn.Modul
     if report is not None and r.precision == "fp32" and guard is None and result.error is None:
         done = report
         report = _unless_stopped(
-            lambda: with_effect(done, model, result.batches[:EMULATED_BATCHES], loss, target=target, regime=regime,
+            lambda: with_effect(done, model, result.batches[:KEPT_BATCHES], loss, target=target, regime=regime,
                                 kind=r.kind, fmt=fmt if isinstance(fmt, Format) else None),
             lambda why: done.with_sections({"emulation": Emulation(error=f"stopped: {why}")}))
     return report
