@@ -136,3 +136,19 @@ def test_the_trial_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fp16probe.profile(model, case.data()[:2], case.loss, steps=2, target="cpu", trial=3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_plot_draws_the_curves_and_the_band():
+    pytest.importorskip("matplotlib")
+    from fp16probe.presentation.figures import figure, plot_trial
+
+    case = CASES["mlp"]
+    report = fp16probe.profile(case.build(), case.data()[:2], case.loss, steps=2, target="cpu", trial=5)
+    ax = plot_trial(report)
+    gids = {line.get_gid() for line in ax.get_lines()} | {c.get_gid() for c in ax.collections}
+    assert {"trial:fp32:0", "trial:low:2", "trial:band"} <= gids
+    assert len(ax.get_lines()[0].get_ydata()) == 5
+    fig = figure(report)
+    assert any(a.get_title().startswith("training trial") for a in fig.axes)
+    old = figure(Report.from_dict({**json.loads(report.to_json()), "sections": {}}))
+    assert not any(a.get_title().startswith("training trial") for a in old.axes)
