@@ -88,8 +88,9 @@ def test_the_command_line_refuses_a_bad_trial_with_exit_2(monkeypatch, tmp_path,
     prepare_cli_env(monkeypatch, tmp_path)
     result = run("profile", "--trial", value, "--steps", "1")
     assert result.exit_code == 2
-    if value != "many":  # typer's own refusal of a non-number is its usage box
-        assert "--trial" in one_error_line(result)
+    line = one_error_line(result)
+    assert line.startswith(f"error: --trial {value}: expected a whole number of training steps") or (
+        value == "many" and "Invalid value for '--trial'" in line)
 
 
 def _real_band(name: str, scaler_kwargs: dict | None):
@@ -152,3 +153,16 @@ def test_plot_draws_the_curves_and_the_band():
     assert any(a.get_title().startswith("training trial") for a in fig.axes)
     old = figure(Report.from_dict({**json.loads(report.to_json()), "sections": {}}))
     assert not any(a.get_title().startswith("training trial") for a in old.axes)
+
+
+def test_a_report_with_a_trial_meets_the_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    from tests.test_report_schema import report_schema
+
+    case = CASES["mlp"]
+    report = fp16probe.profile(case.build(), case.data()[:2], case.loss, steps=2, target="cpu", trial=2)
+    d = json.loads(report.to_json())
+    jsonschema.validate(d, report_schema())
+    d["sections"]["trial"]["run"] = "guessed"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(d, report_schema())
