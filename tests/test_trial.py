@@ -139,6 +139,7 @@ def test_the_trial_leaves_the_model_as_it_was():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_plot_draws_the_curves_and_the_band():
     pytest.importorskip("matplotlib")
     from fp16probe.presentation.figures import figure, plot_trial
@@ -166,3 +167,14 @@ def test_a_report_with_a_trial_meets_the_schema():
     d["sections"]["trial"]["run"] = "guessed"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(d, report_schema())
+
+
+def test_off_its_device_the_trial_runs_the_emulated_target_step():
+    """A CUDA target profiled on a CPU: the low-precision runs are the emulated CUDA step, not CPU autocast
+    (whose curve it would otherwise equal), and the first step's loss is the fp32 one rounded as CUDA would."""
+    case = CASES["naive_variance"]
+    report = fp16probe.profile(case.build(), case.data()[:2], case.loss, steps=2, target="cuda", trial=3)
+    t = report.section("trial")
+    assert t.run == "emulated" and t.target == "cuda" and t.device == "cpu"
+    assert len(t.low) == TRIAL_SEEDS and all(len(c) == 3 for c in t.low)
+    assert t.low[0][0] != t.fp32[0][0]  # the cancelling variance: fp16 arithmetic changes the very first loss
