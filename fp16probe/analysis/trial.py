@@ -9,8 +9,8 @@ min) and at least by :data:`BAND_FLOOR` of their mean. A low-precision run is in
 its curves' last-``k`` means is finite and at most the band's top: a curve that ends below fp32's
 band trained at least as well (the question is whether low precision hurts training). Widening by the spread says: a
 low-precision seed may differ from the fp32 seeds by as much as fp32's seeds differ among themselves;
-the floor keeps a band whose fp32 seeds happen to agree closely from calling rounding a failure (on
-the evidence models of docs/evidence.md the fp32 seeds' own spread was 0.1-30% of their mean).
+the floor keeps a band whose fp32 seeds happen to agree closely from calling rounding a failure
+(2% is a chosen value, not one fitted to the evidence of docs/evidence.md).
 """
 
 from __future__ import annotations
