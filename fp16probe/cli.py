@@ -170,7 +170,7 @@ PARAMETER_FLAGS = {
     "loss_fn": "--loss", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
     "optimizer": "--optimizer", "plot": "--plot", "precision": "--precision", "recipe": "--recipe",
     "scaler": "--loss-scale", "seed": "--seed", "steps": "--steps", "trust_checkpoint": "--trust-checkpoint",
-    "trust_remote_code": "--trust-remote-code", "verify": "--verify", "target": "--target",
+    "trust_remote_code": "--trust-remote-code", "verify": "--verify", "target": "--target", "trial": "--trial",
     "vocab_size": "--vocab-size", "weights": "--weights",
 }
 
@@ -317,6 +317,7 @@ def profile(
     seed: Annotated[int, typer.Option(help="Seed for synthetic inputs and labels, and for torch's own random numbers (a factory's initialisation, dropout), so a run repeats exactly.")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="Then run the recommended setting for real (fp16 autocast with the recommended scaler, same steps and batches; .half() for a model that came in fp16) and report predicted against measured.")] = False,
     target: Annotated[Optional[Literal["cuda", "cpu"]], typer.Option(help="Whose fp16 autocast rules the prediction applies: cuda (default; cpu with --verify on a CPU) or cpu. --target cuda --verify on a CPU checks the CUDA prediction on an emulated CUDA step.")] = None,
+    trial: Annotated[Optional[int], typer.Option(metavar="STEPS", help="Then train copies of the model from the same weights for STEPS optimizer steps in fp32 and in the answer's format with its GradScaler (the target's autocast on its own device, else the emulated target step), over 3 data orders of the profiled batches, and say whether the low-precision loss stays inside fp32's seed band. Costs STEPS x 3 x 2 training steps; the model is not changed.")] = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = False,
     debug: DebugOpt = False,
@@ -345,7 +346,7 @@ def profile(
             steps=steps, device=device, precision=precision, loss_scale=loss_scale,
             optimizer=None if optimizer == "none" else optimizer, lr=lr, format=format, kind=kind or "all",
             granularity=granularity, modules=tuple(modules or ()), seed=seed, verify=verify, target=target,
-            recipe=recipe, plot=plot)
+            recipe=recipe, plot=plot, trial=trial)
         # What torch, transformers and torchao write while they load and run the model is held back
         # and counted in one line (--debug lets it through): a right answer or a refusal stands alone.
         with held_back(enabled=not debug) as held:

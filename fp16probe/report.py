@@ -32,6 +32,7 @@ from fp16probe.sections import (
     CaptureNotes,
     ForwardSection,
     ShadowRuns,
+    Trial,
     Workload,
     register_section,
     split_legacy_extra,
@@ -835,6 +836,7 @@ register_section("capture", CaptureNotes.from_dict, builtin=True)
 register_section("workload", Workload.from_dict, builtin=True)
 register_section("block_advice", BlockAdvice.from_dict, builtin=True)
 register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
+register_section("trial", Trial.from_dict)  # the training trial (fp16probe.running.trial)
 
 
 def with_workload(report: Report) -> Report:

@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
-__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "Workload",
-           "register_section", "split_legacy_extra", "split_workload"]
+__all__ = ["SECTIONS", "TRIAL_RUNS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns",
+           "Trial", "Workload", "register_section", "split_legacy_extra", "split_workload"]
 
 
 def _json_float(v: float | None) -> float | str | None:
@@ -149,6 +149,81 @@ class ShadowRuns:
                    off=_typed(d, "off", path, (str,), "a string"),
                    discarded=tuple(dict(_mapping(x, f"{path}.discarded[{i}]"))
                                    for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))))
+
+
+TRIAL_RUNS = ("autocast", "emulated")  # how the trial's low-precision runs computed: real autocast, or the emulated step
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The training trial (``profile(..., trial=STEPS)``): loss curves of fp32 and low-precision training.
+
+    From the same weights, each of ``seeds`` (a data order over the profile's ``batches`` batches)
+    trained ``steps`` optimizer steps twice: in fp32 (``fp32``, one curve per seed) and in ``format``
+    (``low``) with the answer's GradScaler settings ``scaler`` ({} for none), ``run`` on ``device``
+    (``autocast``: the device's own autocast; ``emulated``: the emulated ``target`` step,
+    :mod:`fp16probe.capture.emulate`), the modules in ``fixed`` kept in fp32 (a verdict's fix).
+    ``skipped``: the steps each low-precision seed's GradScaler skipped (inf/NaN). A curve that
+    met a non-finite loss ends there. ``off``: why no trial ran (the curves are then empty). Its cost:
+    ``steps x len(seeds) x 2`` training steps. :func:`fp16probe.analysis.trial.judge_curves` judges it.
+    """
+
+    steps: int
+    seeds: tuple[int, ...] = ()
+    format: str = "fp16"
+    run: str = "autocast"
+    device: str = "cpu"
+    target: str = "cpu"
+    scaler: Mapping[str, Any] = field(default_factory=dict)
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    batches: int = 0
+    fixed: tuple[str, ...] = ()
+    fp32: tuple[tuple[float, ...], ...] = ()
+    low: tuple[tuple[float, ...], ...] = ()
+    skipped: tuple[int, ...] = ()
+    off: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form (a non-finite loss as "nan" or "inf")."""
+        return {"steps": self.steps, "seeds": list(self.seeds), "format": self.format, "run": self.run,
+                "device": self.device, "target": self.target, "scaler": dict(self.scaler),
+                "optimizer": self.optimizer, "lr": self.lr, "batches": self.batches, "fixed": list(self.fixed),
+                "fp32": [[_json_float(v) for v in c] for c in self.fp32],
+                "low": [[_json_float(v) for v in c] for c in self.low], "skipped": list(self.skipped),
+                **({} if self.off is None else {"off": self.off})}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "trial") -> "Trial":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        if "steps" not in d:
+            raise ReportFieldError(f"{path}.steps", f"{path}: missing field 'steps'")
+
+        def ints(key: str) -> tuple[int, ...]:
+            v = _typed(d, key, path, (list,), "a list of whole numbers", [])
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+                raise ReportFieldError(f"{path}.{key}", f"{path}.{key}: expected a list of whole numbers")
+            return tuple(v)
+
+        def curves(key: str) -> tuple[tuple[float, ...], ...]:
+            v = _typed(d, key, path, (list,), "a list of loss curves", [])
+            bad = next((i for i, c in enumerate(v) if not isinstance(c, list)), None)
+            if bad is not None:
+                raise ReportFieldError(f"{path}.{key}[{bad}]", f"{path}.{key}[{bad}]: expected a list of losses")
+            return tuple(tuple(_float(x, f"{path}.{key}[{i}][{j}]") for j, x in enumerate(c)) for i, c in enumerate(v))
+
+        return cls(steps=_typed(d, "steps", path, (int,), "a count", low=1), seeds=ints("seeds"),
+                   format=_typed(d, "format", path, (str,), "a format name", "fp16"),
+                   run=_typed(d, "run", path, (str,), f"one of {TRIAL_RUNS}", "autocast", choices=TRIAL_RUNS),
+                   device=_typed(d, "device", path, (str,), "a device", "cpu"),
+                   target=_typed(d, "target", path, (str,), "a device type", "cpu"),
+                   scaler=dict(_mapping(d.get("scaler", {}), f"{path}.scaler")),
+                   optimizer=_typed(d, "optimizer", path, (str,), "an optimizer name", "adam"),
+                   lr=float(_typed(d, "lr", path, (int, float), "a learning rate", 1e-3, low=0)),
+                   batches=_typed(d, "batches", path, (int,), "a count", 0, low=0),
+                   fixed=_strings(d.get("fixed", []), f"{path}.fixed"), fp32=curves("fp32"), low=curves("low"),
+                   skipped=ints("skipped"), off=_typed(d, "off", path, (str,), "a string"))
 
 
 @dataclass(frozen=True)

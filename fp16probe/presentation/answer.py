@@ -22,10 +22,11 @@ from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
 from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
+from fp16probe.presentation.trial import trial_line
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
-from fp16probe.sections import Workload
+from fp16probe.sections import Trial, Workload
 from fp16probe.validation import SCALER_DEVICES
 from fp16probe.verification import Verification
 
@@ -570,9 +571,12 @@ def findings(report: Report) -> list[str]:
 
 # How each registered section that is not a field of the Report is told (one line; the default lists its
 # fields). A collector that wants its own words registers them here, beside its section.
-# A registered section's words for `show` (None: worded elsewhere, so no line of its own).
-SECTION_WORDS: dict[str, Callable[[Any], str | None]] = {
-    "emulation": lambda _: None,  # the answer's "emulated" line says what it measured
+# A registered section's words for `show`, given the section and its report (None: worded elsewhere, so no
+# line of its own).
+SECTION_WORDS: dict[str, Callable[[Any, Report], str | None]] = {
+    "emulation": lambda _, __: None,  # the answer's "emulated" line says what it measured
+    "trial": lambda t, report: trial_line(t, None if report.recommendation is None else report.recommendation.verdict)
+    if isinstance(t, Trial) else None,
 }
 _BRIEF = 40  # characters a value of an unworded section may take before it is shown by its size
 
@@ -588,7 +592,7 @@ def section_lines(report: Report) -> list[str]:
         value = report.sections[key]
         words = SECTION_WORDS.get(key)
         if words is not None:
-            said = words(value)
+            said = words(value, report)
             if said is not None:
                 out.append(f"{key}: {said}")
             continue

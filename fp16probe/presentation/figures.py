@@ -14,7 +14,8 @@ Artists that the tests (and anyone post-processing a figure) need to find carry 
 ``gid``: ``bound:flush``, ``bound:min_normal``, ``bound:max``, ``region:<name>``,
 ``zeros``, ``histogram``, ``histogram:scaled``, ``annotation:flushed_at_1``,
 ``annotation:flushed_at_scale``, ``recommendation``, ``what_if:flushed``,
-``what_if:overflow``, ``timeline:<label>``, ``skipped:<label>``.
+``what_if:overflow``, ``timeline:<label>``, ``skipped:<label>``, ``trial:fp32:<seed>``,
+``trial:low:<seed>``, ``trial:band``.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ __all__ = [
     "plot_distribution",
     "plot_module_heatmap",
     "plot_scale_timeline",
+    "plot_trial",
     "plot_what_if",
     "save_figures",
 ]
 
-FIGURE_KINDS = ("all", "distribution", "heatmap", "what_if", "timeline")
+FIGURE_KINDS = ("all", "distribution", "heatmap", "what_if", "timeline", "trial")
 
 _SAVE_EXTENSIONS = (".png", ".svg", ".pdf")
 
@@ -459,6 +461,37 @@ def plot_scale_timeline(
     return ax
 
 
+def plot_trial(report: Report, *, ax: Axes | None = None) -> Axes:
+    """Draw the training trial's loss curves (``report.section("trial")``): fp32's seeds, the low-precision
+    seeds, and the top of fp32's seed band over the steps it averages."""
+    from fp16probe.analysis.trial import judge_curves
+    from fp16probe.sections import Trial
+
+    ax = _new_axes(ax, (8, 4.5))
+    t = report.section("trial")
+    if not isinstance(t, Trial) or t.off is not None or not t.fp32:
+        ax.text(0.5, 0.5, "no training trial in this report (profile --trial STEPS)", ha="center",
+                transform=ax.transAxes, gid="annotation:no_trial")
+        ax.set_axis_off()
+        return ax
+    fmt = _literal(t.format)
+    for seed, curve in zip(t.seeds, t.fp32):
+        ax.plot(np.arange(1, len(curve) + 1), curve, color=_MEASURED_COLOR, lw=1.2, alpha=0.8,
+                gid=f"trial:fp32:{seed}", label="fp32" if seed == t.seeds[0] else None)
+    for seed, curve in zip(t.seeds, t.low):
+        ax.plot(np.arange(1, len(curve) + 1), curve, color=_SCALED_COLOR, lw=1.2, alpha=0.8, ls="--",
+                gid=f"trial:low:{seed}", label=fmt if seed == t.seeds[0] else None)
+    band = judge_curves(t.fp32, t.low)
+    if math.isfinite(band.high):
+        ax.hlines(band.high, t.steps - band.last + 1, t.steps, color="#555555", lw=2, gid="trial:band",
+                  label=f"top of fp32's seed band (last {band.last} steps)")
+    ax.set_xlabel(f"optimizer step ({len(t.seeds)} data orders each)")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"training trial: {fmt} {'inside' if band.inside else 'outside'} fp32's seed band")
+    ax.legend(fontsize=8, frameon=False)
+    return ax
+
+
 def _steps_label(x: float, _pos: int) -> str:
     """A step count that stays short on a tick: 2500, 12.5k, 1.2M."""
     if abs(x) >= 1e6:
@@ -485,7 +518,7 @@ def figure(
     kind: str = ACTIVATION_GRAD,
 ) -> Figure:
     """Return a Figure with one view (``distribution``, ``heatmap``, ``what_if``,
-    ``timeline``) or ``all`` of them in a 2x2 grid."""
+    ``timeline``, ``trial``) or ``all`` of them in a 2x2 grid (a third row for a training trial's curves)."""
     if which not in FIGURE_KINDS:
         raise Fp16ProbeError(f"unknown figure {which!r}: expected one of {', '.join(FIGURE_KINDS)}")
     fmt = format if isinstance(format, Format) else get_format(format)
@@ -497,14 +530,20 @@ def figure(
         "what_if": lambda ax: plot_what_if(report, fmt, recommendation=recommendation, kind=kind, ax=ax),
         "timeline": lambda ax: plot_scale_timeline(report, fmt, recommendation=recommendation,
                                                    kind=kind, ax=ax),
+        "trial": lambda ax: plot_trial(report, ax=ax),
     }
     if which != "all":
         fig = Figure(figsize=(9, 5), layout="constrained")
         draw[which](fig.add_subplot())
     else:
-        fig = Figure(figsize=(17, 11), layout="constrained")
-        for name, ax in zip(("distribution", "heatmap", "what_if", "timeline"), fig.subplots(2, 2).flat):
+        trial = report.section("trial") is not None  # a trial's curves take a third row
+        fig = Figure(figsize=(17, 16 if trial else 11), layout="constrained")
+        grid = fig.add_gridspec(3 if trial else 2, 2)
+        axes = [fig.add_subplot(grid[i // 2, i % 2]) for i in range(4)]
+        for name, ax in zip(("distribution", "heatmap", "what_if", "timeline"), axes):
             draw[name](ax)
+        if trial:
+            draw["trial"](fig.add_subplot(grid[2, :]))
         fig.suptitle(_literal(f"fp16probe: {report.metadata.model_class}, {report.metadata.steps_seen} "
                               f"steps, target {fmt.name}"))
     if recommendation is not None and recommendation.caveats:

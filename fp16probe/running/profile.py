@@ -110,6 +110,7 @@ def profile(
     extra: Mapping[str, Any] | None = None,
     target: str | None = None,
     recipe: str | None = None,
+    trial: int | None = None,
     **probe_options: Any,
 ) -> Report | None:
     """Profile ``steps`` forward+backward passes of ``model`` and return the analysed Report.
@@ -142,6 +143,11 @@ def profile(
         on_step: called with the number of finished steps after each step (a progress bar).
         verify: after the recommendation, run it for real (see :func:`fp16probe.verify`) and
             store the result as ``Report.verification``.
+        trial: after the recommendation, train copies of the model from the weights it started
+            from for this many optimizer steps in fp32 and in the answer's format with its
+            GradScaler, over three data orders of the profiled batches (see
+            :mod:`fp16probe.running.trial`; cost ``trial x 3 x 2`` training steps), and store the
+            loss curves as the report's ``trial`` section (``report.section("trial")``).
         extra: the user's own metadata (``metadata.extra``); the run's description is ``report.workload``.
         recipe: for a scaled format (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``,
             ``nvfp4``), the recipe to judge (see :data:`fp16probe.analysis.blockformats.RECIPES`);
@@ -172,7 +178,7 @@ def profile(
     report of the steps before it as the error's ``report``.
     """
     request = ProfileRequest(steps=steps, precision=precision, loss_scale=scaler, optimizer=optimizer, lr=lr,
-                             format=format, kind=kind, verify=verify, target=target, recipe=recipe)
+                             format=format, kind=kind, verify=verify, target=target, recipe=recipe, trial=trial)
     return profile_model(request, model, batches, loss_fn, device=device, on_step=on_step, extra=extra,
                          **probe_options)
 
@@ -217,6 +223,8 @@ def profile_model(r: ProfileRequest, model: nn.Module, batches: Iterable[Any] | 
         _check_hooks_kept(report)
         if verify and report is not None and not report.metadata.partial:
             report = _verified(report, initial, result.batches, loss, dev, target)
+        if r.trial and report is not None and not report.metadata.partial and report.recommendation is not None:
+            report = _trialled(report, r, initial, result.batches, loss, dev, target, regime, guard is not None)
         return report
 
 
@@ -266,7 +274,7 @@ def _run_shielded(r: ProfileRequest, model: nn.Module, batch_src: Batches, loss:
     with stop_signals() as shield:
         guard = _rank_guard(model)
         runner = _distributed_runner(model)
-        initial = copy.deepcopy(model) if verify else None  # the weights before the run, for verify()
+        initial = copy.deepcopy(model) if verify or r.trial else None  # the weights before the run, for verify()
         audit = None
         if precision == "fp32":
             from fp16probe.capture.forward import ForwardAudit
@@ -276,7 +284,7 @@ def _run_shielded(r: ProfileRequest, model: nn.Module, batch_src: Batches, loss:
         with probe:
             result = run_profile(runner, batch_src, loss, settings, probe, scaler=grad_scaler, on_step=on_step,
                                  optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                                 keep_batches=verify, audit=audit, guard=guard,
+                                 keep_batches=verify or bool(r.trial), audit=audit, guard=guard,
                                  keep_first=KEPT_BATCHES if precision == "fp32" else 0)
         shield.disarm()  # the loop is over: a second Ctrl-C or a SIGTERM no longer aborts the report
         gather: Any = None
@@ -429,6 +437,25 @@ def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss
     return _unless_stopped(
         lambda: report.with_verification(run_verification(initial, report, batches, loss, device=dev, target=target)),
         lambda why: _marked(report, why))
+
+
+def _trialled(report: Report, r: ProfileRequest, initial: Any, batches: tuple[Any, ...], loss: Loss,
+              dev: torch.device, target: str, regime: str, distributed: bool) -> Report:
+    """The report with its training trial (the ``trial`` section); a Ctrl-C or signal during it keeps the report
+    with the trial marked as stopped."""
+    from fp16probe.running.trial import OFF_DISTRIBUTED, OFF_STOPPED, run_trial
+    from fp16probe.sections import Trial
+
+    rec = report.recommendation
+    assert rec is not None and r.trial is not None  # the caller checked
+    if distributed:  # every rank would train its own copies: the trial is a one-process check
+        return report.with_sections({"trial": Trial(steps=r.trial, format=rec.format, off=OFF_DISTRIBUTED)})
+    optimizer = r.optimizer if isinstance(r.optimizer, str) else None
+    return _unless_stopped(
+        lambda: report.with_sections({"trial": run_trial(initial, rec, batches, loss.outcome(), steps=r.trial,
+                                                         device=dev, target=target, regime=regime, seed=r.seed,
+                                                         optimizer=optimizer, lr=r.lr)}),
+        lambda why: report.with_sections({"trial": Trial(steps=r.trial, format=rec.format, off=OFF_STOPPED)}))
 
 
 def _marked(report: Report, why: str) -> Report:

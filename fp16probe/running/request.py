@@ -23,9 +23,10 @@ from fp16probe.running.inputs import DTYPES, parse_shape
 from fp16probe.running.losses import check_loss_spec
 from fp16probe.running.optimizers import OPTIMIZERS
 
-__all__ = ["PRECISIONS", "ProfileRequest", "check_recipe"]
+__all__ = ["MAX_TRIAL_STEPS", "PRECISIONS", "ProfileRequest", "check_recipe"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+MAX_TRIAL_STEPS = 100_000  # a trial costs 6 x this many training steps (fp16probe.running.trial)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ProfileRequest:
     modules: tuple[str, ...] = ()
     seed: int = 0
     verify: bool = False
+    trial: int | None = None  # optimizer steps of the training trial (fp16probe.running.trial); None: no trial
     target: str | None = None
     recipe: str | None = None  # a scaled format's recipe (docs/block-formats.md)
     plot: Path | None = None
@@ -121,9 +123,25 @@ class ProfileRequest:
         if self.verify and precision != "fp32":
             raise InputError(f"verify= checks a prediction made from the fp32 reference: profile in fp32, not "
                              f"{precision}", parameter="verify")
+        self._check_trial()
         if self.verify and self.format not in ("fp16", "bf16"):
             raise InputError(f"verify= runs the recommendation under torch.autocast, which computes in fp16 or bf16 "
                              f"only, not {self.format}", parameter="verify")
+
+    def _check_trial(self) -> None:
+        """Refuse a trial length that is not a positive whole number, or a trial the run cannot train."""
+        trial = self.trial
+        if trial is None:
+            return
+        if isinstance(trial, bool) or not isinstance(trial, int) or not 1 <= trial <= MAX_TRIAL_STEPS:
+            raise InputError(f"trial={trial!r}: expected a whole number of training steps in [1, {MAX_TRIAL_STEPS}], "
+                             "e.g. 200", parameter="trial")
+        if self.precision != "fp32":
+            raise InputError(f"trial= trains fp32 beside the answer's precision from an fp32 profile: profile in fp32, "
+                             f"not {self.precision}", parameter="trial")
+        if self.format not in ("fp16", "bf16"):
+            raise InputError(f"trial= trains under torch.autocast, which computes in fp16 or bf16 only, not "
+                             f"{self.format}", parameter="trial")
 
 
 def check_recipe(format: str, recipe: str | None) -> None:
