@@ -107,6 +107,14 @@ class ForwardSection:
         )
 
 
+def _divisors(d: Mapping[str, Any], path: str) -> tuple[float, ...]:
+    """``loss_divisors``: positive numbers."""
+    values = _typed(d, "loss_divisors", path, (list,), "a list", [])
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
+        raise ReportFieldError(f"{path}.loss_divisors", f"{path}.loss_divisors: expected a list of positive numbers")
+    return tuple(float(v) for v in values)
+
+
 @dataclass(frozen=True)
 class ShadowRuns:
     """The fp32 reruns' schedule and cost (their statistics are ``Report.shadow``).
@@ -114,7 +122,10 @@ class ShadowRuns:
     ``every``: the schedule's period in sampled steps; ``steps``: the live steps rerun;
     ``count``/``seconds``/``clock``: how many ran and their time; ``next_step``: the next one due;
     ``off``: why none could run (None when they ran or were due); ``discarded``: reruns thrown away
-    because they did not run in fp32 (``step``, ``module``, ``dtype`` each).
+    because they did not run in fp32 (``step``, ``module``, ``dtype`` each); ``accumulation``: the
+    micro-batches each rerun step reran (gradient accumulation; 1 without); ``loss_divisors``: what
+    the reruns divided each micro-batch's loss by before its backward (empty: none recorded, or an
+    older report).
     """
 
     every: int
@@ -125,12 +136,16 @@ class ShadowRuns:
     next_step: int | None = None
     off: str | None = None
     discarded: tuple[Mapping[str, Any], ...] = ()
+    accumulation: int = 1
+    loss_divisors: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         return {"every": self.every, "steps": list(self.steps), "count": self.count, "seconds": self.seconds,
                 "clock": self.clock, "next_step": self.next_step, **({} if self.off is None else {"off": self.off}),
-                **({"discarded": [dict(x) for x in self.discarded]} if self.discarded else {})}
+                **({"discarded": [dict(x) for x in self.discarded]} if self.discarded else {}),
+                **({"accumulation": self.accumulation} if self.accumulation != 1 else {}),
+                **({"loss_divisors": list(self.loss_divisors)} if self.loss_divisors else {})}
 
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "shadow_runs") -> "ShadowRuns":
@@ -148,7 +163,9 @@ class ShadowRuns:
                    next_step=_typed(d, "next_step", path, (int, type(None)), "a step number or null"),
                    off=_typed(d, "off", path, (str,), "a string"),
                    discarded=tuple(dict(_mapping(x, f"{path}.discarded[{i}]"))
-                                   for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))))
+                                   for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))),
+                   accumulation=_typed(d, "accumulation", path, (int,), "a count", 1, low=1),
+                   loss_divisors=_divisors(d, path))
 
 
 @dataclass(frozen=True)
