@@ -28,6 +28,7 @@ from fp16probe.sections import (
     CaptureNotes,
     ForwardSection,
     ShadowRuns,
+    SkipLedger,
     Workload,
     register_section,
     split_legacy_extra,
@@ -717,6 +718,7 @@ register_section("capture", CaptureNotes.from_dict, builtin=True)
 register_section("workload", Workload.from_dict, builtin=True)
 register_section("block_advice", BlockAdvice.from_dict, builtin=True)
 register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
+register_section("skips", SkipLedger.from_dict)  # the skip ledger (fp16probe.capture.skips)
 
 
 def with_workload(report: Report) -> Report:

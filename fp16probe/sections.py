@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
-__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "Workload",
+__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "SkipLedger",
+           "SkippedStep", "Workload",
            "register_section", "split_legacy_extra", "split_workload"]
 
 
@@ -340,6 +341,69 @@ def _fits(key: str, value: Any) -> bool:
     except ReportFieldError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """One step whose gradients held inf or NaN: a loss scaler skipped its optimizer step.
+
+    ``step``: the step number (0-based, as the trace's); ``scale``: the loss scale in force (None: not
+    scaled, or unknown); ``sampled``: whether histograms were recorded at that step (only then are the
+    modules known); ``kind``: the gradients that named the modules (``activation_grad``: the modules'
+    output gradients; ``weight_grad``: the parameters'); ``modules``: the first of them in backward
+    order (nearest the loss first), where the inf/NaN began; ``nonfinite_modules``: how many held inf/NaN.
+    """
+
+    step: int
+    scale: float | None = None
+    sampled: bool = False
+    kind: str | None = None
+    modules: tuple[str, ...] = ()
+    nonfinite_modules: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"step": self.step, "scale": self.scale, "sampled": self.sampled, "kind": self.kind,
+                "modules": list(self.modules), "nonfinite_modules": self.nonfinite_modules}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "skips.steps[0]") -> "SkippedStep":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        if "step" not in d:
+            raise ReportFieldError(f"{path}.step", f"{path}: missing field 'step'")
+        scale = _typed(d, "scale", path, (int, float, type(None)), "a number or null")
+        return cls(step=_typed(d, "step", path, (int,), "a step number", low=0),
+                   scale=None if scale is None else float(scale),
+                   sampled=_typed(d, "sampled", path, (bool,), "true or false", False),
+                   kind=_typed(d, "kind", path, (str, type(None)), "a gradient kind or null"),
+                   modules=_strings(_typed(d, "modules", path, (list,), "a list", []), f"{path}.modules"),
+                   nonfinite_modules=_typed(d, "nonfinite_modules", path, (int,), "a count", 0, low=0))
+
+
+@dataclass(frozen=True)
+class SkipLedger:
+    """Every step whose gradients held inf or NaN, in order (:mod:`fp16probe.capture.skips`).
+
+    ``source``: where the skipped steps were read: ``history`` (every step's gradients at the end of
+    backward, as GradScaler checks them) or ``trace`` (the sampled steps only).
+    """
+
+    steps: tuple[SkippedStep, ...] = ()
+    source: str = "history"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"steps": [s.to_dict() for s in self.steps], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "skips") -> "SkipLedger":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        steps = _typed(d, "steps", path, (list,), "a list", [])
+        return cls(steps=tuple(SkippedStep.from_dict(x, path=f"{path}.steps[{i}]") for i, x in enumerate(steps)),
+                   source=_typed(d, "source", path, (str,), "'history' or 'trace'", "history",
+                                 choices=("history", "trace")))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from fp16probe.capture.modules import ForwardHeadroom, ModuleHooks
 from fp16probe.capture.ops import OpRecording
 from fp16probe.capture.overflow import CeilingCollector
 from fp16probe.capture.shadow import ShadowReruns
+from fp16probe.capture.skips import SkipLedgerCollector
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata
 from fp16probe.sections import CaptureNotes
@@ -107,6 +108,7 @@ BUILTIN: tuple[Any, ...] = (
     _ceiling,
     lambda probe: ForwardHeadroom(probe.recorder),
     lambda probe: History(probe) if probe.options["history"] else None,
+    SkipLedgerCollector,  # after the history, whose section it reads
     _shadow,
     _blocks,
 )
