@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fp16probe.analysis.recommend import analyze
     from fp16probe.analysis.schedule import judge_schedules
     from fp16probe.analysis.weight_updates import weight_update_loss
+    from fp16probe.analysis.gate import GateResult, GateThresholds, compare_reports
     from fp16probe.analysis.whatif import WhatIfRow, WhatIfTable, what_if
     from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
     from fp16probe.capture.probe import Probe
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "analyze": "fp16probe.analysis.recommend",
     "judge_schedules": "fp16probe.analysis.schedule",
+    **dict.fromkeys(("GateResult", "GateThresholds", "compare_reports"), "fp16probe.analysis.gate"),
     "weight_update_loss": "fp16probe.analysis.weight_updates",
     **dict.fromkeys(("WhatIfRow", "WhatIfTable", "what_if"), "fp16probe.analysis.whatif"),
     **dict.fromkeys(("ReplayResult", "replay_scaler", "simulate"), "fp16probe.analysis.replay"),
@@ -78,6 +80,8 @@ __all__ = [
     "FORMATS",
     "Format",
     "Fp16ProbeError",
+    "GateResult",
+    "GateThresholds",
     "Histogram",
     "InputError",
     "Metadata",
@@ -101,6 +105,7 @@ __all__ = [
     "WhatIfTable",
     "__version__",
     "analyze",
+    "compare_reports",
     "export",
     "get_format",
     "judge_schedules",

@@ -722,15 +722,7 @@ def compare(
             max_module_increase=max_module_increase, max_scale_shift_bits=max_scale_shift, worst_n=worst,
             fail_on_new_overflow=not allow_new_overflow, fail_on_worse_verdict=not allow_worse_verdict)
         try:
-            snaps: list[Any] = []
-            for path in (baseline, current):
-                r = Report.load(path)
-                gate.check_consistency(r, str(path))
-                if not snaps:  # both are judged for the baseline's format and kind, unless the flags say
-                    fmt, knd, _ = _judged(r, format, kind)
-                rec = _judged(r, fmt, knd)[2]
-                snaps.append(gate.snapshot(r, rec, fmt=fmt, kind=knd, worst_n=worst, source=str(path)))
-            result = gate.compare(snaps[0], snaps[1], thresholds)
+            result = gate.compare_reports(baseline, current, thresholds=thresholds, format=format, kind=kind)
             if require_same_workload and result.warnings:
                 raise InputError(f"--require-same-workload: {warning_text(result.warnings[0])}")
         except Fp16ProbeError as e:

@@ -32,6 +32,7 @@ from fp16probe.sections import (
     CaptureNotes,
     ForwardSection,
     ShadowRuns,
+    SkipLedger,
     Trial,
     Workload,
     register_section,
@@ -837,6 +838,7 @@ register_section("workload", Workload.from_dict, builtin=True)
 register_section("block_advice", BlockAdvice.from_dict, builtin=True)
 register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
 register_section("trial", Trial.from_dict)  # the training trial (fp16probe.running.trial)
+register_section("skips", SkipLedger.from_dict)  # the skip ledger (fp16probe.capture.skips)
 
 
 def with_workload(report: Report) -> Report:

@@ -20,7 +20,8 @@ from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
 __all__ = ["SECTIONS", "TRIAL_RUNS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns",
-           "Trial", "Workload", "register_section", "split_legacy_extra", "split_workload"]
+           "SkipLedger", "SkippedStep", "Trial", "Workload", "register_section", "split_legacy_extra",
+           "split_workload"]
 
 
 def _json_float(v: float | None) -> float | str | None:
@@ -107,6 +108,14 @@ class ForwardSection:
         )
 
 
+def _divisors(d: Mapping[str, Any], path: str) -> tuple[float, ...]:
+    """``loss_divisors``: positive numbers."""
+    values = _typed(d, "loss_divisors", path, (list,), "a list", [])
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
+        raise ReportFieldError(f"{path}.loss_divisors", f"{path}.loss_divisors: expected a list of positive numbers")
+    return tuple(float(v) for v in values)
+
+
 @dataclass(frozen=True)
 class ShadowRuns:
     """The fp32 reruns' schedule and cost (their statistics are ``Report.shadow``).
@@ -114,7 +123,10 @@ class ShadowRuns:
     ``every``: the schedule's period in sampled steps; ``steps``: the live steps rerun;
     ``count``/``seconds``/``clock``: how many ran and their time; ``next_step``: the next one due;
     ``off``: why none could run (None when they ran or were due); ``discarded``: reruns thrown away
-    because they did not run in fp32 (``step``, ``module``, ``dtype`` each).
+    because they did not run in fp32 (``step``, ``module``, ``dtype`` each); ``accumulation``: the
+    micro-batches each rerun step reran (gradient accumulation; 1 without); ``loss_divisors``: what
+    the reruns divided each micro-batch's loss by before its backward (empty: none recorded, or an
+    older report).
     """
 
     every: int
@@ -125,12 +137,16 @@ class ShadowRuns:
     next_step: int | None = None
     off: str | None = None
     discarded: tuple[Mapping[str, Any], ...] = ()
+    accumulation: int = 1
+    loss_divisors: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         return {"every": self.every, "steps": list(self.steps), "count": self.count, "seconds": self.seconds,
                 "clock": self.clock, "next_step": self.next_step, **({} if self.off is None else {"off": self.off}),
-                **({"discarded": [dict(x) for x in self.discarded]} if self.discarded else {})}
+                **({"discarded": [dict(x) for x in self.discarded]} if self.discarded else {}),
+                **({"accumulation": self.accumulation} if self.accumulation != 1 else {}),
+                **({"loss_divisors": list(self.loss_divisors)} if self.loss_divisors else {})}
 
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "shadow_runs") -> "ShadowRuns":
@@ -148,7 +164,9 @@ class ShadowRuns:
                    next_step=_typed(d, "next_step", path, (int, type(None)), "a step number or null"),
                    off=_typed(d, "off", path, (str,), "a string"),
                    discarded=tuple(dict(_mapping(x, f"{path}.discarded[{i}]"))
-                                   for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))))
+                                   for i, x in enumerate(_typed(d, "discarded", path, (list,), "a list", []))),
+                   accumulation=_typed(d, "accumulation", path, (int,), "a count", 1, low=1),
+                   loss_divisors=_divisors(d, path))
 
 
 TRIAL_RUNS = ("autocast", "emulated")  # how the trial's low-precision runs computed: real autocast, or the emulated step
@@ -398,6 +416,69 @@ def _fits(key: str, value: Any) -> bool:
     except ReportFieldError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """One step whose gradients held inf or NaN: a loss scaler skipped its optimizer step.
+
+    ``step``: the step number (0-based, as the trace's); ``scale``: the loss scale in force (None: not
+    scaled, or unknown); ``sampled``: whether histograms were recorded at that step (only then are the
+    modules known); ``kind``: the gradients that named the modules (``activation_grad``: the modules'
+    output gradients; ``weight_grad``: the parameters'); ``modules``: the first of them in backward
+    order (nearest the loss first), where the inf/NaN began; ``nonfinite_modules``: how many held inf/NaN.
+    """
+
+    step: int
+    scale: float | None = None
+    sampled: bool = False
+    kind: str | None = None
+    modules: tuple[str, ...] = ()
+    nonfinite_modules: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"step": self.step, "scale": self.scale, "sampled": self.sampled, "kind": self.kind,
+                "modules": list(self.modules), "nonfinite_modules": self.nonfinite_modules}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "skips.steps[0]") -> "SkippedStep":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        if "step" not in d:
+            raise ReportFieldError(f"{path}.step", f"{path}: missing field 'step'")
+        scale = _typed(d, "scale", path, (int, float, type(None)), "a number or null")
+        return cls(step=_typed(d, "step", path, (int,), "a step number", low=0),
+                   scale=None if scale is None else float(scale),
+                   sampled=_typed(d, "sampled", path, (bool,), "true or false", False),
+                   kind=_typed(d, "kind", path, (str, type(None)), "a gradient kind or null"),
+                   modules=_strings(_typed(d, "modules", path, (list,), "a list", []), f"{path}.modules"),
+                   nonfinite_modules=_typed(d, "nonfinite_modules", path, (int,), "a count", 0, low=0))
+
+
+@dataclass(frozen=True)
+class SkipLedger:
+    """Every step whose gradients held inf or NaN, in order (:mod:`fp16probe.capture.skips`).
+
+    ``source``: where the skipped steps were read: ``history`` (every step's gradients at the end of
+    backward, as GradScaler checks them) or ``trace`` (the sampled steps only).
+    """
+
+    steps: tuple[SkippedStep, ...] = ()
+    source: str = "history"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"steps": [s.to_dict() for s in self.steps], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "skips") -> "SkipLedger":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        steps = _typed(d, "steps", path, (list,), "a list", [])
+        return cls(steps=tuple(SkippedStep.from_dict(x, path=f"{path}.steps[{i}]") for i, x in enumerate(steps)),
+                   source=_typed(d, "source", path, (str,), "'history' or 'trace'", "history",
+                                 choices=("history", "trace")))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ its verdict worse (``Verdict.severity``); does it overflow at the deployed scale
 module's own flushed share rise; did its measured verification fail. The share at S = 1
 and the move of the recommended scale are checked too.
 
+:func:`compare_reports` is the gate as one call (two reports or report files in, a
+:class:`GateResult` out), what ``fp16probe compare`` runs and what a pytest test calls.
 :func:`snapshot` reduces a report to the numbers the gate looks at; :func:`compare` checks
 two snapshots against :class:`GateThresholds` and notes where the two reports profiled
 different things. Rendering (Markdown, JUnit, GitHub annotations) lives in
@@ -18,6 +20,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any, Iterable, Mapping
 
 from fp16probe.columns import HistogramColumn
@@ -38,6 +41,7 @@ __all__ = [
     "canonical_module_names",
     "check_consistency",
     "compare",
+    "compare_reports",
     "flushed_fraction",
     "natural_key",
     "snapshot",
@@ -464,3 +468,37 @@ def _overflows(fmt: str, magnitude: float, log2_scale: int) -> bool:
 
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def compare_reports(baseline: Report | str | PathLike[str], current: Report | str | PathLike[str], *,
+                    thresholds: GateThresholds = GateThresholds(), format: str | None = None,
+                    kind: str | None = None) -> GateResult:
+    """The CI gate in one call, as ``fp16probe compare BASELINE CURRENT`` runs it; returns the result, never prints.
+
+    Args:
+        baseline, current: a :class:`~fp16probe.report.Report` or the path of a saved one.
+        thresholds: what counts as a regression (:class:`GateThresholds`; its defaults are the command's).
+        format, kind: what both are judged for; default the baseline's own (its stored recommendation).
+
+    Returns a :class:`GateResult`: ``passed``, ``failures`` (the failed :class:`Check` s) and
+    ``warnings`` (where the two reports profiled different things). A report that cannot be judged
+    (unreadable, inconsistent) raises :class:`fp16probe.errors.ReportError`. In a test::
+
+        result = compare_reports("baseline.json", report)
+        assert result.passed, [c.name for c in result.failures]
+    """
+    from fp16probe.analysis.effect import judge_report
+    from fp16probe.analysis.recommend import target_of
+
+    snaps: list[Snapshot] = []
+    fmt, knd = format, kind
+    for given in (baseline, current):
+        report = given if isinstance(given, Report) else Report.load(given)
+        source = "report" if isinstance(given, Report) else str(given)
+        check_consistency(report, source)
+        if not snaps:  # both are judged for the baseline's format and kind, unless given
+            fmt, knd = target_of(report, format, kind)
+        fmt, knd = target_of(report, fmt, knd)
+        rec = judge_report(report, fmt, kind=knd)  # the emulated step's judgement kept, when it applies
+        snaps.append(snapshot(report, rec, fmt=fmt, kind=knd, worst_n=thresholds.worst_n, source=source))
+    return compare(snaps[0], snaps[1], thresholds)

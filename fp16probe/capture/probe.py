@@ -20,7 +20,7 @@ from fp16probe.capture import distributed as _distributed
 from fp16probe.capture.collector import COLLECTORS, Collected, Collector
 from fp16probe.capture.modules import select_modules
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, iter_tensors
-from fp16probe.capture.setup import BUILTIN, capture_notes, check_settings, metadata_of
+from fp16probe.capture.setup import BUILTIN, capture_notes, check_accumulation, check_settings, metadata_of
 from fp16probe.capture.shadow import DEFAULT_SHADOW_EVERY
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD, Report, with_workload
@@ -53,6 +53,12 @@ class Probe:
             ``shadow_every``-th in fp32 as the verdict's reference, training left bit-identical
             (:mod:`fp16probe.capture.shadow`). Default 50; 0: off. For a loss computed outside
             the model call :meth:`shadow`.
+        accumulation: micro-batches per optimizer step (gradient accumulation): a shadowed step
+            reruns each of them in fp32 and accumulates their gradients, as the live step does.
+        loss_divisor: what each rerun divides its micro-batch's loss (the model's, or what
+            :meth:`shadow`'s function returns) by before backward, as the loop divides it: a number, or a
+            function of the replayed forward's keyword arguments. Default ``accumulation``
+            (accelerate's ``backward`` and Lightning divide by it); 1 where the loss is already divided.
         history: record every step's scale in force, inf/NaN and largest parameter gradient as
             device scalars (:mod:`fp16probe.capture.history`), what ``fp16probe schedule`` replays.
         target: the device whose fp16 autocast rules say which gradients stay fp32 (left out of
@@ -78,13 +84,16 @@ class Probe:
                  scaler: Any = None, precision: str | None = None, granularity: str = "module",
                  shadow_every: int | None = None, history: bool = True, target: str | None = "cuda",
                  regime: str = "autocast", block_formats: Sequence[str] | str | None = None,
-                 delayed_recipes: Sequence[Any] | None = None) -> None:
+                 delayed_recipes: Sequence[Any] | None = None, accumulation: int = 1,
+                 loss_divisor: Any = None) -> None:
         check_settings(model, every, activation_grads or weight_grads or activations or forward, granularity,
                         regime, target, shadow_every)
+        check_accumulation(accumulation, loss_divisor)
         self.options: dict[str, Any] = dict(
             modules=modules, types=types, activation_grads=activation_grads, weight_grads=weight_grads,
             shadow_every=DEFAULT_SHADOW_EVERY if shadow_every is None else int(shadow_every), history=history,
-            block_formats=block_formats, delayed_recipes=delayed_recipes)
+            block_formats=block_formats, delayed_recipes=delayed_recipes, accumulation=int(accumulation),
+            loss_divisor=loss_divisor)
         self.model, self.granularity, self.target, self.regime = model, granularity, target, regime
         self.every, self.scaler = int(every), scaler
         self.capture = {ACTIVATION_GRAD: bool(activation_grads), WEIGHT_GRAD: bool(weight_grads),

@@ -143,6 +143,8 @@ class _StepRecord:
     scale: torch.Tensor | None
     kinds: Mapping[str, Table]  # per kind: ([NUM_BINS] counts summed over rows, [rows] keys)
     maxima: Mapping[str, torch.Tensor]
+    # per gradient kind: [rows] bool, whether the row's values held inf or NaN (read for skipped steps only)
+    nonfinite: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,7 +626,7 @@ class Recorder:
                 st.spare[kind][1].fill_(-1)
                 totals[kind] = (st.totals[kind][0] + table[0], torch.maximum(st.totals[kind][1], table[1]))
                 kinds[kind] = _step_of(table)
-            record = _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima))
+            record = _StepRecord(st.step_index, st.scale, kinds, dict(st.maxima), _nonfinite_rows(st.open))
             new = _State(index, sampling, st.closed + 1, st.spare, st.open, totals)
             del self._trace[st.closed :]  # a record left by an interrupted close
             self._trace.append(record)
@@ -659,7 +661,31 @@ class Recorder:
 
     def _record_of(self, st: _State) -> _StepRecord:
         """The trace record of ``st``'s open step, built out of place."""
-        return _StepRecord(st.step_index, st.scale, {k: _step_of(t) for k, t in st.open.items()}, dict(st.maxima))
+        return _StepRecord(st.step_index, st.scale, {k: _step_of(t) for k, t in st.open.items()}, dict(st.maxima),
+                           _nonfinite_rows(st.open))
+
+    def nonfinite_rows(self, steps: Sequence[int]) -> dict[int, dict[str, tuple[str, ...]]]:
+        """For each of ``steps`` the recorder sampled: per gradient kind, the rows whose values held inf or
+        NaN, in backward order (the rows' model order reversed: the one nearest the loss first).
+
+        One transfer for all of them; call it when a report is asked for (a host sync), not in a hook.
+        """
+        wanted = set(steps)
+        with self.lock:
+            st = self._state
+            records = [r for r in self._trace[: st.closed] if r.step in wanted]
+            if st.sampling and st.dirty and st.step_index in wanted:
+                records.append(self._record_of(st))
+            flags = [(r.step, kind, t) for r in records for kind, t in r.nonfinite.items()]
+            host = torch.cat([t.reshape(-1).cpu() for _, _, t in flags]).tolist() if flags else []
+            out: dict[int, dict[str, tuple[str, ...]]] = {}
+            at = 0
+            for step, kind, t in flags:
+                row_flags, at = host[at:at + t.numel()], at + t.numel()
+                names = self.rows[kind].names
+                hit = tuple(names[i] for i in reversed(range(min(len(row_flags), len(names)))) if row_flags[i])
+                out.setdefault(step, {})[kind] = hit
+            return out
 
     def memory(self) -> dict[str, int]:
         """Bytes of device memory held: the fixed tables and the per-step trace."""
@@ -864,6 +890,11 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:  # a device type autocast does not know
         return False
+
+
+def _nonfinite_rows(tables: Mapping[str, Table]) -> dict[str, torch.Tensor]:
+    """Per gradient kind, which rows of the open step held inf or NaN: one small device op a kind, no sync."""
+    return {k: t[0][:, SLOT_INF:SLOT_NAN + 1].any(1) for k, t in tables.items() if k in _THIN_KINDS}
 
 
 def _step_of(table: Table) -> Table:

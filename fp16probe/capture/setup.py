@@ -20,11 +20,12 @@ from fp16probe.capture.modules import ForwardHeadroom, ModuleHooks
 from fp16probe.capture.ops import OpRecording
 from fp16probe.capture.overflow import CeilingCollector
 from fp16probe.capture.shadow import ShadowReruns
+from fp16probe.capture.skips import SkipLedgerCollector
 from fp16probe.errors import ProbeError
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, WEIGHT_GRAD, Metadata
 from fp16probe.sections import CaptureNotes
 
-__all__ = ["BUILTIN", "GRANULARITIES", "capture_notes", "check_settings", "metadata_of"]
+__all__ = ["BUILTIN", "GRANULARITIES", "capture_notes", "check_accumulation", "check_settings", "metadata_of"]
 
 GRANULARITIES = ("module", "op")
 
@@ -53,6 +54,19 @@ def check_settings(model: Any, every: int, capturing: bool, granularity: str, re
             "are no gradients to count; materialise them (model.to_empty(device=...) and initialise, "
             "or load weights) before probing"
         )
+
+
+def check_accumulation(accumulation: Any, loss_divisor: Any) -> None:
+    """Refuse an accumulation count that is not a positive integer, or a loss divisor that is not a
+    positive finite number or a function (ProbeError)."""
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ProbeError(f"accumulation must be a positive number of micro-batches per step, got {accumulation!r}")
+    if loss_divisor is None or callable(loss_divisor):
+        return
+    if isinstance(loss_divisor, bool) or not isinstance(loss_divisor, (int, float)) \
+            or not 0 < loss_divisor < float("inf"):
+        raise ProbeError(f"loss_divisor must be a positive number or a function of the forward's keyword "
+                         f"arguments, got {loss_divisor!r}")
 
 
 def _ops(probe: Any) -> Collector | None:
@@ -94,6 +108,7 @@ BUILTIN: tuple[Any, ...] = (
     _ceiling,
     lambda probe: ForwardHeadroom(probe.recorder),
     lambda probe: History(probe) if probe.options["history"] else None,
+    SkipLedgerCollector,  # after the history, whose section it reads
     _shadow,
     _blocks,
 )

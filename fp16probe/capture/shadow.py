@@ -28,6 +28,16 @@ loss is the one the model returns (a 0-d tensor, ``output.loss`` or ``output["lo
 as Hugging Face models return with labels). A model whose loss is computed outside it needs
 ``Probe.shadow(fn)``: ``fn()`` runs forward and loss for the batch (without entering
 autocast itself) and returns the loss; the Probe calls it only on shadowed steps.
+
+Gradient accumulation (``Probe(accumulation=N)``): the live step's gradients are those of N
+micro-batches, each backpropagating its loss divided as the framework divides it (accelerate
+and Lightning: loss / N). A shadowed step then reruns each of its first N micro-batches (each
+forward the step replays, or each ``Probe.shadow(fn)`` call), each loss divided by the
+``loss_divisor`` (default N) before its fp32 backward, and accumulates their gradients in
+``.grad`` as training does, apart from training's own (:class:`RerunGradients`): the rerun step
+holds what the live step holds, the N micro-batches' output gradients and the accumulated
+weight gradients, of the loss each micro-batch backpropagates. A micro-batch whose rerun fails
+or is discarded drops the whole rerun step, which then is no reference.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import dataclasses
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -47,8 +57,8 @@ from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
 from fp16probe.sections import ShadowRuns
 
-__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "ShadowReruns", "autocast_off", "forward_autocast",
-           "loss_of", "shadow_due"]
+__all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "LossDivisor", "RerunGradients", "Shadow", "ShadowReruns",
+           "autocast_off", "divisor_of", "forward_autocast", "loss_of", "shadow_due"]
 
 DEFAULT_SHADOW_EVERY = 50
 # Sampled steps shadowed before the regular schedule starts, so a short run has a reference
@@ -90,6 +100,46 @@ def loss_of(output: Any) -> torch.Tensor | None:
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# What a micro-batch's loss is divided by before its backward: a number, or a function of the
+# replayed forward's keyword arguments (the Hugging Face Trainer divides only a loss the model did
+# not already normalise by ``num_items_in_batch``); None: by the accumulation count.
+LossDivisor = Union[float, Callable[[Mapping[str, Any]], float], None]
+
+
+def divisor_of(loss_divisor: LossDivisor, accumulation: int, kwargs: Mapping[str, Any]) -> float:
+    """The number a rerun divides its loss by: ``loss_divisor`` (called on the replayed ``kwargs``), else ``accumulation``."""
+    if loss_divisor is None:
+        return float(accumulation)
+    return float(loss_divisor(kwargs) if callable(loss_divisor) else loss_divisor)
+
+
+class RerunGradients:
+    """The reruns' own accumulated ``.grad`` across the micro-batches of one shadowed step.
+
+    Each micro-batch reruns inside :func:`~fp16probe.capture.state.kept_training_state`, which hands
+    it ``.grad`` = None and puts training's gradients back after. :meth:`resume` gives the rerun the
+    gradients the step's earlier reruns accumulated (their backward adds to them, as training's
+    does), :meth:`keep` takes them before training's come back. One fp32 copy of the gradients
+    lives while an accumulated step is rerun; :meth:`clear` lets it go.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    def resume(self) -> None:
+        """Put the step's rerun gradients so far into ``.grad`` (inside the rerun's kept state)."""
+        for p, g in self._grads:
+            p.grad = g
+
+    def keep(self) -> None:
+        """Take the rerun's ``.grad`` (inside the rerun's kept state, before training's is put back)."""
+        self._grads = [(p, p.grad) for p in self.model.parameters() if p.requires_grad]
+
+    def clear(self) -> None:
+        """Forget them (the rerun step closed or was dropped)."""
+        self._grads = []
 
 
 def forward_autocast(forward: Any) -> Any:
@@ -172,13 +222,23 @@ class Shadow:
             only while a rerun runs.
         every: the schedule's period in sampled steps (:func:`shadow_due`).
         live: the live Probe's recorder, silenced while a rerun runs.
+        accumulation: micro-batches per optimizer step; a shadowed step reruns each of them.
+        loss_divisor: what each micro-batch's loss is divided by before its backward
+            (:data:`LossDivisor`; default ``accumulation``).
     """
 
-    def __init__(self, model: nn.Module, probe: Any, every: int, live: Any) -> None:
+    def __init__(self, model: nn.Module, probe: Any, every: int, live: Any, *, accumulation: int = 1,
+                 loss_divisor: LossDivisor = None) -> None:
         self.model = model
         self.probe = probe
         self.every = int(every)
         self.live = live
+        self.accumulation = int(accumulation)
+        self.loss_divisor = loss_divisor
+        self.divisors: set[float] = set()  # the divisors the recorded reruns applied
+        self._micro = 0  # micro-batches of the open step rerun so far (its rerun step is open while > 0)
+        self._explicit = False  # Probe.shadow(fn) was called: forward calls are no longer replayed
+        self._rerun_grads = RerunGradients(model)
         self.steps: list[int] = []  # live step numbers that were shadowed
         self.seconds = 0.0  # host time spent in reruns (CPU: the cost; CUDA: see events)
         self._events: list[tuple[Any, Any]] = []  # CUDA start/end events, read at report time
@@ -203,16 +263,38 @@ class Shadow:
             self._handle = None
 
     def close_step(self, sampled: bool) -> None:
-        """A step ended; count it when it was sampled."""
+        """A step ended; count it when it was sampled. A rerun step still open (fewer micro-batches than
+        ``accumulation``, as at an epoch's end) closes with those the live step had."""
+        if self._micro:
+            self._close_rerun_step()
         if sampled:
             self._sampled += 1
         self._done_this_step = False
 
     @property
     def due(self) -> bool:
-        """Whether the open step is to be shadowed (and has not been yet)."""
+        """Whether the open step is to be shadowed (and has not been yet, or has micro-batches left to rerun)."""
         return (not self._done_this_step and self.live.sampling and self.live.enabled
                 and shadow_due(self._sampled, self.every))
+
+    def _close_rerun_step(self) -> None:
+        """Close the fp32 Probe's step over the micro-batches rerun, with their gradients in ``.grad``."""
+        try:
+            with kept_training_state(self.model):
+                self._rerun_grads.resume()
+                self.probe.step()
+        finally:
+            self._micro = 0
+            self._rerun_grads.clear()
+
+    def _drop_rerun_step(self) -> None:
+        """A micro-batch's rerun recorded nothing (it failed, was discarded, or found no loss): drop what the
+        fp32 Probe's open step holds, the step's earlier micro-batches too (they are no reference alone)."""
+        self.probe.discard_step()
+        if self._micro and self.steps and self.steps[-1] == self.live.step_index:
+            self.steps.pop()
+        self._micro = 0
+        self._rerun_grads.clear()
 
     def next_step(self) -> int | None:
         """The live step number of the next shadowed step, from the open one on."""
@@ -221,13 +303,13 @@ class Shadow:
 
     # -- the rerun ------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._running or not self.due or not torch.is_grad_enabled():
+        if self._running or self._explicit or not self.due or not torch.is_grad_enabled():
             return
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
         try:
-            self.run(lambda: module(*args, **kwargs), device, replayed=True)
+            self.run(lambda: module(*args, **kwargs), device, replayed=True, kwargs=kwargs)
         except Exception as e:  # a rerun must never break training
             self.live.note_error(e)
         if self.skipped is not None:  # the model returns no loss: stop replaying its calls
@@ -249,8 +331,9 @@ class Shadow:
         return "autocast" in str(getattr(self.live, "precision", None) or "")
 
     def run(self, compute_loss: Callable[[], Any], device: torch.device | None = None, *,
-            replayed: bool = False) -> bool:
-        """Rerun one step in fp32 (``compute_loss()`` returns the loss or a model output that carries it).
+            replayed: bool = False, kwargs: Mapping[str, Any] | None = None) -> bool:
+        """Rerun one step, or one micro-batch of it, in fp32 (``compute_loss()`` returns the loss or a model
+        output that carries it; ``kwargs``: the replayed forward's, for a ``loss_divisor`` function).
 
         Returns whether a rerun was recorded. Everything training sees is restored after.
         """
@@ -259,6 +342,10 @@ class Shadow:
         device = device or _device_of((), {}, self.model)
         live_enabled = self.live.enabled
         timer = _Timer(device)
+        divisor = divisor_of(self.loss_divisor, self.accumulation, kwargs or {})
+        # The loop gives the loss itself (Probe.shadow): replaying its forward calls too would rerun a
+        # micro-batch twice, so from now on only its calls rerun.
+        self._explicit = self._explicit or not replayed
         self._running = True
         self._done_this_step = True
         recorded = False
@@ -268,6 +355,7 @@ class Shadow:
             # kept_training_state is left last: the fp32 Probe's step reads the rerun's .grad first
             with (kept_training_state(self.model), autocast_off(),
                   torch.autocast(device.type, enabled=False), check.watching(self.model)):
+                self._rerun_grads.resume()  # the step's earlier micro-batches' rerun gradients
                 self.probe.start()
                 try:
                     loss = loss_of(compute_loss())
@@ -279,24 +367,43 @@ class Shadow:
                         self.skipped = ("the model's output carries no loss (no 0-d tensor, .loss or ['loss']); "
                                         "call probe.shadow(fn) with fn() returning the loss of the batch")
                     elif loss is not None and loss.requires_grad:
-                        loss.float().backward()
+                        divided_loss(loss, divisor).backward()
                         recorded = True
                 finally:
-                    if recorded:
-                        self.probe.step()
-                    else:  # a replay that found no loss recorded only its forward: drop it, or the
-                        self.probe.discard_step()  # reference would hold a step no rerun is listed for
                     self.probe.stop()
+                    self._end_micro_batch(recorded)
         finally:
             self.live.enabled = live_enabled
             self._running = False
             self.seconds += timer.stop(self._events)
         if recorded:
-            self.steps.append(self.live.step_index)
+            self.divisors.add(divisor)
             self.skipped = None
-        elif replayed:
-            self._done_this_step = False  # an explicit probe.shadow(fn) may still rerun this step
+            if self._micro and self._micro < self.accumulation:
+                self._done_this_step = False  # the step's next micro-batch reruns too
+        elif replayed and self.accumulation == 1:
+            # an explicit probe.shadow(fn) may still rerun this step (not an accumulated step's later
+            # micro-batch: a rerun step of some of its micro-batches is no reference)
+            self._done_this_step = False
         return recorded
+
+    def _end_micro_batch(self, recorded: bool) -> None:
+        """After a micro-batch's rerun (inside its kept state): keep its gradients, close the rerun step
+        after the last micro-batch; a micro-batch that recorded nothing drops the step's rerun."""
+        if not recorded:  # e.g. a replay that found no loss recorded only its forward: drop it, or the
+            self._drop_rerun_step()  # reference would hold a step no rerun is listed for
+            return
+        if not self._micro:
+            self.steps.append(self.live.step_index)
+        self._micro += 1
+        if self._micro < self.accumulation:
+            self._rerun_grads.keep()
+            return
+        try:
+            self.probe.step()
+        finally:
+            self._micro = 0
+            self._rerun_grads.clear()
 
     def cost(self) -> dict[str, Any]:
         """What the reruns cost: their number and time (CUDA: measured by events, a sync here)."""
@@ -306,6 +413,12 @@ class Shadow:
             seconds = sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
         return {"count": len(self.steps), "seconds": seconds,
                 "clock": "cuda events" if self._events else "host wall time"}
+
+
+def divided_loss(loss: torch.Tensor, divisor: float) -> torch.Tensor:
+    """The fp32 loss a micro-batch backpropagates: ``loss`` divided as the framework divides it."""
+    loss = loss.float()
+    return loss if divisor == 1 else loss / divisor
 
 
 class _Timer:
@@ -346,7 +459,8 @@ class ShadowReruns(Collector):
                                 activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
                                 target=probe.target, shadow_every=0, history=False)
         self.live = probe.recorder
-        self.shadow = Shadow(probe.model, reference, every, probe.recorder)
+        self.shadow = Shadow(probe.model, reference, every, probe.recorder, accumulation=o.get("accumulation", 1),
+                             loss_divisor=o.get("loss_divisor"))
 
     def start(self) -> None:
         """Watch the model's forward calls (not under torch.distributed: a rerun would run DDP's collectives)."""
@@ -370,7 +484,9 @@ class ShadowReruns(Collector):
         out: dict[str, Any] = {"shadow_runs": ShadowRuns(every=sh.every, steps=tuple(sh.steps), count=cost["count"],
                                                          seconds=cost["seconds"], clock=cost["clock"],
                                                          next_step=sh.next_step(), off=off,
-                                                         discarded=tuple(dict(x) for x in sh.discarded))}
+                                                         discarded=tuple(dict(x) for x in sh.discarded),
+                                                         accumulation=sh.accumulation,
+                                                         loss_divisors=tuple(sorted(sh.divisors)))}
         if sh.steps:
             ref = sh.probe.report()
             steps = tuple(sh.steps[: len(ref.trace)])

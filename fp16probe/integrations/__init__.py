@@ -69,16 +69,20 @@ class ProbeCallback:
         self.trainer_name = ""
 
     def _start(self, model: Any, scaler: Any, *, main: bool, step_offset: int, trackers: Any,
-               folder: str | Path, trainer: str) -> None:
+               folder: str | Path, trainer: str, accumulation: Any = None) -> None:
         """Start the Probe; with ``log_every``, its live logger (``trackers(live)``: the framework's own,
         from :mod:`fp16probe.integrations.live`, imported only then). Under torch.distributed every
-        rank first joins the ranks' guard (a collective, which refuses models that differ)."""
+        rank first joins the ranks' guard (a collective, which refuses models that differ).
+
+        ``accumulation``: the framework's gradient accumulation, as the Probe's ``accumulation`` and
+        ``loss_divisor`` (what the reruns replay); options the caller gave the callback win."""
         from fp16probe.capture.probe import Probe
         from fp16probe.integrations.guard import rank_guard
 
         self.folder, self.trainer_name, self.steps = Path(folder), trainer, 0
         self.guard = rank_guard(model)
-        self.probe = Probe(model, every=self.every, scaler=scaler, **self.probe_options).start()
+        options = {**(accumulation or {}), **self.probe_options}
+        self.probe = Probe(model, every=self.every, scaler=scaler, **options).start()
         if self.log_every:
             from fp16probe.integrations import live
 

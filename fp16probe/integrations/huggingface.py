@@ -27,7 +27,7 @@ transformers = require("transformers", "hf", "fp16probe.integrations.huggingface
 
 from fp16probe.errors import Fp16ProbeError  # noqa: E402
 
-__all__ = ["Fp16ProbeCallback", "trainer_scaler"]
+__all__ = ["Fp16ProbeCallback", "trainer_accumulation", "trainer_scaler"]
 
 
 # The TrainingArguments that decide what the gradients are: precision, accumulation, clipping.
@@ -51,6 +51,26 @@ def training_arguments(args: Any) -> dict[str, Any]:
         if value is not None:
             out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
+
+
+def trainer_accumulation(args: Any, trainer: Any = None) -> dict[str, Any]:
+    """The Probe's ``accumulation`` and ``loss_divisor`` for ``gradient_accumulation_steps``.
+
+    The Trainer backpropagates each micro-batch's loss divided by the accumulation count unless it is
+    already normalised over the accumulated batch: when the model takes loss keyword arguments it is
+    called with ``num_items_in_batch`` (the tokens of all the step's micro-batches) and divides
+    itself. So a replayed forward that carries ``num_items_in_batch`` is divided by 1, another by the
+    count; a Trainer given here whose ``loss_is_scaled_for_ga`` is set decides it instead.
+    """
+    n = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None) if trainer is not None else None
+    if scaled is not None:
+        return {"accumulation": n, "loss_divisor": 1.0 if scaled else float(n)}
+
+    def divisor(kwargs: Any) -> float:
+        return 1.0 if kwargs.get("num_items_in_batch") is not None else float(n)
+
+    return {"accumulation": n, "loss_divisor": divisor}
 
 
 class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
@@ -119,7 +139,7 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
                       "grad_scaler_found_at": found_at if scaler is not None else None}
         self._start(model, scaler, main=state.is_world_process_zero, step_offset=state.global_step + 1,
                     trackers=lambda live: live.hf_trackers(args), folder=self.output_dir or args.output_dir,
-                    trainer="transformers")
+                    trainer="transformers", accumulation=trainer_accumulation(args, self.trainer))
         if self.guard is not None:
             # The Trainer tells a callback of no failure: torch runs this hook even when the forward
             # raises, so the failing rank joins the agreement from there (see fp16probe.integrations.guard).

@@ -23,7 +23,7 @@ from fp16probe.integrations import ProbeCallback, finish, require
 pl = require("pytorch_lightning", "lightning", "fp16probe.integrations.lightning")
 
 
-__all__ = ["Fp16ProbeCallback", "lightning_scaler"]
+__all__ = ["Fp16ProbeCallback", "lightning_accumulation", "lightning_scaler"]
 
 
 def lightning_scaler(trainer: Any) -> Any:
@@ -31,6 +31,13 @@ def lightning_scaler(trainer: Any) -> Any:
     plugin = getattr(trainer, "precision_plugin", None)
     scaler = getattr(plugin, "scaler", None)
     return scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: True)() else None
+
+
+def lightning_accumulation(trainer: Any) -> dict[str, Any]:
+    """The Probe's ``accumulation`` for a Trainer's ``accumulate_grad_batches``: under automatic
+    optimization Lightning backpropagates each micro-batch's ``training_step`` loss divided by it,
+    the Probe's default ``loss_divisor``."""
+    return {"accumulation": int(getattr(trainer, "accumulate_grad_batches", 1) or 1)}
 
 
 class Fp16ProbeCallback(ProbeCallback, pl.Callback):
@@ -64,10 +71,12 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
                       "loss_scaled": scaler is not None}
         self._start(pl_module, scaler, main=trainer.is_global_zero, step_offset=trainer.global_step + 1,
                     trackers=lambda live: live.lightning_trackers(trainer),
-                    folder=self.dirpath or trainer.default_root_dir, trainer="lightning")
+                    folder=self.dirpath or trainer.default_root_dir, trainer="lightning",
+                    accumulation=lightning_accumulation(trainer))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one.
+        """On the Probe's rerun steps, rerun ``training_step`` on this batch in fp32, before the real one
+        (each micro-batch of an accumulated step, its loss divided by ``accumulate_grad_batches``).
 
         Only under automatic optimization (a manual ``training_step`` steps the optimizer
         itself); ``self.log`` is silenced during the rerun so the run's metrics stay its own.

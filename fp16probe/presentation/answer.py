@@ -569,14 +569,42 @@ def findings(report: Report) -> list[str]:
     return out
 
 
+SKIPS_SHOWN = 3  # ledger entries a summary line names; show --json has them all
+
+
+def skipped_step_words(entry: Any) -> str:
+    """One ledger entry: its step, the scale in force, and where its inf/NaN began (names escaped)."""
+    where = ""
+    if not entry.sampled:
+        where = ", not sampled (no module known)"
+    elif entry.modules:
+        whose = "output gradient" if entry.kind == "activation_grad" else "gradient"
+        held = max(entry.nonfinite_modules, len(entry.modules))
+        where = (f", inf/NaN first in {escape.text(entry.modules[0])}'s {whose}"
+                 + (f" ({num.count(held)} held it)" if held > 1 else ""))
+    return f"step {entry.step} at scale {num.scale(entry.scale)}{where}"
+
+
+def skip_ledger_words(ledger: Any) -> str | None:
+    """The skip ledger as one line: how many steps were skipped, the first few of them."""
+    steps = ledger.steps
+    if not steps:
+        return None
+    shown = "; ".join(skipped_step_words(e) for e in steps[:SKIPS_SHOWN])
+    rest = len(steps) - SKIPS_SHOWN
+    plural = "s" if len(steps) != 1 else ""
+    return (f"{num.count(len(steps))} step{plural} skipped (gradients held inf/NaN): {shown}"
+            + (f"; {num.count(rest)} more in show --json" if rest > 0 else ""))
+
+
 # How each registered section that is not a field of the Report is told (one line; the default lists its
 # fields). A collector that wants its own words registers them here, beside its section.
-# A registered section's words for `show`, given the section and its report (None: worded elsewhere, so no
-# line of its own).
+# Each takes the section and its report; None: worded elsewhere, so no line of its own.
 SECTION_WORDS: dict[str, Callable[[Any, Report], str | None]] = {
     "emulation": lambda _, __: None,  # the answer's "emulated" line says what it measured
     "trial": lambda t, report: trial_line(t, None if report.recommendation is None else report.recommendation.verdict)
     if isinstance(t, Trial) else None,
+    "skips": lambda ledger, _: skip_ledger_words(ledger),
 }
 _BRIEF = 40  # characters a value of an unworded section may take before it is shown by its size
 

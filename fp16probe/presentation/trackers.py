@@ -20,6 +20,10 @@ figures and an HTML report as artifacts instead):
   ``fp16probe/overflow_ceiling`` (the largest unscaled |g| anywhere in backward, where the
   report has it; not logged on a step that held inf/NaN), ``fp16probe/loss_scale`` (the scaler's scale), ``fp16probe/skipped_steps`` (steps so far
   whose gradients held inf/NaN: a loss scaler skips them), ``fp16probe/recommended_log2_scale``.
+* the skip ledger (the report's ``skips`` section, :mod:`fp16probe.capture.skips`): at each skipped
+  step, the scalar ``fp16probe/skipped_step/scale`` (the scale in force) and the text
+  ``fp16probe/skipped_step`` (the step, the scale, the module whose gradient held inf/NaN first).
+  MLflow keeps each text as the artifact ``fp16probe/skipped_step/step-<step>.txt``.
 
 Every number comes from the report; the flushed fractions are exact sums of whole bins
 (see :class:`fp16probe.histogram.Histogram`). A step whose scale is not a power of two
@@ -42,7 +46,7 @@ from fp16probe.errors import Fp16ProbeError, InputError, require
 from fp16probe.formats import Format, get_format
 from fp16probe.histogram import MIN_EXP, Histogram
 from fp16probe.presentation import escape
-from fp16probe.presentation.answer import recommendation_for
+from fp16probe.presentation.answer import recommendation_for, skipped_step_words
 from fp16probe.recommendation import Recommendation
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, KINDS, Report
 
@@ -120,10 +124,12 @@ class TrackerSeries:
     scalars: tuple[tuple[str, int, float], ...]
     texts: tuple[tuple[str, str], ...]
     last_step: int
+    step_texts: tuple[tuple[str, int, str], ...] = ()  # (tag, step, text): the skip ledger's entries
 
     def steps(self) -> tuple[int, ...]:
-        """The steps that carry a scalar or histogram, in order."""
-        return tuple(sorted({s for _, s, _ in self.scalars} | {s for _, s, _ in self.histograms}))
+        """The steps that carry a scalar, histogram or step text, in order."""
+        return tuple(sorted({s for _, s, _ in self.scalars} | {s for _, s, _ in self.histograms}
+                            | {s for _, s, _ in self.step_texts}))
 
 
 def _exact_log2(x: float | None) -> int | None:
@@ -191,7 +197,28 @@ def _series(report: Report, fmt: Format, rec: Recommendation | None, *, modules:
             lh = log_histogram(m.histogram, axis)
             if lh is not None:
                 histograms.append((f"{PREFIX}/{m.kind}/{escape.text(m.name)}", last_step, lh))
-    return TrackerSeries(tuple(histograms), tuple(scalars), _recommendation_texts(rec), last_step)
+    step_texts = _skip_points(report, step_offset, since_step, scalars)
+    # a skipped step the trace did not sample is a step sent too (a live log does not send it again)
+    last_step = max([last_step, *(s for _, s, _ in step_texts)])
+    return TrackerSeries(tuple(histograms), tuple(scalars), _recommendation_texts(rec), last_step, step_texts)
+
+
+def _skip_points(report: Report, step_offset: int, since_step: int | None,
+                 scalars: list[tuple[str, int, float]]) -> tuple[tuple[str, int, str], ...]:
+    """The skip ledger's entries after ``since_step``: ``skipped_step/scale`` scalars (appended to
+    ``scalars``) and one ``skipped_step`` text each (the step, the scale, where the inf/NaN began)."""
+    ledger = report.section("skips")
+    if ledger is None:
+        return ()
+    texts = []
+    for entry in ledger.steps:
+        step = int(entry.step) + step_offset
+        if since_step is not None and step <= since_step:
+            continue
+        if entry.scale is not None:
+            scalars.append((f"{PREFIX}/skipped_step/scale", step, float(entry.scale)))
+        texts.append((f"{PREFIX}/skipped_step", step, skipped_step_words(entry)))
+    return tuple(texts)
 
 
 def _kind_points(k: str, h: Histogram, step: int, fmt: Format, axis: str, k_in_force: int | None,
@@ -275,6 +302,8 @@ class _TensorBoardSink:
             # TensorBoard renders Markdown: indent by 4 so the text shows as written.
             self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()),
                                  global_step=series.last_step)
+        for tag, step, text in series.step_texts:
+            self.writer.add_text(tag, "    " + text, global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -314,6 +343,8 @@ class _WandbSink:
             )
         for tag, step, value in series.scalars:
             rows.setdefault(step, {})[tag] = value
+        for tag, step, text in series.step_texts:
+            rows.setdefault(step, {})[tag] = text
         for step in sorted(rows):
             self.run.log({**rows[step], f"{PREFIX}/step": step})
         for tag, text in series.texts:
@@ -347,6 +378,8 @@ class _MlflowSink:
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
         for tag, text in series.texts:
             self.client.log_text(self.run_id, text + "\n", f"{_mlflow_key(tag)}.txt")
+        for tag, step, text in series.step_texts:  # one file a skipped step: a later log adds, never replaces
+            self.client.log_text(self.run_id, text + "\n", f"{_mlflow_key(tag)}/step-{step}.txt")
 
     def artifacts(self, report: Report, fmt: Format, kind: str, recommendation: Recommendation | None) -> None:
         """Upload the report JSON, its figures (PNG) and a standalone HTML report."""
