@@ -167,7 +167,9 @@ class CaptureNotes:
     rank's kept, ``"sharded"``: summed), with ``weight_grads_identical_across_ranks`` (None
     when not compared); both None for one rank's report;
     ``removed_modules``: hooked modules the model deleted or replaced after the Probe started
-    (their statistics cover only the steps before).
+    (their statistics cover only the steps before); ``compiled_modules``: modules that ran
+    compiled when the Probe started (``""``: the model), ``compile_traced``: dynamo traced a hook
+    of the Probe; either way module outputs inside compiled code were not read (capture/compiled.py).
     """
 
     unrecorded_modules: tuple[str, ...] = ()
@@ -183,15 +185,20 @@ class CaptureNotes:
     weight_grad_merge: str | None = None
     weight_grads_identical_across_ranks: bool | None = None
     removed_modules: tuple[str, ...] = ()
+    compiled_modules: tuple[str, ...] = ()
+    compile_traced: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (only the fields that say something)."""
         d: dict[str, Any] = {"granularity": self.granularity}
-        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules"):
+        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules",
+                    "compiled_modules"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
         if self.weight_grads_sharded:
             d["weight_grads_sharded"] = True
+        if self.compile_traced:
+            d["compile_traced"] = True
         for key in ("scale_source", "trace_since_step", "first_hook_error"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
@@ -213,6 +220,8 @@ class CaptureNotes:
             gradient_free_modules=_strings(d.get("gradient_free_modules", []), f"{path}.gradient_free_modules"),
             autocast_fp32_ops=_strings(d.get("autocast_fp32_ops", []), f"{path}.autocast_fp32_ops"),
             removed_modules=_strings(d.get("removed_modules", []), f"{path}.removed_modules"),
+            compiled_modules=_strings(d.get("compiled_modules", []), f"{path}.compiled_modules"),
+            compile_traced=_typed(d, "compile_traced", path, (bool,), "true or false", False),
             weight_grads_sharded=_typed(d, "weight_grads_sharded", path, (bool,), "true or false", False),
             scale_source=_typed(d, "scale_source", path, (str,), "a string"),
             granularity=_typed(d, "granularity", path, (str,), "module or op", "module", choices=("module", "op")),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -43,6 +44,7 @@ from torch import nn
 
 from fp16probe.capture.autocast_rules import around_autocast
 from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.compiled import eager, runs_compiled, tracing
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
 from fp16probe.sections import ShadowRuns
@@ -221,13 +223,18 @@ class Shadow:
 
     # -- the rerun ------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if tracing():  # a module inside torch.compile: its compiled caller is replayed, or probe.shadow(fn)
+            self.live.compile_seen.traced = True
+            return
         if self._running or not self.due or not torch.is_grad_enabled():
             return
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
+        # A torch.compile wrapper is replayed through the module it wraps: the rerun runs uncompiled anyway.
+        target = getattr(module, "_orig_mod", module) if runs_compiled(module) else module
         try:
-            self.run(lambda: module(*args, **kwargs), device, replayed=True)
+            self.run(lambda: target(*args, **kwargs), device, replayed=True)
         except Exception as e:  # a rerun must never break training
             self.live.note_error(e)
         if self.skipped is not None:  # the model returns no loss: stop replaying its calls
@@ -266,7 +273,9 @@ class Shadow:
             self.live.enabled = False  # the live Probe's hooks stay quiet during the rerun
             check = _DtypeCheck()
             # kept_training_state is left last: the fp32 Probe's step reads the rerun's .grad first
-            with (kept_training_state(self.model), autocast_off(),
+            # eager(): compiled code the rerun calls runs uncompiled, so the rerun's autocast state makes
+            # dynamo neither recompile nor fall back to eager for the live steps (compiled.py)
+            with (kept_training_state(self.model), eager(), _quiet_compile_wrapper(), autocast_off(),
                   torch.autocast(device.type, enabled=False), check.watching(self.model)):
                 self.probe.start()
                 try:
@@ -308,6 +317,15 @@ class Shadow:
                 "clock": "cuda events" if self._events else "host wall time"}
 
 
+@contextlib.contextmanager
+def _quiet_compile_wrapper() -> Iterator[None]:
+    """Keep torch's warning about a global module hook (the rerun's dtype check) off a ``probe.shadow(fn)`` whose
+    ``fn`` calls a torch.compile wrapper: the wrapper runs uncompiled here, the extra hook call is harmless."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        yield
+
+
 class _Timer:
     """Wall time on the host; on CUDA a pair of events (read later, without a sync now)."""
 
@@ -345,6 +363,8 @@ class ShadowReruns(Collector):
                                 activation_grads=o["activation_grads"], weight_grads=o["weight_grads"],
                                 activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
                                 target=probe.target, shadow_every=0, history=False)
+        # The reruns run uncompiled (compiled.eager): the live Probe alone says what torch.compile leaves out.
+        reference.collectors = [c for c in reference.collectors if c.key != "compiled"]
         self.live = probe.recorder
         self.shadow = Shadow(probe.model, reference, every, probe.recorder)
 
@@ -366,6 +386,9 @@ class ShadowReruns(Collector):
         sh = self.shadow
         off = ("not under torch.distributed (a rerun would run DDP's collectives)" if self.live.defer_to_ddp
                else sh.skipped)
+        if off is None and not sh.steps and self.live.compile_seen.traced:
+            off = ("the model's forward ran inside torch.compile, where it is not replayed; call probe.shadow(fn), "
+                   "or give the Probe the torch.compile(model) wrapper")
         cost = sh.cost()
         out: dict[str, Any] = {"shadow_runs": ShadowRuns(every=sh.every, steps=tuple(sh.steps), count=cost["count"],
                                                          seconds=cost["seconds"], clock=cost["clock"],

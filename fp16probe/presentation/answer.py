@@ -524,6 +524,7 @@ def findings(report: Report) -> list[str]:
         out.append(f"note: the model removed {num.count(len(removed))} hooked module(s) during the run "
                    f"({', '.join(escape.text(n) for n in removed[:NOTES_SHOWN])}"
                    f"{' and more' if len(removed) > NOTES_SHOWN else ''}); their statistics cover only the steps before")
+    out += compile_notes(report)
     if work.nonfinite_loss_steps:
         out.append(f"finding: the loss was inf/NaN at step(s) {work.nonfinite_loss_steps}")
     wul = work.weight_update_loss
@@ -531,6 +532,17 @@ def findings(report: Report) -> list[str]:
         out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
                    f"would be lost in {wul['format']} weights without fp32 master copies")
     return out
+
+
+def compile_notes(report: Report) -> list[str]:
+    """What torch.compile left out of the capture (capture/compiled.py), or nothing."""
+    cap = report.capture
+    if cap is None or not (cap.compiled_modules or cap.compile_traced):
+        return []
+    names = ", ".join("the model" if n == "" else escape.text(n) for n in cap.compiled_modules[:NOTES_SHOWN])
+    what = f"{names} ran compiled" if names else "torch.compile traced the model"
+    return [f"note: {what}: module outputs inside compiled code were not read (that would change what the "
+            "compiler builds); weight gradients and the fp32 reruns, run uncompiled, were"]
 
 
 # How each registered section that is not a field of the Report is told (one line; the default lists its
