@@ -47,6 +47,7 @@ from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.compiled import eager, runs_compiled, tracing
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
+from fp16probe.report import WEIGHT_GRAD
 from fp16probe.sections import ShadowRuns
 
 __all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "ShadowReruns", "autocast_off", "forward_autocast",
@@ -231,8 +232,7 @@ class Shadow:
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
-        # A torch.compile wrapper is replayed through the module it wraps: the rerun runs uncompiled anyway.
-        target = getattr(module, "_orig_mod", module) if runs_compiled(module) else module
+        target = _replayed(module)
         try:
             self.run(lambda: target(*args, **kwargs), device, replayed=True)
         except Exception as e:  # a rerun must never break training
@@ -345,11 +345,59 @@ class _Timer:
         return time.perf_counter() - self.t0
 
 
+def _replayed(module: nn.Module) -> nn.Module:
+    """The module a rerun calls for ``module``: through a torch.compile wrapper (the rerun runs uncompiled anyway)
+    and through DDP, whose forward would run collectives (a rerun runs on this rank alone)."""
+    for _ in range(4):  # DDP(torch.compile(model)) and the like: a few wrappers deep at most
+        if runs_compiled(module) and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod
+        elif type(module).__name__ == "DistributedDataParallel" and isinstance(module.module, nn.Module):
+            module = module.module
+        else:
+            break
+    return module
+
+
 def _device_of(args: Any, kwargs: Any, model: nn.Module) -> torch.device:
     for t in iter_tensors((args, kwargs)):
         return t.device
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _reference_probe(probe: Any, *, weight_grads: bool) -> Any:
+    """The fp32 Probe the reruns record into: the live Probe's modules and kinds, no scaler, no reruns of its own."""
+    o = probe.options
+    reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
+                            activation_grads=o["activation_grads"], weight_grads=weight_grads,
+                            activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
+                            target=probe.target, shadow_every=0, history=False)
+    # The reruns run uncompiled (compiled.eager): the live Probe alone says what torch.compile leaves out.
+    reference.collectors = [c for c in reference.collectors if c.key != "compiled"]
+    return reference
+
+
+def rank_local_rerun_off(model: nn.Module) -> str | None:
+    """Under torch.distributed: why an fp32 rerun cannot run on this rank alone, or None where it can.
+
+    DDP: it can. Its collectives run in ``DistributedDataParallel.forward`` around the wrapped
+    module's call and in the reducer's hooks, which act only on a backward that forward prepared;
+    a rerun of the wrapped module (``ddp.module``) runs neither. FSDP2 (``fully_shard``) and FSDP:
+    it cannot. The module's own forward hooks all-gather the sharded parameters (a collective),
+    in ``MixedPrecisionPolicy.param_dtype`` (fp16: no fp32 weights to rerun with), and its backward
+    reduce-scatters them.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed: nothing is sharded
+        return None
+    for m in model.modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            name = "FSDP2 (fully_shard)" if isinstance(m, FSDPModule) else "FSDP"
+            return (f"not under {name}: a rerun would all-gather the sharded parameters, in the mixed-precision "
+                    "policy's dtype, and reduce-scatter their gradients; for the fp32 reference run fp16probe "
+                    "profile on one process with the unsharded model and the same batches")
+    return None
 
 
 class ShadowReruns(Collector):
@@ -358,19 +406,23 @@ class ShadowReruns(Collector):
     key = "shadow"
 
     def __init__(self, probe: Any, every: int) -> None:
-        o = probe.options
-        reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
-                                activation_grads=o["activation_grads"], weight_grads=o["weight_grads"],
-                                activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
-                                target=probe.target, shadow_every=0, history=False)
-        # The reruns run uncompiled (compiled.eager): the live Probe alone says what torch.compile leaves out.
-        reference.collectors = [c for c in reference.collectors if c.key != "compiled"]
+        self.probe = probe
         self.live = probe.recorder
-        self.shadow = Shadow(probe.model, reference, every, probe.recorder)
+        self.shadow = Shadow(probe.model, _reference_probe(probe, weight_grads=probe.options["weight_grads"]),
+                             every, probe.recorder)
+        self.off: str | None = None  # why no rerun can run in this set-up (start())
 
     def start(self) -> None:
-        """Watch the model's forward calls (not under torch.distributed: a rerun would run DDP's collectives)."""
-        if not self.live.defer_to_ddp:
+        """Watch the model's forward calls, where a rerun can run on this rank alone (:func:`rank_local_rerun_off`).
+
+        Under DDP the reruns record no weight gradients: the live ones are averaged over the ranks by the
+        all-reduce, a rank-local rerun's are this rank's alone, so they are not the same tensor. The output
+        gradients are this rank's in both, and carry the reference.
+        """
+        self.off = rank_local_rerun_off(self.shadow.model) if self.live.defer_to_ddp else None
+        if self.live.defer_to_ddp and not self.shadow.steps and self.shadow.probe.capture[WEIGHT_GRAD]:
+            self.shadow.probe = _reference_probe(self.probe, weight_grads=False)
+        if self.off is None:
             self.shadow.attach()
 
     def stop(self) -> None:
@@ -384,8 +436,7 @@ class ShadowReruns(Collector):
     def collect(self, got: Collected) -> dict[str, Any]:
         """The reruns as a report of their own, their steps numbered as the live run's, and their schedule."""
         sh = self.shadow
-        off = ("not under torch.distributed (a rerun would run DDP's collectives)" if self.live.defer_to_ddp
-               else sh.skipped)
+        off = self.off or sh.skipped
         if off is None and not sh.steps and self.live.compile_seen.traced:
             off = ("the model's forward ran inside torch.compile, where it is not replayed; call probe.shadow(fn), "
                    "or give the Probe the torch.compile(model) wrapper")
