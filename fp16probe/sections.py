@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
-__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns", "Workload",
-           "register_section", "split_legacy_extra", "split_workload"]
+__all__ = ["SECTIONS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "PrecisionCost", "SectionType", "ShadowRuns",
+           "Workload", "register_section", "split_legacy_extra", "split_workload"]
 
 
 def _json_float(v: float | None) -> float | str | None:
@@ -105,6 +105,46 @@ class ForwardSection:
             step_max=tuple(_float(v, f"{path}.step_max[{i}]") for i, v in enumerate(step_max)),
             audit=dict(_mapping(d["audit"], f"{path}.audit")) if "audit" in d else None,
         )
+
+
+@dataclass(frozen=True)
+class PrecisionCost:
+    """What computing in the run's low precision cost the weight gradients, measured against the fp32 reruns.
+
+    On each rerun step (``steps``), the live gradient (unscaled) against the fp32 rerun's of the same batch and
+    weights: ``relative_l2[param][i]`` is ``||g_live - g_fp32|| / ||g_fp32||`` for one parameter, ``whole[i]``
+    the same over every parameter together. None where the fp32 gradient is zero or the live one not finite.
+    ``precision``: what the live run computed in (``"bf16-autocast"``...). No loss scale enters it.
+    """
+
+    precision: str
+    steps: tuple[int, ...] = ()
+    relative_l2: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    whole: tuple[float | None, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"precision": self.precision, "steps": list(self.steps),
+                "relative_l2": {k: list(v) for k, v in self.relative_l2.items()}, "whole": list(self.whole)}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "precision_cost") -> "PrecisionCost":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        steps = d.get("steps", [])
+        if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise ReportFieldError(f"{path}.steps", f"{path}.steps: expected a list of step numbers")
+
+        def ratios(v: Any, where: str) -> tuple[float | None, ...]:
+            if not isinstance(v, list) or len(v) != len(steps) or not all(
+                    x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0) for x in v):
+                raise ReportFieldError(where, f"{where}: expected one non-negative number or null per step")
+            return tuple(None if x is None else float(x) for x in v)
+
+        per_param = _mapping(d.get("relative_l2", {}), f"{path}.relative_l2")
+        return cls(precision=_typed(d, "precision", path, (str,), "a string", ""), steps=tuple(steps),
+                   relative_l2={str(k): ratios(v, f"{path}.relative_l2[{k!r}]") for k, v in per_param.items()},
+                   whole=ratios(d.get("whole", []), f"{path}.whole"))
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ autocast itself) and returns the loss; the Probe calls it only on shadowed steps
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -48,7 +49,7 @@ from fp16probe.capture.compiled import eager, runs_compiled, tracing
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
 from fp16probe.report import WEIGHT_GRAD
-from fp16probe.sections import ShadowRuns
+from fp16probe.sections import PrecisionCost, ShadowRuns
 
 __all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "Shadow", "ShadowReruns", "autocast_off", "forward_autocast",
            "loss_of", "shadow_due"]
@@ -192,6 +193,8 @@ class Shadow:
         self._done_this_step = False
         self._running = False
         self._handle: Any = None
+        # the live gradients against the reruns' (PrecisionCostMeter); off under DDP (ShadowReruns.start)
+        self.precision_cost: PrecisionCostMeter | None = PrecisionCostMeter(live)
 
     # -- lifecycle ----------------------------------------------------------------------
     def attach(self) -> None:
@@ -290,6 +293,8 @@ class Shadow:
                     elif loss is not None and loss.requires_grad:
                         loss.float().backward()
                         recorded = True
+                        if self.precision_cost is not None:
+                            self.precision_cost.keep_reference(self.model)
                 finally:
                     if recorded:
                         self.probe.step()
@@ -400,6 +405,86 @@ def rank_local_rerun_off(model: nn.Module) -> str | None:
     return None
 
 
+class PrecisionCostMeter:
+    """The precision cost of the live weight gradients, measured against the fp32 rerun of the same step.
+
+    After a rerun's backward :meth:`keep_reference` clones its fp32 gradients; the live backward that
+    follows, on the same batch and weights, meets them in each parameter's post-accumulate-grad hook,
+    which sums ``||g_live * inv_scale - g_fp32||^2`` and ``||g_fp32||^2`` in device scalars (no host
+    sync); :meth:`close_step` drops the clones. Gradient accumulation: the last backward's ``.grad``
+    is compared, as the weight histograms count it. Not under DDP (the live gradients are all-reduced).
+    """
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self._reference: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._handles: list[Any] = []
+        self._sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's, by parameter
+        self.steps: list[int] = []
+        self.rows: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # one per step in steps
+        self.order: dict[str, None] = {}  # the parameters in the model's order
+
+    def keep_reference(self, model: nn.Module) -> None:
+        """Clone the rerun's fp32 gradients and hook the live backward that follows."""
+        self.drop()
+        self._reference = {n: (p, p.grad.detach().float().clone()) for n, p in model.named_parameters()
+                           if p.requires_grad and p.grad is not None and p.grad.layout == torch.strided
+                           and type(p.grad) is torch.Tensor}
+        self.order.update(dict.fromkeys(self._reference))
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n, ref))
+                         for n, (p, ref) in self._reference.items()]
+
+    def _hook(self, name: str, ref: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None or not self.live.enabled:
+                return
+            try:
+                g = p.grad.detach().float()
+                inv = self.live.inv_scale(g.device)
+                if inv is not None:
+                    g = g * inv
+                self._sums[name] = ((g - ref).pow(2).sum(), ref.pow(2).sum())
+            except Exception as e:  # bookkeeping must never break training
+                self.live.note_error(e)
+
+        return hook
+
+    def close_step(self, step: int | None) -> None:
+        """Keep what the step measured (``step``: the rerun step it belongs to, None: none) and unhook."""
+        if step is not None and self._sums:
+            self.steps.append(step)
+            self.rows.append(dict(self._sums))
+        self.drop()
+
+    def drop(self) -> None:
+        """Unhook and forget the fp32 gradients kept."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self._reference, self._sums = [], {}, {}
+
+    def section(self, precision: str) -> PrecisionCost | None:
+        """The measurements as the report's ``precision_cost`` section (one host transfer a step), or None."""
+        if not self.steps:
+            return None
+        names = [n for n in self.order if any(n in row for row in self.rows)]
+        per: dict[str, list[float | None]] = {n: [] for n in names}
+        whole: list[float | None] = []
+        for row in self.rows:
+            values = torch.stack([torch.stack(row[n]) for n in row]).double().cpu().tolist() if row else []
+            err = ref = 0.0
+            got = dict(zip(row, values))
+            for n in names:
+                if n not in got:
+                    per[n].append(None)
+                    continue
+                e, r = got[n]
+                per[n].append(math.sqrt(e / r) if r > 0 and math.isfinite(e) else None)
+                err, ref = err + e, ref + r
+            whole.append(math.sqrt(err / ref) if ref > 0 and math.isfinite(err) else None)
+        return PrecisionCost(precision=precision, steps=tuple(self.steps),
+                             relative_l2={n: tuple(v) for n, v in per.items()}, whole=tuple(whole))
+
+
 class ShadowReruns(Collector):
     """The fp32 reruns as a collector: the ``shadow`` section (their statistics) and ``shadow_runs`` (schedule, cost)."""
 
@@ -422,16 +507,24 @@ class ShadowReruns(Collector):
         self.off = rank_local_rerun_off(self.shadow.model) if self.live.defer_to_ddp else None
         if self.live.defer_to_ddp and not self.shadow.steps and self.shadow.probe.capture[WEIGHT_GRAD]:
             self.shadow.probe = _reference_probe(self.probe, weight_grads=False)
+        if self.live.defer_to_ddp:  # the live weight gradients are all-reduced: not this rank's to compare
+            self.shadow.precision_cost = None
         if self.off is None:
             self.shadow.attach()
 
     def stop(self) -> None:
-        """Stop watching."""
+        """Stop watching, and drop the fp32 gradients kept for a live backward that will not come."""
         self.shadow.detach()
+        if self.shadow.precision_cost is not None:
+            self.shadow.precision_cost.drop()
 
     def close_step(self, sampled: bool) -> None:
-        """Count the step when it was sampled."""
-        self.shadow.close_step(sampled)
+        """Count the step when it was sampled; keep its precision cost when it was rerun."""
+        sh = self.shadow
+        if sh.precision_cost is not None:
+            rerun = bool(sh.steps) and sh.steps[-1] == self.live.step_index
+            sh.precision_cost.close_step(self.live.step_index if rerun else None)
+        sh.close_step(sampled)
 
     def collect(self, got: Collected) -> dict[str, Any]:
         """The reruns as a report of their own, their steps numbered as the live run's, and their schedule."""
@@ -445,6 +538,9 @@ class ShadowReruns(Collector):
                                                          seconds=cost["seconds"], clock=cost["clock"],
                                                          next_step=sh.next_step(), off=off,
                                                          discarded=tuple(dict(x) for x in sh.discarded))}
+        cost = None if sh.precision_cost is None else sh.precision_cost.section(str(self.live.precision or ""))
+        if cost is not None:
+            out["precision_cost"] = cost
         if sh.steps:
             ref = sh.probe.report()
             steps = tuple(sh.steps[: len(ref.trace)])
