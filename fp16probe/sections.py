@@ -115,17 +115,21 @@ class PrecisionCost:
     weights: ``relative_l2[param][i]`` is ``||g_live - g_fp32|| / ||g_fp32||`` for one parameter, ``whole[i]``
     the same over every parameter together. None where the fp32 gradient is zero or the live one not finite.
     ``precision``: what the live run computed in (``"bf16-autocast"``...). No loss scale enters it.
+    ``fp32_change[i]``: ``||g_fp32(i) - g_fp32(previous rerun)|| / ||g_fp32(i)||`` over the whole model (None
+    at the first rerun): how much the gradient itself moves from batch to batch, what the cost is judged by.
     """
 
     precision: str
     steps: tuple[int, ...] = ()
     relative_l2: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
     whole: tuple[float | None, ...] = ()
+    fp32_change: tuple[float | None, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form."""
         return {"precision": self.precision, "steps": list(self.steps),
-                "relative_l2": {k: list(v) for k, v in self.relative_l2.items()}, "whole": list(self.whole)}
+                "relative_l2": {k: list(v) for k, v in self.relative_l2.items()}, "whole": list(self.whole),
+                "fp32_change": list(self.fp32_change) or [None] * len(self.steps)}
 
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "precision_cost") -> "PrecisionCost":
@@ -144,7 +148,8 @@ class PrecisionCost:
         per_param = _mapping(d.get("relative_l2", {}), f"{path}.relative_l2")
         return cls(precision=_typed(d, "precision", path, (str,), "a string", ""), steps=tuple(steps),
                    relative_l2={str(k): ratios(v, f"{path}.relative_l2[{k!r}]") for k, v in per_param.items()},
-                   whole=ratios(d.get("whole", []), f"{path}.whole"))
+                   whole=ratios(d.get("whole", []), f"{path}.whole"),
+                   fp32_change=ratios(d.get("fp32_change", [None] * len(steps)), f"{path}.fp32_change"))
 
 
 @dataclass(frozen=True)

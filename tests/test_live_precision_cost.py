@@ -56,6 +56,28 @@ def _plain_cost(dtype, scale: float) -> tuple[float, dict[str, float]]:
     return whole, per
 
 
+def _plain_fp32_change() -> float:
+    """By hand: the fp32 gradient of batch 1 at the weights after one bf16 SGD step, against batch 0's at the start."""
+    torch.manual_seed(0)
+    model = _Net()
+    batches = _batches()
+
+    def grad(low: bool, x, y) -> list[torch.Tensor]:
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+            model(x, y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    before = grad(False, *batches[0])
+    step = grad(True, *batches[0])
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), step):
+            p -= 0.1 * g
+    after = grad(False, *batches[1])
+    return math.sqrt(sum((a - b).pow(2).sum().item() for a, b in zip(after, before))
+                     / sum(a.pow(2).sum().item() for a in after))
+
+
 def _train(dtype, probed: bool, scale: float | None):
     torch.manual_seed(0)
     model = _Net()
@@ -96,13 +118,17 @@ def test_the_precision_cost_is_the_relative_l2_against_the_fp32_rerun(dtype, sca
     assert cost.precision == report.metadata.precision
     report.save(tmp_path / "r.json")
     assert Report.load(tmp_path / "r.json").sections["precision_cost"] == cost
+    assert cost.fp32_change[0] is None and len(cost.fp32_change) == STEPS
+    if dtype is torch.bfloat16:
+        assert cost.fp32_change[1] == pytest.approx(_plain_fp32_change(), rel=1e-5)
     if dtype is torch.bfloat16:  # bf16 needs no loss scale, and none is invented for the cost
         rec = analyze(report)
         assert rec.verdict == "none_needed" and not rec.grad_scaler_kwargs
 
 
 def test_a_precision_cost_with_a_bad_field_is_refused_naming_it():
-    good = PrecisionCost(precision="bf16-autocast", steps=(0,), relative_l2={"w": (0.01,)}, whole=(0.01,))
+    good = PrecisionCost(precision="bf16-autocast", steps=(0,), relative_l2={"w": (0.01,)}, whole=(0.01,),
+                         fp32_change=(None,))
     assert PrecisionCost.from_dict(good.to_dict()) == good
     with pytest.raises(ReportFieldError) as e:
         PrecisionCost.from_dict({**good.to_dict(), "whole": [-1.0]})
@@ -110,3 +136,21 @@ def test_a_precision_cost_with_a_bad_field_is_refused_naming_it():
     with pytest.raises(ReportFieldError) as e:
         PrecisionCost.from_dict({**good.to_dict(), "relative_l2": {"w": [0.1, 0.2]}})
     assert e.value.field == "precision_cost.relative_l2['w']"
+
+
+def test_the_cost_is_judged_against_the_fp32_gradients_own_change_and_said():
+    from fp16probe.analysis.precision_cost import CostJudgement, judge_against_fp32_change
+    from fp16probe.presentation.answer import precision_cost_lines
+
+    def cost(whole, change):
+        return PrecisionCost(precision="bf16-autocast", steps=tuple(range(len(whole))),
+                             relative_l2={"w": tuple(whole)}, whole=tuple(whole), fp32_change=tuple(change))
+
+    small = judge_against_fp32_change(cost([0.01, 0.02, 0.03], [None, 0.5, 0.7]))
+    assert (small.judgement, small.error, small.change) == (CostJudgement.BELOW_CHANGE, 0.02, 0.6)
+    large = judge_against_fp32_change(cost([0.9, 0.8, 0.7], [None, 0.5, 0.7]))
+    assert large.judgement is CostJudgement.NOT_BELOW_CHANGE
+    assert judge_against_fp32_change(cost([0.01], [None])).judgement is CostJudgement.UNJUDGED
+    _, report = _train(torch.bfloat16, True, None)
+    (line,) = precision_cost_lines(report)
+    assert line.startswith("precision cost: bf16-autocast moves the weight gradients by ") and ", below the" in line

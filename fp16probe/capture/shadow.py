@@ -423,14 +423,27 @@ class PrecisionCostMeter:
         self.steps: list[int] = []
         self.rows: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # one per step in steps
         self.order: dict[str, None] = {}  # the parameters in the model's order
+        self._previous: dict[str, torch.Tensor] = {}  # the last rerun's fp32 gradients
+        self._step_noise: tuple[Any, Any] | None = None  # this rerun's change since the last (device scalars)
+        self.noise: list[tuple[Any, Any] | None] = []  # one per step in steps
 
     def keep_reference(self, model: nn.Module) -> None:
-        """Clone the rerun's fp32 gradients and hook the live backward that follows."""
+        """Clone the rerun's fp32 gradients and hook the live backward that follows.
+
+        Also the fp32 gradients' own change since the previous rerun (another batch, weights a few
+        steps on): ``||g_fp32 - g_fp32_before||^2`` and ``||g_fp32||^2``, the noise the cost is judged by.
+        """
         self.drop()
         self._reference = {n: (p, p.grad.detach().float().clone()) for n, p in model.named_parameters()
                            if p.requires_grad and p.grad is not None and p.grad.layout == torch.strided
                            and type(p.grad) is torch.Tensor}
         self.order.update(dict.fromkeys(self._reference))
+        before = self._previous
+        pairs = [(ref, before[n]) for n, (_, ref) in self._reference.items()
+                 if n in before and before[n].shape == ref.shape]
+        self._step_noise = None if not pairs or len(pairs) != len(self._reference) else (
+            sum((ref - old).pow(2).sum() for ref, old in pairs), sum(ref.pow(2).sum() for ref, _ in pairs))
+        self._previous = {n: ref for n, (_, ref) in self._reference.items()}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(n, ref))
                          for n, (p, ref) in self._reference.items()]
 
@@ -454,13 +467,14 @@ class PrecisionCostMeter:
         if step is not None and self._sums:
             self.steps.append(step)
             self.rows.append(dict(self._sums))
+            self.noise.append(self._step_noise)
         self.drop()
 
     def drop(self) -> None:
         """Unhook and forget the fp32 gradients kept."""
         for h in self._handles:
             h.remove()
-        self._handles, self._reference, self._sums = [], {}, {}
+        self._handles, self._reference, self._sums, self._step_noise = [], {}, {}, None
 
     def section(self, precision: str) -> PrecisionCost | None:
         """The measurements as the report's ``precision_cost`` section (one host transfer a step), or None."""
@@ -481,8 +495,13 @@ class PrecisionCostMeter:
                 per[n].append(math.sqrt(e / r) if r > 0 and math.isfinite(e) else None)
                 err, ref = err + e, ref + r
             whole.append(math.sqrt(err / ref) if ref > 0 and math.isfinite(err) else None)
+        noise: list[float | None] = []
+        for pair in self.noise:
+            d, r = (None, None) if pair is None else torch.stack(pair).double().cpu().tolist()
+            noise.append(math.sqrt(d / r) if r and d is not None and math.isfinite(d) else None)
         return PrecisionCost(precision=precision, steps=tuple(self.steps),
-                             relative_l2={n: tuple(v) for n, v in per.items()}, whole=tuple(whole))
+                             relative_l2={n: tuple(v) for n, v in per.items()}, whole=tuple(whole),
+                             fp32_change=tuple(noise))
 
 
 class ShadowReruns(Collector):

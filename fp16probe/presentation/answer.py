@@ -525,6 +525,7 @@ def findings(report: Report) -> list[str]:
                    f"({', '.join(escape.text(n) for n in removed[:NOTES_SHOWN])}"
                    f"{' and more' if len(removed) > NOTES_SHOWN else ''}); their statistics cover only the steps before")
     out += compile_notes(report)
+    out += precision_cost_lines(report)
     if work.nonfinite_loss_steps:
         out.append(f"finding: the loss was inf/NaN at step(s) {work.nonfinite_loss_steps}")
     wul = work.weight_update_loss
@@ -532,6 +533,23 @@ def findings(report: Report) -> list[str]:
         out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
                    f"would be lost in {wul['format']} weights without fp32 master copies")
     return out
+
+
+def precision_cost_lines(report: Report) -> list[str]:
+    """What the live run's precision cost the weight gradients, judged against their own change (or nothing)."""
+    from fp16probe.analysis.precision_cost import CostJudgement, judge_against_fp32_change
+    from fp16probe.sections import PrecisionCost
+
+    cost = report.sections.get("precision_cost")
+    if not isinstance(cost, PrecisionCost) or not cost.steps:
+        return []
+    v = judge_against_fp32_change(cost)
+    what = (f"precision cost: {escape.text(cost.precision)} moves the weight gradients by {num.percent(v.error)} "
+            f"(relative L2 against the fp32 reruns, median of {num.count(v.steps)} step(s))")
+    if v.judgement is CostJudgement.UNJUDGED:
+        return [f"{what}; one rerun step gives no batch-to-batch change to judge it by"]
+    side = "below" if v.judgement is CostJudgement.BELOW_CHANGE else "not below"
+    return [f"{what}, {side} the fp32 gradient's own change between rerun steps ({num.percent(v.change)})"]
 
 
 def compile_notes(report: Report) -> list[str]:
