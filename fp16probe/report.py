@@ -31,6 +31,7 @@ from fp16probe.sections import (
     SECTIONS,
     CaptureNotes,
     ForwardSection,
+    PrecisionCost,
     ShadowRuns,
     SkipLedger,
     Trial,
@@ -836,6 +837,7 @@ register_section("shadow_runs", ShadowRuns.from_dict, builtin=True)
 register_section("capture", CaptureNotes.from_dict, builtin=True)
 register_section("workload", Workload.from_dict, builtin=True)
 register_section("block_advice", BlockAdvice.from_dict, builtin=True)
+register_section("precision_cost", PrecisionCost.from_dict)  # the live run's precision cost (capture.shadow)
 register_section("emulation", Emulation.from_dict)  # the emulated target step (fp16probe.running.effect)
 register_section("trial", Trial.from_dict)  # the training trial (fp16probe.running.trial)
 register_section("skips", SkipLedger.from_dict)  # the skip ledger (fp16probe.capture.skips)

@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
-__all__ = ["SECTIONS", "TRIAL_RUNS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "SectionType", "ShadowRuns",
-           "SkipLedger", "SkippedStep", "Trial", "Workload", "register_section", "split_legacy_extra",
+__all__ = ["SECTIONS", "TRIAL_RUNS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "PrecisionCost", "SectionType",
+           "ShadowRuns", "SkipLedger", "SkippedStep", "Trial", "Workload", "register_section", "split_legacy_extra",
            "split_workload"]
 
 
@@ -114,6 +114,51 @@ def _divisors(d: Mapping[str, Any], path: str) -> tuple[float, ...]:
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
         raise ReportFieldError(f"{path}.loss_divisors", f"{path}.loss_divisors: expected a list of positive numbers")
     return tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class PrecisionCost:
+    """What computing in the run's low precision cost the weight gradients, measured against the fp32 reruns.
+
+    On each rerun step (``steps``), the live gradient (unscaled) against the fp32 rerun's of the same batch and
+    weights: ``relative_l2[param][i]`` is ``||g_live - g_fp32|| / ||g_fp32||`` for one parameter, ``whole[i]``
+    the same over every parameter together. None where the fp32 gradient is zero or the live one not finite.
+    ``precision``: what the live run computed in (``"bf16-autocast"``...). No loss scale enters it.
+    ``fp32_change[i]``: ``||g_fp32(i) - g_fp32(previous rerun)|| / ||g_fp32(i)||`` over the whole model (None
+    at the first rerun): how much the gradient itself moves from batch to batch, what the cost is judged by.
+    """
+
+    precision: str
+    steps: tuple[int, ...] = ()
+    relative_l2: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    whole: tuple[float | None, ...] = ()
+    fp32_change: tuple[float | None, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"precision": self.precision, "steps": list(self.steps),
+                "relative_l2": {k: list(v) for k, v in self.relative_l2.items()}, "whole": list(self.whole),
+                "fp32_change": list(self.fp32_change) or [None] * len(self.steps)}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "precision_cost") -> "PrecisionCost":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+        steps = d.get("steps", [])
+        if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise ReportFieldError(f"{path}.steps", f"{path}.steps: expected a list of step numbers")
+
+        def ratios(v: Any, where: str) -> tuple[float | None, ...]:
+            if not isinstance(v, list) or len(v) != len(steps) or not all(
+                    x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0) for x in v):
+                raise ReportFieldError(where, f"{where}: expected one non-negative number or null per step")
+            return tuple(None if x is None else float(x) for x in v)
+
+        per_param = _mapping(d.get("relative_l2", {}), f"{path}.relative_l2")
+        return cls(precision=_typed(d, "precision", path, (str,), "a string", ""), steps=tuple(steps),
+                   relative_l2={str(k): ratios(v, f"{path}.relative_l2[{k!r}]") for k, v in per_param.items()},
+                   whole=ratios(d.get("whole", []), f"{path}.whole"),
+                   fp32_change=ratios(d.get("fp32_change", [None] * len(steps)), f"{path}.fp32_change"))
 
 
 @dataclass(frozen=True)
@@ -260,7 +305,9 @@ class CaptureNotes:
     rank's kept, ``"sharded"``: summed), with ``weight_grads_identical_across_ranks`` (None
     when not compared); both None for one rank's report;
     ``removed_modules``: hooked modules the model deleted or replaced after the Probe started
-    (their statistics cover only the steps before).
+    (their statistics cover only the steps before); ``compiled_modules``: modules that ran
+    compiled when the Probe started (``""``: the model), ``compile_traced``: dynamo traced a hook
+    of the Probe; either way module outputs inside compiled code were not read (capture/compiled.py).
     """
 
     unrecorded_modules: tuple[str, ...] = ()
@@ -276,15 +323,20 @@ class CaptureNotes:
     weight_grad_merge: str | None = None
     weight_grads_identical_across_ranks: bool | None = None
     removed_modules: tuple[str, ...] = ()
+    compiled_modules: tuple[str, ...] = ()
+    compile_traced: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (only the fields that say something)."""
         d: dict[str, Any] = {"granularity": self.granularity}
-        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules"):
+        for key in ("unrecorded_modules", "gradient_free_modules", "autocast_fp32_ops", "removed_modules",
+                    "compiled_modules"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
         if self.weight_grads_sharded:
             d["weight_grads_sharded"] = True
+        if self.compile_traced:
+            d["compile_traced"] = True
         for key in ("scale_source", "trace_since_step", "first_hook_error"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
@@ -306,6 +358,8 @@ class CaptureNotes:
             gradient_free_modules=_strings(d.get("gradient_free_modules", []), f"{path}.gradient_free_modules"),
             autocast_fp32_ops=_strings(d.get("autocast_fp32_ops", []), f"{path}.autocast_fp32_ops"),
             removed_modules=_strings(d.get("removed_modules", []), f"{path}.removed_modules"),
+            compiled_modules=_strings(d.get("compiled_modules", []), f"{path}.compiled_modules"),
+            compile_traced=_typed(d, "compile_traced", path, (bool,), "true or false", False),
             weight_grads_sharded=_typed(d, "weight_grads_sharded", path, (bool,), "true or false", False),
             scale_source=_typed(d, "scale_source", path, (str,), "a string"),
             granularity=_typed(d, "granularity", path, (str,), "module or op", "module", choices=("module", "op")),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp16probe.capture.compiled import tracing
 from fp16probe.blockscale import BLOCK_KINDS, ELEMENTS, FAMILIES, RELATIVE_BINS, BlockStats, DelayedRecipe
 from fp16probe.capture import blockstats
 from fp16probe.capture.collector import Collected, Collector
@@ -133,7 +134,7 @@ class BlockCapture(Collector):
 
     def _forward_hook(self, name: str, transposed: bool):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._sampling():
+            if tracing() or not self._sampling():  # inside torch.compile: leave the compiled program as it is
                 return
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if x is not None and x.is_floating_point():

@@ -230,7 +230,22 @@ def merge_rank_reports(reports: Sequence[Report], *, weight_grads: str = "auto")
     return Report(metadata=metadata, modules=modules, trace=trace,
                   history=merge_histories([rep.history for rep in reports]), forward=head.forward,
                   blocks=head.blocks, shadow_runs=head.shadow_runs, capture=capture, workload=head.workload,
-                  sections=head.sections)
+                  sections=head.sections, shadow=_merged_shadows(reports))
+
+
+def _merged_shadows(reports: Sequence[Report]) -> Report | None:
+    """The ranks' fp32 reruns merged as their live reports are (each rank reran its own batch, the same steps).
+
+    None unless every rank reran the same steps: a reference for some ranks' batches only would not
+    match the merged live counts. Under DDP the reruns hold no weight gradients (capture/shadow.py).
+    """
+    shadows = [rep.shadow for rep in reports]
+    if any(sh is None for sh in shadows):
+        return None
+    steps = shadows[0].trace.steps  # type: ignore[union-attr]
+    if any(sh.trace.steps != steps for sh in shadows):  # type: ignore[union-attr]
+        return None
+    return merge_rank_reports(shadows)  # type: ignore[arg-type]
 
 
 def _only(report: Report, *, keep_weight: bool) -> Report:

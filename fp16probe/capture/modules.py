@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.compiled import tracing
 from fp16probe.capture.recorder import FORWARD, ROOT_NAME, Recorder
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD, ModuleStats
 from fp16probe.sections import ForwardSection
@@ -116,6 +117,8 @@ class ModuleHooks(Collector):
         """
         if self.probe.granularity != "module" or not self.capture[ACTIVATION_GRAD] or n_steps == 0:
             return [], []
+        if self.recorder.compile_seen.traced:  # outputs inside compiled code are not read (compiled.py)
+            return [], []
         recorded = {m.name for m in modules if m.kind == ACTIVATION_GRAD and m.histogram.total > 0}
         # The modules as start() hooked them: one the model dropped since is judged as it was.
         named = {**self.at_start, **dict(self.model.named_modules(remove_duplicate=False))}
@@ -150,7 +153,12 @@ class ForwardHeadroom(Collector):
 
 
 def _output_hook(rec: Recorder, name: str, type_name: str):
+    seen = rec.compile_seen
+
     def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if tracing():  # inside torch.compile: read nothing, or the compiled program changes (compiled.py)
+            seen.traced = True
+            return
         # Outside the dtype-tracking mode (ops.py): the recorder's own calls (is_floating_point,
         # register_hook) make no tensor, and intercepting them cost more than recording here.
         with torch._C.DisableTorchFunction():

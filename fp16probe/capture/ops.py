@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from fp16probe.capture.autocast_rules import CAST_OPS, cast_is_low, op_name, output_is_low
 from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.ceiling import CAST_VIEW, FP32_ONLY, mark_covered
+from fp16probe.capture.compiled import compiled_modules, tracing
 from fp16probe.capture.recorder import ROOT_NAME, Recorder, detect_precision, iter_tensors
 from fp16probe.capture.tracking import DtypeTracker, ModuleStack, leave_mode
 from fp16probe.report import ACTIVATION, ACTIVATION_GRAD
@@ -375,26 +376,34 @@ def attach(model: nn.Module, selected: Sequence[str], recorder: Recorder, *, cap
         display = name or ROOT_NAME
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if depth[0] == 0:
+            if tracing() or depth[0] == 0:
                 return
             mode.stack.push(display, name in chosen)
 
         return pre_hook
 
     def pop(module: nn.Module, args: Any, output: Any) -> None:
-        if depth[0]:
+        if not tracing() and depth[0]:
             mode.stack.pop()
 
+    # A torch function mode around compiled code would be traced into it (compiled.py): under
+    # torch.compile no mode is entered, and a hook dynamo traces does nothing.
+    compiled = bool(compiled_modules(model))
+
     def root_pre(module: nn.Module, args: Any) -> None:
+        if tracing():
+            recorder.compile_seen.traced = True
+            return
         depth[0] += 1
-        if depth[0] == 1 and recorder.enabled and recorder.sampling and (mode.wanted is None or mode.wanted()):
+        if depth[0] == 1 and not compiled and recorder.enabled and recorder.sampling and (
+                mode.wanted is None or mode.wanted()):
             mode.stack.reset(ROOT_NAME, "" in chosen)
             mode.__enter__()
         elif depth[0] == 1:
             depth[0] = 0  # not recording, or the marks are reused: no mode, no stack, nothing to undo
 
     def root_post(module: nn.Module, args: Any, output: Any) -> None:
-        if depth[0] == 0:
+        if tracing() or depth[0] == 0:
             return
         depth[0] -= 1
         if depth[0] == 0:

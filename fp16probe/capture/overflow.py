@@ -11,6 +11,7 @@ import torch
 from fp16probe.capture import ops
 from fp16probe.capture.ceiling import CHANNEL, CeilingHooks, step_ceilings
 from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.compiled import tracing
 from fp16probe.capture.recorder import iter_tensors
 
 __all__ = ["CeilingCollector"]
@@ -75,6 +76,8 @@ class CeilingCollector(Collector):
 
 def _ceiling_hook(ceiling: CeilingHooks):
     def hook(module: Any, args: Any, output: Any) -> None:
+        if tracing():  # inside torch.compile: the compiled program stays as it is (compiled.py)
+            return
         # Outside any torch function mode: the walk makes no tensor.
         with torch._C.DisableTorchFunction():
             ceiling.watch(iter_tensors(output), model_output=True)

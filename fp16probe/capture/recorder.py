@@ -35,6 +35,7 @@ from fp16probe.capture import distributed as _distributed
 from fp16probe.errors import message_of
 from fp16probe.capture import engine
 from fp16probe.capture.ceiling import CHANNEL, mark_node_covered
+from fp16probe.capture.compiled import CompileSeen
 from fp16probe.capture.engine import NUM_BINS, SLOT_INF, SLOT_NAN, SLOT_ZERO, max_abs_from_key
 from fp16probe.capture.scale import scale_source
 from fp16probe.formats import get_format
@@ -186,6 +187,7 @@ class Recorder:
         self.cover: Callable[[Any, int], None] = mark_node_covered
         self._forward = _ForwardMaxima()
         self.sharded_weight_grads = False  # a DTensor gradient (FSDP2) was read from its local shard
+        self.compile_seen = CompileSeen()  # a hook of this Probe was traced by dynamo (torch.compile)
         self.enabled = False
         self.defer_to_ddp = False  # weight grads after DDP's all-reduce (see distributed.after_backward)
         self.lock = threading.Lock()

@@ -15,6 +15,7 @@ from torch import nn
 
 from fp16probe._version import __version__
 from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.compiled import CompileNotice
 from fp16probe.capture.history import History
 from fp16probe.capture.modules import ForwardHeadroom, ModuleHooks
 from fp16probe.capture.ops import OpRecording
@@ -103,6 +104,7 @@ def _blocks(probe: Any) -> Collector | None:
 # The built-in collectors, in the order the Probe runs them: op capture's mode and the module hooks
 # before the ceiling's walk from the model's output; the ceiling before the history, which reads its trace.
 BUILTIN: tuple[Any, ...] = (
+    lambda probe: CompileNotice(probe.model, probe.recorder.compile_seen),
     _ops,
     ModuleHooks,
     _ceiling,

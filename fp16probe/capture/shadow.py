@@ -42,9 +42,11 @@ or is discarded drops the whole rerun step, which then is no reference.
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Union
 
@@ -53,9 +55,11 @@ from torch import nn
 
 from fp16probe.capture.autocast_rules import around_autocast
 from fp16probe.capture.collector import Collected, Collector
+from fp16probe.capture.compiled import eager, runs_compiled, tracing
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
-from fp16probe.sections import ShadowRuns
+from fp16probe.report import WEIGHT_GRAD
+from fp16probe.sections import PrecisionCost, ShadowRuns
 
 __all__ = ["DEFAULT_SHADOW_EVERY", "EARLY_SHADOWS", "LossDivisor", "RerunGradients", "Shadow", "ShadowReruns",
            "autocast_off", "divisor_of", "forward_autocast", "loss_of", "shadow_due"]
@@ -249,6 +253,8 @@ class Shadow:
         self._done_this_step = False
         self._running = False
         self._handle: Any = None
+        # the live gradients against the reruns' (PrecisionCostMeter); off under DDP (ShadowReruns.start)
+        self.precision_cost: PrecisionCostMeter | None = PrecisionCostMeter(live)
 
     # -- lifecycle ----------------------------------------------------------------------
     def attach(self) -> None:
@@ -303,13 +309,17 @@ class Shadow:
 
     # -- the rerun ------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if tracing():  # a module inside torch.compile: its compiled caller is replayed, or probe.shadow(fn)
+            self.live.compile_seen.traced = True
+            return
         if self._running or self._explicit or not self.due or not torch.is_grad_enabled():
             return
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
+        target = _replayed(module)
         try:
-            self.run(lambda: module(*args, **kwargs), device, replayed=True, kwargs=kwargs)
+            self.run(lambda: target(*args, **kwargs), device, replayed=True, kwargs=kwargs)
         except Exception as e:  # a rerun must never break training
             self.live.note_error(e)
         if self.skipped is not None:  # the model returns no loss: stop replaying its calls
@@ -353,7 +363,9 @@ class Shadow:
             self.live.enabled = False  # the live Probe's hooks stay quiet during the rerun
             check = _DtypeCheck()
             # kept_training_state is left last: the fp32 Probe's step reads the rerun's .grad first
-            with (kept_training_state(self.model), autocast_off(),
+            # eager(): compiled code the rerun calls runs uncompiled, so the rerun's autocast state makes
+            # dynamo neither recompile nor fall back to eager for the live steps (compiled.py)
+            with (kept_training_state(self.model), eager(), _quiet_compile_wrapper(), autocast_off(),
                   torch.autocast(device.type, enabled=False), check.watching(self.model)):
                 self._rerun_grads.resume()  # the step's earlier micro-batches' rerun gradients
                 self.probe.start()
@@ -369,6 +381,9 @@ class Shadow:
                     elif loss is not None and loss.requires_grad:
                         divided_loss(loss, divisor).backward()
                         recorded = True
+                        if self.precision_cost is not None:  # each micro-batch's: the last one's is compared
+                            self.precision_cost.keep_reference(self.model,
+                                                               last=self._micro + 1 >= self.accumulation)
                 finally:
                     self.probe.stop()
                     self._end_micro_batch(recorded)
@@ -421,6 +436,15 @@ def divided_loss(loss: torch.Tensor, divisor: float) -> torch.Tensor:
     return loss if divisor == 1 else loss / divisor
 
 
+@contextlib.contextmanager
+def _quiet_compile_wrapper() -> Iterator[None]:
+    """Keep torch's warning about a global module hook (the rerun's dtype check) off a ``probe.shadow(fn)`` whose
+    ``fn`` calls a torch.compile wrapper: the wrapper runs uncompiled here, the extra hook call is harmless."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        yield
+
+
 class _Timer:
     """Wall time on the host; on CUDA a pair of events (read later, without a sync now)."""
 
@@ -440,11 +464,161 @@ class _Timer:
         return time.perf_counter() - self.t0
 
 
+def _replayed(module: nn.Module) -> nn.Module:
+    """The module a rerun calls for ``module``: through a torch.compile wrapper (the rerun runs uncompiled anyway)
+    and through DDP, whose forward would run collectives (a rerun runs on this rank alone)."""
+    for _ in range(4):  # DDP(torch.compile(model)) and the like: a few wrappers deep at most
+        if runs_compiled(module) and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod
+        elif type(module).__name__ == "DistributedDataParallel" and isinstance(module.module, nn.Module):
+            module = module.module
+        else:
+            break
+    return module
+
+
 def _device_of(args: Any, kwargs: Any, model: nn.Module) -> torch.device:
     for t in iter_tensors((args, kwargs)):
         return t.device
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _reference_probe(probe: Any, *, weight_grads: bool) -> Any:
+    """The fp32 Probe the reruns record into: the live Probe's modules and kinds, no scaler, no reruns of its own."""
+    o = probe.options
+    reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
+                            activation_grads=o["activation_grads"], weight_grads=weight_grads,
+                            activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
+                            target=probe.target, shadow_every=0, history=False)
+    # The reruns run uncompiled (compiled.eager): the live Probe alone says what torch.compile leaves out.
+    reference.collectors = [c for c in reference.collectors if c.key != "compiled"]
+    return reference
+
+
+def rank_local_rerun_off(model: nn.Module) -> str | None:
+    """Under torch.distributed: why an fp32 rerun cannot run on this rank alone, or None where it can.
+
+    DDP: it can. Its collectives run in ``DistributedDataParallel.forward`` around the wrapped
+    module's call and in the reducer's hooks, which act only on a backward that forward prepared;
+    a rerun of the wrapped module (``ddp.module``) runs neither. FSDP2 (``fully_shard``) and FSDP:
+    it cannot. The module's own forward hooks all-gather the sharded parameters (a collective),
+    in ``MixedPrecisionPolicy.param_dtype`` (fp16: no fp32 weights to rerun with), and its backward
+    reduce-scatters them.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed: nothing is sharded
+        return None
+    for m in model.modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            name = "FSDP2 (fully_shard)" if isinstance(m, FSDPModule) else "FSDP"
+            return (f"not under {name}: a rerun would all-gather the sharded parameters, in the mixed-precision "
+                    "policy's dtype, and reduce-scatter their gradients; for the fp32 reference run fp16probe "
+                    "profile on one process with the unsharded model and the same batches")
+    return None
+
+
+class PrecisionCostMeter:
+    """The precision cost of the live weight gradients, measured against the fp32 rerun of the same step.
+
+    After a rerun's backward :meth:`keep_reference` clones its fp32 gradients; the live backward that
+    follows, on the same batch and weights, meets them in each parameter's post-accumulate-grad hook,
+    which sums ``||g_live * inv_scale - g_fp32||^2`` and ``||g_fp32||^2`` in device scalars (no host
+    sync); :meth:`close_step` drops the clones. Gradient accumulation: the last backward's ``.grad``
+    is compared, as the weight histograms count it. Not under DDP (the live gradients are all-reduced).
+    """
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self._reference: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._handles: list[Any] = []
+        self._sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's, by parameter
+        self.steps: list[int] = []
+        self.rows: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # one per step in steps
+        self.order: dict[str, None] = {}  # the parameters in the model's order
+        self._previous: dict[str, torch.Tensor] = {}  # the last rerun's fp32 gradients
+        self._step_noise: tuple[Any, Any] | None = None  # this rerun's change since the last (device scalars)
+        self.noise: list[tuple[Any, Any] | None] = []  # one per step in steps
+
+    def keep_reference(self, model: nn.Module, *, last: bool = True) -> None:
+        """Clone the rerun's fp32 gradients and hook the live backward that follows.
+
+        Also, on a step's ``last`` micro-batch (every step's, without accumulation), the fp32 gradients'
+        own change since the previous rerun (another batch, weights a few steps on):
+        ``||g_fp32 - g_fp32_before||^2`` and ``||g_fp32||^2``, the noise the cost is judged by. An
+        earlier micro-batch's ``.grad`` holds part of the step's sum, no gradient to compare steps by.
+        """
+        self.drop()
+        self._reference = {n: (p, p.grad.detach().float().clone()) for n, p in model.named_parameters()
+                           if p.requires_grad and p.grad is not None and p.grad.layout == torch.strided
+                           and type(p.grad) is torch.Tensor}
+        self.order.update(dict.fromkeys(self._reference))
+        if last:
+            before = self._previous
+            pairs = [(ref, before[n]) for n, (_, ref) in self._reference.items()
+                     if n in before and before[n].shape == ref.shape]
+            self._step_noise = None if not pairs or len(pairs) != len(self._reference) else (
+                sum((ref - old).pow(2).sum() for ref, old in pairs), sum(ref.pow(2).sum() for ref, _ in pairs))
+            self._previous = {n: ref for n, (_, ref) in self._reference.items()}
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n, ref))
+                         for n, (p, ref) in self._reference.items()]
+
+    def _hook(self, name: str, ref: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None or not self.live.enabled:
+                return
+            try:
+                g = p.grad.detach().float()
+                inv = self.live.inv_scale(g.device)
+                if inv is not None:
+                    g = g * inv
+                self._sums[name] = ((g - ref).pow(2).sum(), ref.pow(2).sum())
+            except Exception as e:  # bookkeeping must never break training
+                self.live.note_error(e)
+
+        return hook
+
+    def close_step(self, step: int | None) -> None:
+        """Keep what the step measured (``step``: the rerun step it belongs to, None: none) and unhook."""
+        if step is not None and self._sums:
+            self.steps.append(step)
+            self.rows.append(dict(self._sums))
+            self.noise.append(self._step_noise)
+        self.drop()
+
+    def drop(self) -> None:
+        """Unhook and forget the fp32 gradients kept."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self._reference, self._sums, self._step_noise = [], {}, {}, None
+
+    def section(self, precision: str) -> PrecisionCost | None:
+        """The measurements as the report's ``precision_cost`` section (one host transfer a step), or None."""
+        if not self.steps:
+            return None
+        names = [n for n in self.order if any(n in row for row in self.rows)]
+        per: dict[str, list[float | None]] = {n: [] for n in names}
+        whole: list[float | None] = []
+        for row in self.rows:
+            values = torch.stack([torch.stack(row[n]) for n in row]).double().cpu().tolist() if row else []
+            err = ref = 0.0
+            got = dict(zip(row, values))
+            for n in names:
+                if n not in got:
+                    per[n].append(None)
+                    continue
+                e, r = got[n]
+                per[n].append(math.sqrt(e / r) if r > 0 and math.isfinite(e) else None)
+                err, ref = err + e, ref + r
+            whole.append(math.sqrt(err / ref) if ref > 0 and math.isfinite(err) else None)
+        noise: list[float | None] = []
+        for pair in self.noise:
+            d, r = (None, None) if pair is None else torch.stack(pair).double().cpu().tolist()
+            noise.append(math.sqrt(d / r) if r and d is not None and math.isfinite(d) else None)
+        return PrecisionCost(precision=precision, steps=tuple(self.steps),
+                             relative_l2={n: tuple(v) for n, v in per.items()}, whole=tuple(whole),
+                             fp32_change=tuple(noise))
 
 
 class ShadowReruns(Collector):
@@ -453,33 +627,49 @@ class ShadowReruns(Collector):
     key = "shadow"
 
     def __init__(self, probe: Any, every: int) -> None:
-        o = probe.options
-        reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
-                                activation_grads=o["activation_grads"], weight_grads=o["weight_grads"],
-                                activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
-                                target=probe.target, shadow_every=0, history=False)
+        self.probe = probe
         self.live = probe.recorder
-        self.shadow = Shadow(probe.model, reference, every, probe.recorder, accumulation=o.get("accumulation", 1),
-                             loss_divisor=o.get("loss_divisor"))
+        o = probe.options
+        self.shadow = Shadow(probe.model, _reference_probe(probe, weight_grads=o["weight_grads"]), every,
+                             probe.recorder, accumulation=o.get("accumulation", 1), loss_divisor=o.get("loss_divisor"))
+        self.off: str | None = None  # why no rerun can run in this set-up (start())
 
     def start(self) -> None:
-        """Watch the model's forward calls (not under torch.distributed: a rerun would run DDP's collectives)."""
-        if not self.live.defer_to_ddp:
+        """Watch the model's forward calls, where a rerun can run on this rank alone (:func:`rank_local_rerun_off`).
+
+        Under DDP the reruns record no weight gradients: the live ones are averaged over the ranks by the
+        all-reduce, a rank-local rerun's are this rank's alone, so they are not the same tensor. The output
+        gradients are this rank's in both, and carry the reference.
+        """
+        self.off = rank_local_rerun_off(self.shadow.model) if self.live.defer_to_ddp else None
+        if self.live.defer_to_ddp and not self.shadow.steps and self.shadow.probe.capture[WEIGHT_GRAD]:
+            self.shadow.probe = _reference_probe(self.probe, weight_grads=False)
+        if self.live.defer_to_ddp:  # the live weight gradients are all-reduced: not this rank's to compare
+            self.shadow.precision_cost = None
+        if self.off is None:
             self.shadow.attach()
 
     def stop(self) -> None:
-        """Stop watching."""
+        """Stop watching, and drop the fp32 gradients kept for a live backward that will not come."""
         self.shadow.detach()
+        if self.shadow.precision_cost is not None:
+            self.shadow.precision_cost.drop()
 
     def close_step(self, sampled: bool) -> None:
-        """Count the step when it was sampled."""
-        self.shadow.close_step(sampled)
+        """Count the step when it was sampled; keep its precision cost when it was rerun."""
+        sh = self.shadow
+        if sh.precision_cost is not None:
+            rerun = bool(sh.steps) and sh.steps[-1] == self.live.step_index
+            sh.precision_cost.close_step(self.live.step_index if rerun else None)
+        sh.close_step(sampled)
 
     def collect(self, got: Collected) -> dict[str, Any]:
         """The reruns as a report of their own, their steps numbered as the live run's, and their schedule."""
         sh = self.shadow
-        off = ("not under torch.distributed (a rerun would run DDP's collectives)" if self.live.defer_to_ddp
-               else sh.skipped)
+        off = self.off or sh.skipped
+        if off is None and not sh.steps and self.live.compile_seen.traced:
+            off = ("the model's forward ran inside torch.compile, where it is not replayed; call probe.shadow(fn), "
+                   "or give the Probe the torch.compile(model) wrapper")
         cost = sh.cost()
         out: dict[str, Any] = {"shadow_runs": ShadowRuns(every=sh.every, steps=tuple(sh.steps), count=cost["count"],
                                                          seconds=cost["seconds"], clock=cost["clock"],
@@ -487,6 +677,9 @@ class ShadowReruns(Collector):
                                                          discarded=tuple(dict(x) for x in sh.discarded),
                                                          accumulation=sh.accumulation,
                                                          loss_divisors=tuple(sorted(sh.divisors)))}
+        cost = None if sh.precision_cost is None else sh.precision_cost.section(str(self.live.precision or ""))
+        if cost is not None:
+            out["precision_cost"] = cost
         if sh.steps:
             ref = sh.probe.report()
             steps = tuple(sh.steps[: len(ref.trace)])

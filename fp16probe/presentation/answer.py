@@ -560,6 +560,8 @@ def findings(report: Report) -> list[str]:
         out.append(f"note: the model removed {num.count(len(removed))} hooked module(s) during the run "
                    f"({', '.join(escape.text(n) for n in removed[:NOTES_SHOWN])}"
                    f"{' and more' if len(removed) > NOTES_SHOWN else ''}); their statistics cover only the steps before")
+    out += compile_notes(report)
+    out += precision_cost_lines(report)
     if work.nonfinite_loss_steps:
         out.append(f"finding: the loss was inf/NaN at step(s) {work.nonfinite_loss_steps}")
     wul = work.weight_update_loss
@@ -567,6 +569,34 @@ def findings(report: Report) -> list[str]:
         out.append(f"weight updates: {num.percent(wul['lost_fraction'])} of {num.count(wul['nonzero_updates'])} "
                    f"would be lost in {wul['format']} weights without fp32 master copies")
     return out
+
+
+def precision_cost_lines(report: Report) -> list[str]:
+    """What the live run's precision cost the weight gradients, judged against their own change (or nothing)."""
+    from fp16probe.analysis.precision_cost import CostJudgement, judge_against_fp32_change
+    from fp16probe.sections import PrecisionCost
+
+    cost = report.sections.get("precision_cost")
+    if not isinstance(cost, PrecisionCost) or not cost.steps:
+        return []
+    v = judge_against_fp32_change(cost)
+    what = (f"precision cost: {escape.text(cost.precision)} moves the weight gradients by {num.percent(v.error)} "
+            f"(relative L2 against the fp32 reruns, median of {num.count(v.steps)} step(s))")
+    if v.judgement is CostJudgement.UNJUDGED:
+        return [f"{what}; one rerun step gives no batch-to-batch change to judge it by"]
+    side = "below" if v.judgement is CostJudgement.BELOW_CHANGE else "not below"
+    return [f"{what}, {side} the fp32 gradient's own change between rerun steps ({num.percent(v.change)})"]
+
+
+def compile_notes(report: Report) -> list[str]:
+    """What torch.compile left out of the capture (capture/compiled.py), or nothing."""
+    cap = report.capture
+    if cap is None or not (cap.compiled_modules or cap.compile_traced):
+        return []
+    names = ", ".join("the model" if n == "" else escape.text(n) for n in cap.compiled_modules[:NOTES_SHOWN])
+    what = f"{names} ran compiled" if names else "torch.compile traced the model"
+    return [f"note: {what}: module outputs inside compiled code were not read (that would change what the "
+            "compiler builds); weight gradients and the fp32 reruns, run uncompiled, were"]
 
 
 SKIPS_SHOWN = 3  # ledger entries a summary line names; show --json has them all

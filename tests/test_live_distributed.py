@@ -1,0 +1,83 @@
+"""The live verdict under DDP and FSDP2, two gloo ranks on the CPU (issue 39, item 3).
+
+DDP: each rank reruns its own micro-batch in fp32 through the wrapped module, running no collective, and
+each rank's report and the merged one give S within one power of two of an fp32 profile of the same
+model and batches; training is bit-identical with and without the Probe, ``no_sync`` accumulation too.
+FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.float16)``): no rerun can run on one
+rank (the forward all-gathers the parameters in fp16), and the report says so, naming FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp16probe
+from fp16probe.analysis.recommend import analyze
+from fp16probe.report import Report
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+import live_rerun_ddp_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a torchrun of two processes per test
+
+
+def _torchrun(how: str, micro: int, out: Path) -> dict[str, Report]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIVE_MICRO=str(micro))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "live_rerun_ddp_worker.py"), str(out), how]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in (0, 1):  # training with the Probe is bit-identical to training without it, on each rank
+        assert (out / f"identical{r}.txt").read_text() == "True", r
+    return {name: Report.load(out / f"{name}.json") for name in ("rank0", "rank1", "merged")}
+
+
+@pytest.fixture(scope="module")
+def fp32_scale() -> int:
+    """log2 S from an fp32 fp16probe.profile of the model on rank 0's batches, one process."""
+    batches = [dict(zip("xy", worker.batch(step, 0, 0))) for step in range(worker.STEPS)]
+    report = fp16probe.profile(worker.make_model(), batches, lambda out, batch: out, steps=worker.STEPS,
+                               precision="fp32", optimizer="sgd", lr=0.1)
+    return report.recommendation.log2_scale
+
+
+def test_ddp_reruns_on_each_rank_give_the_fp32_verdict(tmp_path, fp32_scale):
+    reports = _torchrun("ddp", 1, tmp_path)
+    for name, report in reports.items():
+        runs = report.shadow_runs
+        assert runs.steps == (0, 1, 2) and runs.off is None and not runs.discarded, (name, runs)
+        # the live weight gradients are the all-reduced ones: the rank-local reruns record none
+        assert report.shadow.histogram("weight_grad").total == 0
+        rec = analyze(report)
+        assert rec.verdict in ("constant", "dynamic"), (name, rec)
+        assert abs(rec.log2_scale - fp32_scale) <= 1, (name, rec.log2_scale, fp32_scale)
+        assert rec.evidence["scale_check"]["carried"], (name, rec.evidence["scale_check"])
+    # the merged report's reference is both ranks' reruns, as its live counts are both ranks'
+    assert reports["merged"].shadow.histogram("activation_grad").total == \
+        2 * reports["rank0"].shadow.histogram("activation_grad").total
+
+
+def test_ddp_no_sync_accumulation_reruns_and_leaves_training_as_it_was(tmp_path):
+    reports = _torchrun("ddp", 2, tmp_path)
+    for name, report in reports.items():
+        assert report.shadow_runs.steps == (0, 1, 2) and report.shadow_runs.off is None, name
+
+
+def test_fsdp2_says_why_no_rerun_runs_and_what_to_run_instead(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (fully_shard)")
+    reports = _torchrun("fsdp2", 1, tmp_path)
+    for name, report in reports.items():
+        runs = report.shadow_runs
+        assert runs.steps == () and report.shadow is None, name
+        assert "FSDP2" in runs.off and "DDP" not in runs.off and "fp16probe profile" in runs.off, runs.off
+        assert report.capture.weight_grads_sharded
+        assert analyze(report).verdict in ("constant", "dynamic")  # from the live histograms alone
