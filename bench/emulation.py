@@ -12,7 +12,8 @@ the real run's own error where that is larger: at full size the conv net's batch
 over 16K values, whose rounding order differs, and its values differ by 2.1% where the real run
 is 4.1% off fp32), and each parameter's error size ||g - g_fp32|| / ||g_fp32||, emulated against
 real, within 0.2% or 30% of the real one (what a verdict reads; tests/test_emulate.py holds the
-smaller models to the tighter value rule).
+smaller models to the tighter value rule). Where the real kernels round partial sums to fp16
+(``partial_sum_rounding``: an AVX2 CPU's convolution backward), only the error sizes are compared.
 ``bench/gpu_check.py`` runs the same comparison on CUDA. Cost: wall time of one emulated step
 against one plain fp32 step (forward, loss, backward), median of interleaved rounds.
 """
@@ -42,6 +43,7 @@ from fp16probe.running.demo import DemoNet, demo_batches, demo_loss  # noqa: E40
 
 MODEL_TOL = 1e-3
 PARAM_TOL = 2e-3
+PARTIAL_SUMS_PARAM_TOL = 5e-3  # a parameter's error size where the real kernels round partial sums (agreement())
 SCALE = 2.0**10
 
 
@@ -67,6 +69,31 @@ def workloads(device: str, quick: bool = False) -> list[tuple[str, nn.Module, Ca
     return out
 
 
+PARTIAL_SUMS_LINE = 0.01  # a share of a conv's input-gradient elements above which a kernel rounds partial sums
+
+
+def partial_sum_rounding(device: str) -> float:
+    """The share of a convolution's input gradient that ``device``'s fp16 autocast backward rounds otherwise than
+    once, from an fp32 sum of the fp16 operands (what the emulated step assumes, as GPUs' tensor cores do).
+
+    Measured here on an AMD EPYC with AVX2 (torch 2.13 CPU): 55% of the elements differ by an ulp, the kernel
+    rounding its partial sums to fp16; a linear layer's differ in 0.1-0.2% (summation order only). Where this is
+    above PARTIAL_SUMS_LINE the real run is no reference for the emulated step's values, only for its error sizes.
+    """
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 16, 16, generator=g).to(device)
+    w = (torch.randn(32, 16, 3, 3, generator=g) * 0.1).to(device)
+    up = torch.randn(4, 32, 14, 14, generator=g).half().to(device)
+    real = x.clone().requires_grad_()
+    with torch.autocast(device, dtype=torch.float16):
+        out = F.conv2d(real, w)
+    out.backward(up)
+    once = x.half().float().requires_grad_()
+    F.conv2d(once, w.half().float()).backward(up.float())
+    assert real.grad is not None and once.grad is not None
+    return float((real.grad.half() != once.grad.half()).float().mean())
+
+
 def _real(model: nn.Module, run: Callable[[], torch.Tensor], device: str) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     with torch.autocast(device, dtype=torch.float16):
@@ -81,8 +108,16 @@ def _norm(t: torch.Tensor) -> float:
     return float(t.double().norm())
 
 
-def agreement(model: nn.Module, run: Callable[[], torch.Tensor], device: str) -> dict[str, Any]:
-    """The emulated step for ``device``'s autocast against a real one there (see the module docstring)."""
+def agreement(model: nn.Module, run: Callable[[], torch.Tensor], device: str,
+              partial_sums: float | None = None) -> dict[str, Any]:
+    """The emulated step for ``device``'s autocast against a real one there (see the module docstring).
+
+    Where ``device``'s kernels round partial sums (:func:`partial_sum_rounding` above PARTIAL_SUMS_LINE;
+    ``partial_sums``, measured when not given), a model with a convolution has its error sizes compared, not its
+    values.
+    """
+    if partial_sums is None:
+        partial_sums = partial_sum_rounding(device)
     state = torch.get_rng_state()
     ref = reference_step(model, run).grads
     emu = emulated_step(model, run, target=device, scale=SCALE).grads
@@ -95,16 +130,22 @@ def agreement(model: nn.Module, run: Callable[[], torch.Tensor], device: str) ->
     whole = sum(_norm(emu[n] - real[n]) ** 2 for n in names) ** 0.5 / sum(_norm(ref[n]) ** 2 for n in names) ** 0.5
     real_off = sum(_norm(real[n] - ref[n]) ** 2 for n in names) ** 0.5 / sum(_norm(ref[n]) ** 2 for n in names) ** 0.5
     emu_off = sum(_norm(emu[n] - ref[n]) ** 2 for n in names) ** 0.5 / sum(_norm(ref[n]) ** 2 for n in names) ** 0.5
-    worst = max(_norm(emu[n] - real[n]) / _norm(ref[n]) / max(PARAM_TOL, 0.3 * _norm(real[n] - ref[n]) / _norm(ref[n]))
+    convolves = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    values_compared = partial_sums <= PARTIAL_SUMS_LINE or not convolves
+    # A kernel that rounds partial sums adds its own error, which no one-rounding model has: measured up to 0.36
+    # points on the test's conv net's conv and batch-norm gradients (0.45% real, 0.09% emulated), so 0.5% there.
+    tol = PARAM_TOL if values_compared else PARTIAL_SUMS_PARAM_TOL
+    worst = max(_norm(emu[n] - real[n]) / _norm(ref[n]) / max(tol, 0.3 * _norm(real[n] - ref[n]) / _norm(ref[n]))
                 for n in names)
     # the size of each parameter's error against fp32, emulated against real (what a verdict reads)
     size = max(abs(_norm(emu[n] - ref[n]) - _norm(real[n] - ref[n])) / _norm(ref[n])
-               / max(PARAM_TOL, 0.3 * _norm(real[n] - ref[n]) / _norm(ref[n])) for n in names)
+               / max(tol, 0.3 * _norm(real[n] - ref[n]) / _norm(ref[n])) for n in names)
     # Values: within MODEL_TOL, or 0.6 of the real run's own error where a large reduction (batch
     # norm over 16K values) rounds in another order; sizes: each within 0.2% or 30% of the real one.
-    ok = whole <= max(MODEL_TOL, 0.6 * real_off) and size <= 1
+    ok = (not values_compared or whole <= max(MODEL_TOL, 0.6 * real_off)) and size <= 1
     return {"status": "ok" if ok else "failed", "emulated_vs_real": whole, "worst_parameter_over_allowance": worst,
-            "real_vs_fp32": real_off, "emulated_vs_fp32": emu_off, "worst_error_size_over_allowance": size}
+            "real_vs_fp32": real_off, "emulated_vs_fp32": emu_off, "worst_error_size_over_allowance": size,
+            "real_rounds_partial_sums": partial_sums, "values_compared": values_compared}
 
 
 def _sync(device: str) -> None:
@@ -139,8 +180,9 @@ def cost(model: nn.Module, run: Callable[[], torch.Tensor], device: str, rounds:
 def check(device: str, quick: bool = False, with_cost: bool = True) -> dict[str, Any]:
     """Agreement (and cost) on every workload; status ok when every model agrees within the tolerances."""
     models: dict[str, Any] = {}
+    partial_sums = partial_sum_rounding(device)
     for name, model, run in workloads(device, quick):
-        models[name] = agreement(model, run, device)
+        models[name] = agreement(model, run, device, partial_sums)
         if with_cost:
             models[name]["cost"] = cost(model, run, device, rounds=2 if quick else 7)
     bad = [n for n, m in models.items() if m["status"] != "ok"]
