@@ -523,9 +523,11 @@ def test_torch_compiled_run_of_the_same_model_passes(deep_base):
     assert any(m.name.startswith("_orig_mod.") for m in report.modules)
     result = compare(snap(deep_base), snap(report))
     assert result.passed, [check_message(x) for x in result.failures]
-    assert not any("only in" in w for w in warning_texts(result))
-    regress = next(x for x in result.checks if x.name == "module_regressions")
-    assert regress.baseline == len(snap(deep_base).modules)  # every module matched
+    # Reading module outputs inside compiled code would change what the compiler builds (capture/compiled.py):
+    # the compiled run has none, and the gate says it compared no module rather than passing silently.
+    warned = warning_texts(result)
+    assert any("OptimizedModule" in w for w in warned)
+    assert any(f"{len(snap(deep_base).modules)} module(s) only in the baseline" in w for w in warned), warned
 
 
 def test_cli_a_report_that_cannot_be_judged_is_an_error_in_every_output(cli_env, monkeypatch):
