@@ -41,7 +41,9 @@ def test_dry_run_with_the_300_s_budget_writes_figures_and_skips_only_the_cuda_pa
     assert parts["autocast_ops"]["device"] == "cpu" and parts["autocast_ops"]["checked"] > 0
     emulation = parts["emulation"]  # on the CPU: against CPU autocast
     assert set(emulation["models"]) == {"conv", "transformer", "mlp-200", "demo"}
-    assert all(m["emulated_vs_real"] <= 1e-3 and m["cost"]["ratio"] > 0 for m in emulation["models"].values())
+    # values within 0.1%, where the CPU's kernels do not round partial sums (bench/emulation.py: then error sizes)
+    assert all(m["status"] == "ok" and m["cost"]["ratio"] > 0 for m in emulation["models"].values())
+    assert all(m["emulated_vs_real"] <= 1e-3 for m in emulation["models"].values() if m["values_compared"])
 
 
 def test_a_part_over_its_budget_is_killed_and_recorded(tmp_path):

@@ -20,6 +20,7 @@ forward maxima of the modules inside the compiled region, which the fp32 reruns 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -37,10 +38,24 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _dynamo() -> Any:
+    """``torch._dynamo`` where something imported it (``torch.compile`` does), else None: nothing runs compiled.
+
+    Not imported here: importing it sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ`` and adds a
+    warnings filter, which a profile of an uncompiled model would leave behind.
+    """
+    return sys.modules.get("torch._dynamo")
+
+
+def is_compiled_wrapper(module: Any) -> bool:
+    """Whether ``module`` is a ``torch.compile(model)`` wrapper (``OptimizedModule``)."""
+    dynamo = _dynamo()
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
 def runs_compiled(module: nn.Module) -> bool:
     """Whether calling ``module`` runs compiled code: a ``torch.compile`` wrapper, or ``module.compile()``."""
-    return (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-            or getattr(module, "_compiled_call_impl", None) is not None)
+    return is_compiled_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def compiled_modules(model: nn.Module) -> tuple[str, ...]:
@@ -55,6 +70,9 @@ def compiled_modules(model: nn.Module) -> tuple[str, ...]:
 @contextlib.contextmanager
 def eager() -> Iterator[None]:
     """Run every compiled function inside eagerly: no compile, no recompile, the cached graphs untouched."""
+    if _dynamo() is None:  # nothing was compiled in this process
+        yield
+        return
     with torch.compiler.set_stance("force_eager"):
         yield
 
@@ -101,7 +119,7 @@ class CompileNotice(Collector):
         if self._told:
             return
         self._told = True
-        replayed = isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule)
+        replayed = is_compiled_wrapper(self.model)
         warnings.warn(f"fp16probe: {what}: module outputs inside compiled code are not read (reading them would "
                       "change what the compiler builds); weight gradients and the loss scale are, and the fp32 "
                       "reruns run uncompiled" + ("" if replayed else " where the loop calls probe.shadow(fn), or "
