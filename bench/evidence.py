@@ -102,12 +102,15 @@ def gradients(case: Case, batch: tuple[torch.Tensor, torch.Tensor], precision: s
 
 
 def error_and_noise(case: Case, precision: str, scale: float, model: torch.nn.Module | None = None,
-                    batches: int = NOISE_BATCHES) -> list[tuple[str, float, float]]:
-    """(parameter, low-precision error, batch-to-batch noise) for each parameter, as the profile judges them.
+                    batches: int = NOISE_BATCHES) -> list[tuple[str, float, float, float]]:
+    """(parameter, low-precision error, batch-to-batch noise, the error's consistency) per parameter, as the profile
+    judges the first two.
 
     Over the first ``batches`` batches b: the error is sqrt(sum_b ||g_low,b - g_32,b||^2 / sum_b ||g_32,b||^2), the
     noise sqrt(sum_b ||g_32,b - mean||^2 / (k - 1) / (sum_b ||g_32,b||^2 / k)): one batch's noise as a share of a
-    batch gradient's RMS norm (fp16probe.capture.noise's estimator, here in plain torch).
+    batch gradient's RMS norm (fp16probe.capture.noise's estimator, here in plain torch). The consistency is
+    ||mean_b e_b|| / mean_b ||e_b|| of the error vectors e_b = g_low,b - g_32,b: 1 for an error the same on every
+    batch (a bias, which averaging over steps does not shrink), about 1/sqrt(k) for independent ones.
     """
     data = case.data()[:batches]
     k = len(data)
@@ -122,14 +125,18 @@ def error_and_noise(case: Case, precision: str, scale: float, model: torch.nn.Mo
         spread = sum(float((g[n] - mean).square().sum()) for g in g32)
         err = (math.sqrt(sum(float((lo[n] - g[n]).square().sum()) for lo, g in zip(low, g32)) / square)
                if all(n in lo for lo in low) else math.inf)
-        out.append((n, err, math.sqrt(spread / (k - 1) / (square / k))))
+        errors = [lo[n] - g[n] for lo, g in zip(low, g32)] if math.isfinite(err) else []
+        norms = sum(float(e.norm()) for e in errors)
+        consistency = float((sum(errors) / k).norm()) / (norms / k) if norms > 0 else math.nan
+        out.append((n, err, math.sqrt(spread / (k - 1) / (square / k)), consistency))
     return out
 
 
-def max_ratio(per_param: list[tuple[str, float, float]]) -> float:
-    """The largest error/noise over parameters (nan when no error is finite: a non-finite step)."""
-    ratios = [e / s for _, e, s in per_param if s > 0 and math.isfinite(e)]
-    return max(ratios) if ratios else math.nan
+def max_ratio(per_param: list[tuple[str, float, float, float]]) -> tuple[float, float]:
+    """The largest error/noise over parameters and that parameter's error consistency (nan, nan when no error is
+    finite: a non-finite step)."""
+    ratios = [(e / s, c) for _, e, s, c in per_param if s > 0 and math.isfinite(e)]
+    return max(ratios) if ratios else (math.nan, math.nan)
 
 
 def trained_fp32(case: Case, steps: int) -> torch.nn.Module:
@@ -173,14 +180,15 @@ def run_case(case: Case, steps: int, seeds: int, precision: str | None = None,
         scaler_kwargs = kwargs if precision == "fp16" else None
     scale = float(scaler_kwargs.get("init_scale", 1.0)) if scaler_kwargs else 1.0
     per_param = error_and_noise(case, precision, scale)
-    finite = [(n, e, s) for n, e, s in per_param if math.isfinite(e)]
-    worst = max(finite, key=lambda t: t[1]) if finite else (per_param[0] if per_param else ("-", math.nan, math.nan))
-    late = max_ratio(error_and_noise(case, precision, scale, model=trained_fp32(case, steps)))
+    finite = [(n, e, s) for n, e, s, _ in per_param if math.isfinite(e)]
+    worst = max(finite, key=lambda t: t[1]) if finite else (per_param[0][:3] if per_param else ("-", math.nan, math.nan))
+    late, _ = max_ratio(error_and_noise(case, precision, scale, model=trained_fp32(case, steps)))
+    ratio, consistency = max_ratio(per_param)
     fp32 = [train(case, "fp32", s, steps)[0] for s in range(seeds)]
     low_runs = [train(case, precision, s, steps, scaler_kwargs) for s in range(seeds)]
     band = judge_curves(fp32, [c for c, _ in low_runs])
     return {"case": label or case.name, "format": precision, "verdict": v, "scale": scale,
-            "worst": worst, "max_ratio": max_ratio(per_param), "late_ratio": late,
+            "worst": worst, "max_ratio": ratio, "consistency": consistency, "late_ratio": late,
             "band": band, "skipped": sum(k for _, k in low_runs), "what": case.what}
 
 
@@ -204,15 +212,15 @@ def _g(v: float) -> str:
 def table(found: list[dict[str, Any]]) -> str:
     """The Markdown table of docs/evidence.md."""
     lines = ["| case | format | tool's verdict | S | worst error (param) | its noise | max error/noise | "
-             "max error/noise after fp32 training | fp32 band (last-k mean) | low precision (last-k means) | inside | "
+             "its consistency | max error/noise after fp32 training | fp32 band (last-k mean) | low precision (last-k means) | inside | "
              "skipped |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in found:
         b: Band = r["band"]
         name, err, noise = r["worst"]
         lines.append(
             f"| {r['case']} | {r['format']} | {r['verdict']} | {r['scale']:g} | {err * 100:.3g}% ({name}) | "
-            f"{noise * 100:.3g}% | {_g(r['max_ratio'])} | {_g(r['late_ratio'])} | [{_g(b.low)}, {_g(b.high)}] | "
+            f"{noise * 100:.3g}% | {_g(r['max_ratio'])} | {_g(r['consistency'])} | {_g(r['late_ratio'])} | [{_g(b.low)}, {_g(b.high)}] | "
             f"{', '.join(_g(v) for v in b.target)} | {'yes' if b.inside else 'NO'} | {r['skipped']} |")
     return "\n".join(lines)
 
