@@ -10,9 +10,11 @@ definition, fp16probe.analysis.trial):
 
 - the tool's verdict: ``fp16probe.profile(model, batches, loss, format=..., target="cpu")`` on the first
   batches, and the loss scale it answers;
-- per parameter, on batch 0 at that scale: the low-precision gradient's error against fp32's,
-  ||g_low - g_32|| / ||g_32||, and the batch-to-batch noise, ||g_32(batch 0) - g_32(batch 1)|| / ||g_32(batch 0)||;
-  the table gives the worst error's parameter, its noise, and the largest error/noise ratio over parameters;
+- per parameter, over the first 4 batches at that scale, as the profile judges them (error_and_noise): the
+  low-precision gradient's error against fp32's and one batch's gradient noise, both as shares of the batch
+  gradient's RMS norm; the table gives the worst error's parameter, its noise, and the largest error/noise ratio
+  over parameters, at the initial weights (where the profile measures) and again at the weights of ``steps``
+  fp32 steps (seed 0's order: near the end of training, where a loss floor shows);
 - training: Adam from the same weights, ``steps`` steps over the fixed data set in a data order drawn
   from each seed, in fp32 and in the target precision (CPU autocast; fp16 with
   ``torch.amp.GradScaler("cpu")`` at the tool's settings), and whether each low-precision seed's mean
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from fp16probe.analysis.trial import Band, judge_curves  # noqa: E402
 from tests.fixtures.evidence_models import CASES, Case  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NOISE_BATCHES = 4  # the batches the profile measures noise on (fp16probe.profile: up to 4)
 
 
 def order(n: int, steps: int, seed: int) -> list[int]:
@@ -83,10 +85,11 @@ def train(case: Case, precision: str, seed: int, steps: int, scaler_kwargs: dict
     return losses, skipped
 
 
-def gradients(case: Case, batch: tuple[torch.Tensor, torch.Tensor], precision: str, scale: float = 1.0
-              ) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient of one step from the initial weights (low precision: loss * scale, then / scale)."""
-    model = case.build()
+def gradients(case: Case, batch: tuple[torch.Tensor, torch.Tensor], precision: str, scale: float = 1.0,
+              model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of one step from the initial weights, or ``model``'s (low precision: loss * scale,
+    then / scale)."""
+    model = copy.deepcopy(model) if model is not None else case.build()
     model.train()
     x, _ = batch
     if precision == "fp32":
@@ -98,19 +101,56 @@ def gradients(case: Case, batch: tuple[torch.Tensor, torch.Tensor], precision: s
     return {n: p.grad.double() / scale for n, p in model.named_parameters() if p.grad is not None}
 
 
-def error_and_noise(case: Case, precision: str, scale: float) -> list[tuple[str, float, float]]:
-    """(parameter, low-precision error, batch-to-batch noise) for each parameter, as fractions of its fp32 gradient."""
-    data = case.data()
-    a32, b32 = gradients(case, data[0], "fp32"), gradients(case, data[1], "fp32")
-    low = gradients(case, data[0], precision, scale)
+def error_and_noise(case: Case, precision: str, scale: float, model: torch.nn.Module | None = None,
+                    batches: int = NOISE_BATCHES) -> list[tuple[str, float, float, float]]:
+    """(parameter, low-precision error, batch-to-batch noise, the error's consistency) per parameter, as the profile
+    judges the first two.
+
+    Over the first ``batches`` batches b: the error is sqrt(sum_b ||g_low,b - g_32,b||^2 / sum_b ||g_32,b||^2), the
+    noise sqrt(sum_b ||g_32,b - mean||^2 / (k - 1) / (sum_b ||g_32,b||^2 / k)): one batch's noise as a share of a
+    batch gradient's RMS norm (fp16probe.capture.noise's estimator, here in plain torch). The consistency is
+    ||mean_b e_b|| / mean_b ||e_b|| of the error vectors e_b = g_low,b - g_32,b: 1 for an error the same on every
+    batch (a bias, which averaging over steps does not shrink), about 1/sqrt(k) for independent ones.
+    """
+    data = case.data()[:batches]
+    k = len(data)
+    g32 = [gradients(case, b, "fp32", model=model) for b in data]
+    low = [gradients(case, b, precision, scale, model=model) for b in data]
     out = []
-    for n, g in a32.items():
-        norm = float(g.norm())
-        if norm == 0:
+    for n in g32[0]:
+        square = sum(float(g[n].square().sum()) for g in g32)
+        if square == 0:
             continue
-        err = float((low[n] - g).norm()) / norm if n in low else math.inf
-        out.append((n, err, float((b32[n] - g).norm()) / norm))
+        mean = sum(g[n] for g in g32) / k
+        spread = sum(float((g[n] - mean).square().sum()) for g in g32)
+        err = (math.sqrt(sum(float((lo[n] - g[n]).square().sum()) for lo, g in zip(low, g32)) / square)
+               if all(n in lo for lo in low) else math.inf)
+        errors = [lo[n] - g[n] for lo, g in zip(low, g32)] if math.isfinite(err) else []
+        norms = sum(float(e.norm()) for e in errors)
+        consistency = float((sum(errors) / k).norm()) / (norms / k) if norms > 0 else math.nan
+        out.append((n, err, math.sqrt(spread / (k - 1) / (square / k)), consistency))
     return out
+
+
+def max_ratio(per_param: list[tuple[str, float, float, float]]) -> tuple[float, float]:
+    """The largest error/noise over parameters and that parameter's error consistency (nan, nan when no error is
+    finite: a non-finite step)."""
+    ratios = [(e / s, c) for _, e, s, c in per_param if s > 0 and math.isfinite(e)]
+    return max(ratios) if ratios else (math.nan, math.nan)
+
+
+def trained_fp32(case: Case, steps: int) -> torch.nn.Module:
+    """The model after ``steps`` fp32 Adam steps in seed 0's data order: the weights near the end of training."""
+    model = case.build()
+    model.train()
+    data = case.data()
+    opt = torch.optim.Adam(model.parameters(), lr=case.lr)
+    for i in order(len(data), steps, 0):
+        x, y = data[i]
+        opt.zero_grad(set_to_none=True)
+        case.loss(model(x), (x, y)).backward()
+        opt.step()
+    return model
 
 
 def verdict(case: Case) -> tuple[str, dict[str, Any]]:
@@ -140,15 +180,15 @@ def run_case(case: Case, steps: int, seeds: int, precision: str | None = None,
         scaler_kwargs = kwargs if precision == "fp16" else None
     scale = float(scaler_kwargs.get("init_scale", 1.0)) if scaler_kwargs else 1.0
     per_param = error_and_noise(case, precision, scale)
-    finite = [(n, e, s) for n, e, s in per_param if math.isfinite(e)]
-    worst = max(finite, key=lambda t: t[1]) if finite else (per_param[0] if per_param else ("-", math.nan, math.nan))
-    ratios = [e / s for _, e, s in per_param if s > 0 and math.isfinite(e)]
+    finite = [(n, e, s) for n, e, s, _ in per_param if math.isfinite(e)]
+    worst = max(finite, key=lambda t: t[1]) if finite else (per_param[0][:3] if per_param else ("-", math.nan, math.nan))
+    late, _ = max_ratio(error_and_noise(case, precision, scale, model=trained_fp32(case, steps)))
+    ratio, consistency = max_ratio(per_param)
     fp32 = [train(case, "fp32", s, steps)[0] for s in range(seeds)]
     low_runs = [train(case, precision, s, steps, scaler_kwargs) for s in range(seeds)]
     band = judge_curves(fp32, [c for c, _ in low_runs])
     return {"case": label or case.name, "format": precision, "verdict": v, "scale": scale,
-            "worst": worst, "max_ratio": max(ratios) if ratios else math.nan,
-            "median_ratio": statistics.median(ratios) if ratios else math.nan,
+            "worst": worst, "max_ratio": ratio, "consistency": consistency, "late_ratio": late,
             "band": band, "skipped": sum(k for _, k in low_runs), "what": case.what}
 
 
@@ -172,14 +212,15 @@ def _g(v: float) -> str:
 def table(found: list[dict[str, Any]]) -> str:
     """The Markdown table of docs/evidence.md."""
     lines = ["| case | format | tool's verdict | S | worst error (param) | its noise | max error/noise | "
-             "fp32 band (last-k mean) | low precision (last-k means) | inside | skipped |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "its consistency | max error/noise after fp32 training | fp32 band (last-k mean) | low precision (last-k means) | inside | "
+             "skipped |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in found:
         b: Band = r["band"]
         name, err, noise = r["worst"]
         lines.append(
             f"| {r['case']} | {r['format']} | {r['verdict']} | {r['scale']:g} | {err * 100:.3g}% ({name}) | "
-            f"{noise * 100:.3g}% | {_g(r['max_ratio'])} | [{_g(b.low)}, {_g(b.high)}] | "
+            f"{noise * 100:.3g}% | {_g(r['max_ratio'])} | {_g(r['consistency'])} | {_g(r['late_ratio'])} | [{_g(b.low)}, {_g(b.high)}] | "
             f"{', '.join(_g(v) for v in b.target)} | {'yes' if b.inside else 'NO'} | {r['skipped']} |")
     return "\n".join(lines)
 

@@ -1,0 +1,129 @@
+"""The evidence models (tests/fixtures/evidence_models.py) trained for real: the tool's alarm against training.
+
+Each of the eight models is profiled with a training trial (``profile(..., trial=STEPS)``) and trained
+again here in plain torch (bench/evidence.py's loop: Adam from the same weights, fp32 and the target
+precision under CPU autocast, fp16 with ``torch.amp.GradScaler("cpu")`` at the answer's settings, three
+data orders). The band is fp16probe.analysis.trial.judge_curves's, computed here from the plain-torch
+curves. Asserted for each model: which side of fp32's band it trains on (both kinds are present), that
+the tool raises an alarm exactly when training is hurt, and that the trial concludes as plain torch does.
+The two models whose harm the tool does not see today are marked ``xfail(strict=True)``: a fix flags them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import fp16probe
+from bench.evidence import scaler_settings, train, trained_fp32
+from fp16probe.analysis.effect import NOISE_SHARE
+from fp16probe.analysis.trial import ALARMS, Band, judge_curves
+from fp16probe.report import Report
+from fp16probe.running.trial import TRIAL_SEEDS
+from tests.fixtures.evidence_models import CASES
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+# Which models low precision hurts (outside fp32's seed band at STEPS steps, docs/evidence.md), and why.
+HURT = {
+    "naive_variance": "E[x^2]-E[x]^2 cancels in fp16",
+    "forward_flush": "activations x 2^-26 flush in the forward pass",
+    "offset_regression_bf16": "bf16's spacing 0.125 at the output 16 is a loss floor",
+    "kl_distillation_bf16": "the KL loss is computed in bf16",
+}
+FINE = ("mlp", "bn_resnet_raw_pixels", "loss_weight_2^-24", "offset_regression_fp16")
+MISSED = {
+    "offset_regression_bf16": "the harm is a loss floor reached near convergence: at the profiled (initial) weights "
+                              "bf16's error is 0.15 of the gradient noise, at trained weights 2.5 (docs/evidence.md)",
+    "kl_distillation_bf16": "the loss casts to bf16 only under real autocast; the profile's fp32 loss does not",
+}
+
+
+@functools.cache
+def _runs(name: str) -> tuple[Report, Band]:
+    """The tool's report with its trial, and the plain-torch band at the answer's settings (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: two threads on a loaded 2-core machine spin
+    try:
+        case = CASES[name]
+        data = case.data()
+        report = fp16probe.profile(case.build(), data, case.loss, steps=len(data), format=case.format,
+                                   target="cpu", optimizer="adam", lr=case.lr, trial=STEPS)
+        kwargs: dict[str, Any] | None = scaler_settings(report.recommendation) if case.format == "fp16" else None
+        fp32 = [train(case, "fp32", s, STEPS)[0] for s in range(TRIAL_SEEDS)]
+        low = [train(case, case.format, s, STEPS, kwargs)[0] for s in range(TRIAL_SEEDS)]
+        return report, judge_curves(fp32, low)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_both_kinds_are_present():
+    assert len(FINE) + len(HURT) == len(CASES) >= 8 and set(FINE) | set(HURT) == set(CASES)
+    assert len(FINE) >= 3 and len(HURT) >= 3
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_model_trains_on_its_side_of_fp32s_band(name):
+    """Plain torch alone: the fine models end inside fp32's seed band, the hurt ones outside."""
+    _, real = _runs(name)
+    assert real.inside == (name not in HURT), (real.fp32, real.target, real.high)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=MISSED[n]))
+                                  if n in MISSED else n for n in CASES])
+def test_the_tool_alarms_exactly_when_training_is_hurt(name):
+    report, real = _runs(name)
+    alarm = str(report.recommendation.verdict) in ALARMS
+    assert alarm == (not real.inside), str(report.recommendation.verdict)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_trial_concludes_as_plain_torch_training_does(name):
+    report, real = _runs(name)
+    t = report.section("trial")
+    assert t is not None and t.off is None and t.steps == STEPS and len(t.low) == TRIAL_SEEDS
+    mine = judge_curves(t.fp32, t.low)
+    assert mine.inside == real.inside
+    assert [round(v, 3) for v in mine.fp32] == [round(v, 3) for v in real.fp32]
+
+
+LATE = 200  # fp32 steps before the late profile: docs/evidence.md's "after fp32 training" column
+
+
+@functools.cache
+def _late(name: str) -> Report:
+    """The tool's answer on the weights of LATE fp32 Adam steps (seed 0's data order), near the end of training."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = CASES[name]
+        data = case.data()[:4]
+        return fp16probe.profile(trained_fp32(case, LATE), data, case.loss, steps=len(data), format=case.format,
+                                 target="cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_profiled_near_convergence_the_bf16_loss_floor_is_an_alarm_with_its_fix():
+    """The miss of offset_regression_bf16 is where the profile looks, not the line: on trained weights the
+    output's rounding is several times the gradient noise, and the fix keeps the output layer in fp32."""
+    rec = _late("offset_regression_bf16").recommendation
+    assert str(rec.verdict) == "gradient_error"
+    em = rec.evidence["emulated"]
+    name, error, noise = em["worst_parameters"][0]
+    assert name.startswith("body.2.") and error > 2 * noise  # 356% against 114% when written
+    assert em["fix"]["keep_fp32"] == ["body.2"] and em["fix"]["error"] < 0.05
+
+
+@pytest.mark.parametrize("name", ["offset_regression_fp16", "bn_resnet_raw_pixels"])
+def test_profiled_near_convergence_the_fine_models_stay_fine(name):
+    """Fine in training, fine on trained weights too: their error is within NOISE_SHARE of the noise. The fp16
+    regressor sits at 0.45 of it (52% against 114% when written): a line much under 0.5 would alarm on it."""
+    rec = _late(name).recommendation
+    assert str(rec.verdict) not in ALARMS
+    within = [c for c in rec.caveats if c.code == "error_within_noise"]
+    assert within and within[0].data["error"] <= NOISE_SHARE * within[0].data["noise"]
