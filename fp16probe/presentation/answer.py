@@ -572,7 +572,8 @@ def findings(report: Report) -> list[str]:
 
 
 def precision_cost_lines(report: Report) -> list[str]:
-    """What the live run's precision cost the weight gradients, judged against their own change (or nothing)."""
+    """What the live run's precision cost the weight gradients, judged as the profile judges it (or nothing)."""
+    from fp16probe.analysis.effect import NOISE_SHARE, TOLERANCE
     from fp16probe.analysis.precision_cost import CostJudgement, judge_against_fp32_change
     from fp16probe.sections import PrecisionCost
 
@@ -580,12 +581,18 @@ def precision_cost_lines(report: Report) -> list[str]:
     if not isinstance(cost, PrecisionCost) or not cost.steps:
         return []
     v = judge_against_fp32_change(cost)
-    what = (f"precision cost: {escape.text(cost.precision)} moves the weight gradients by {num.percent(v.error)} "
+    what = (f"precision cost: {escape.text(cost.precision)} error {num.percent(v.error)} of the weight gradients "
             f"(relative L2 against the fp32 reruns, median of {num.count(v.steps)} step(s))")
+    if v.judgement is CostJudgement.WITHIN_TOLERANCE:
+        return [f"{what}: within the {num.percent(TOLERANCE)} a step may be off, training will not feel it"]
     if v.judgement is CostJudgement.UNJUDGED:
-        return [f"{what}; one rerun step gives no batch-to-batch change to judge it by"]
-    side = "below" if v.judgement is CostJudgement.BELOW_CHANGE else "not below"
-    return [f"{what}, {side} the fp32 gradient's own change between rerun steps ({num.percent(v.change)})"]
+        return [f"{what}; one rerun step gives no batch-to-batch noise to judge it by"]
+    against = (f"against batch-to-batch noise of {num.percent(v.noise)} (the fp32 gradient's change between rerun "
+               f"steps, {num.percent(v.change)}, over sqrt(2))")
+    if v.judgement is CostJudgement.WITHIN_NOISE:
+        return [f"{what}, {against}: training will not feel it"]
+    return [f"{what}, {against}: more than {num.percent(NOISE_SHARE)} of it, training may feel it; "
+            "fp16probe profile --trial STEPS trains both to see"]
 
 
 def compile_notes(report: Report) -> list[str]:
