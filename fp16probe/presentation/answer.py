@@ -50,6 +50,7 @@ __all__ = [
     "report_summary",
     "run_header",
     "scaler_device",
+    "set_aside_sentence",
     "short_answer",
     "shorten_name",
     "stacked_table",
@@ -205,6 +206,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     emulated = emulated_sentence(rec)  # after the code: the answer leads with what to paste
     if emulated:
         lines.append(Line("emulated", emulated))
+    zero = set_aside_sentence(rec)
+    if zero:
+        lines.append(Line("emulated", zero))
     if report is not None:
         invented = invented_sentence(report)
         if invented:
@@ -451,6 +455,21 @@ def emulated_sentence(rec: Recommendation) -> str:
     return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
             f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}{noise}"
             f"{'; ' + around if around else ''}{fixed}{beside}")
+
+
+ZERO_SHOWN = 3  # names the set-aside line lists
+
+
+def set_aside_sentence(rec: Recommendation) -> str:
+    """The parameters the emulated step's judgement set aside as numerically zero in fp32 ('' when none)."""
+    names = [str(n) for n in (rec.evidence.get("emulated") or {}).get("numerically_zero") or ()]
+    if not names:
+        return ""
+    shown = ", ".join(escape.text(n) for n in names[:ZERO_SHOWN])
+    more = f" and {num.count(len(names) - ZERO_SHOWN)} more" if len(names) > ZERO_SHOWN else ""
+    return (f"set aside as numerically zero: {num.count(len(names))} parameter(s) ({shown}{more}) whose fp32 gradient "
+            "is within fp32's own rounding of zero (terms that cancel, as an attention key bias's do): no error is "
+            "judged against them, and no fix names them")
 
 
 WEIGHT_UPDATE_RULE = (
