@@ -64,6 +64,9 @@ def test_a_bf16_gradient_error_names_bf16_and_gives_fp16s_error_beside_it():
     said = fp16probe.formatting.percent(fp16["error"])
     assert f"fp16 at S = {fp16probe.formatting.power_of_two(fp16['log2_scale'])}: {said} off fp32" in emulated_sentence(rec)
     assert any(line.kind == "emulated" and "fp16 at S" in line.text for line in lines)
+    # fp16 at its S holds (every parameter within 5%, as the real fp16 step above): the answer says to use it
+    holds = next(line.text for line in lines if line.text.startswith("fp16 holds where bf16 does not"))
+    assert fp16["log2_scale"] == 0 and f"unscaled, its emulated gradients are {said}" in holds and "train in fp16" in holds
 
 
 def _data(bf16_rows, fp16_rows):
@@ -87,6 +90,11 @@ def test_a_bf16_alarm_keeps_fp16s_error_even_when_bf16_is_not_twice_worse():
     text = "\n".join(line.text for line in short_answer(None, out))
     assert text.startswith("verdict for bf16:") and "under bf16 autocast on CUDA" in text.splitlines()[0]
     assert "fp16 at S = 2^12: 3.18% off fp32" in text
+    assert "fp16 holds where bf16 does not: with S = 2^12, its emulated gradients are 3.18% off fp32" in text
+    off = judged(rec, _data([[1e-6, 1.0, 0, 10, 0], [0.07**2, 1.0, 0, 10, 0]],
+                            [[1e-6, 1.0, 0, 10, 0], [0.06**2, 1.0, 0, 10, 0]]))  # fp16's b 6% off: no such line
+    assert off.verdict == "gradient_error" and off.evidence["emulated"]["fp16"]["harmless"] is False
+    assert "fp16 holds" not in "\n".join(line.text for line in short_answer(None, off))
 
 
 @pytest.mark.slow  # a profile with its emulated steps: about 8-12 s CPU under load

@@ -125,6 +125,9 @@ def test_a_numerically_zero_parameter_makes_no_verdict_and_no_fix():
     kept = effect_at(_data([fine, fine, fine, [400.0**2 * 1e-12, 1e-12, 0, 10, 0]]), 10)
     assert kept.numerically_zero == () and kept.first_over.name == "key.bias"
 
+    # A whole module far off at its own scale (a forward the target breaks) is error, not a zero: both judged.
+    broken = [fine, fine, [2000.0**2 * 1e-12, 1e-12, 0, 10, 0], [2000.0**2 * 1e-12, 1e-12, 0, 10, 0]]
+    assert effect_at(_data(broken), 10).numerically_zero == ()
     # A cancelled sum the target rounds to exact zeros is 100% off: only the histograms' names set it aside.
     zeroed = [fine, fine, fine, [1e-12, 1e-12, 10, 10, 0]]
     assert effect_at(_data(zeroed), 10).first_over.name == "key.bias"

@@ -403,7 +403,7 @@ def _against_fp16(rec: Recommendation, data: Mapping[str, Any], eff: Effect,
     other = effect_at(fp16, k16)
     if other is None:
         return ()
-    emulated["fp16"] = other.to_dict()
+    emulated["fp16"] = {**other.to_dict(), "harmless": other.harmless}  # every fp16 parameter within TOLERANCE
     if (eff.error is not None and other.error is not None and other.nonfinite == 0
             and eff.error > BF16_WORSE * other.error):
         return (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
