@@ -20,12 +20,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fp16probe.formats import Format
+import torch
+
+from fp16probe.analysis.whatif import CANCELLED_BITS, numerically_zero
+from fp16probe.formats import Format, get_format
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
 
 __all__ = ["NOISE_SHARE", "TOLERANCE", "Effect", "ModuleEffect", "effect_at", "effect_of", "fixes_to_try",
-           "judge_report", "judged", "scales_to_check"]
+           "judge_report", "judged", "numerically_zero_rows", "scales_to_check",
+           "with_zeros"]
 
 # A gradient within 5% of fp32's (relative L2 error) counts as unharmed. Rounding alone costs
 # 0.04-0.5% on the models measured (docs/fp16-run.md); a flush that matters costs 20-100%. The
@@ -51,6 +55,11 @@ NOISE_SHARE = 0.5
 # a weight gradient of 1e-9 of the model's, and fp16 zeroes all of it).
 NOISE_FLOOR = 1e-7
 ZEROED_COUNTS = 0.5
+# A parameter whose fp32 gradient is within ROUNDOFF_MARGIN of what fp32 rounding of the same computation makes
+# is numerically zero (see numerically_zero_rows): 2^4, so a gradient set aside carries at least 1/16 of its own
+# value as fp32 rounding, and no relative error against it means anything.
+ROUNDOFF_MARGIN = 16.0
+ZERO_KEY = "numerically_zero"  # data's optional list of names the histograms call numerically zero (rejudge adds it)
 FORWARD = (Verdict.FORWARD_UNDERFLOW, Verdict.FORWARD_OVERFLOW)
 # bf16 keeps 8 significant bits to fp16's 11: its rounding error is about 8x fp16's wherever fp16's
 # range is not the limit. Said when bf16's emulated error is more than twice fp16's with a scale.
@@ -97,6 +106,7 @@ class Effect:
     outputs: tuple[tuple[str, float | None], ...] = ()  # module outputs' errors, as their forwards finished
     noise: float | None = None  # the whole model's batch-to-batch noise; None: not measured (one batch)
     noise_batches: int = 0
+    numerically_zero: tuple[str, ...] = ()  # parameters set aside: fp32 gradient zero up to rounding, forward order
 
     @property
     def culprit(self) -> str | None:
@@ -134,7 +144,8 @@ class Effect:
                 "loss_low": self.loss_low,
                 "worst_modules": [[m.module, m.error] for m in worst(self.modules)],
                 "worst_parameters": [[p.name, p.error, p.noise] for p in worst(self.params)],
-                "noise": self.noise, "noise_batches": self.noise_batches}
+                "noise": self.noise, "noise_batches": self.noise_batches,
+                "numerically_zero": list(self.numerically_zero)}
 
 
 def _module_of(param: str) -> str:
@@ -146,23 +157,75 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
     """The emulated step's effect at S = 2^log2_scale with ``keep`` in fp32; None when it was not run.
 
     Over the most batches it was run on, or over exactly ``batches`` (the neighbours of S run on
-    the first batch only; ``batches=1`` sets S beside them on that same batch).
+    the first batch only; ``batches=1`` sets S beside them on that same batch). Parameters whose
+    fp32 gradient is numerically zero (:func:`numerically_zero_rows`, and the names in
+    ``data[ZERO_KEY]``) are set aside from the parameters and modules judged, and named in
+    :attr:`Effect.numerically_zero`; the whole model's error keeps them (it is what the step measured).
     """
     setting = _setting(data, log2_scale, keep, batches)
     if setting is None:
         return None
     names, rows = _judgeable(data, setting)
     total_ref = sum(float(r[1]) for r in rows)
-    noise, whole_noise, k = _noise(data)
-    params = [dataclasses.replace(p, noise=noise.get(p.name)) for p in _param_effects(names, rows, total_ref)]
-    modules = _module_effects(names, rows, total_ref)
     nonfinite_all = sum(int(r[4]) for r in rows)
     whole = _whole_error(rows, total_ref, nonfinite_all)
+    zero = numerically_zero_rows(names, rows, str(data.get("format")), data.get(ZERO_KEY) or ())
+    judged_names = [n for n in names if n not in zero]
+    judged_rows = [r for n, r in zip(names, rows) if n not in zero]
+    noise, whole_noise, k = _noise(data)
+    params = [dataclasses.replace(p, noise=noise.get(p.name))
+              for p in _param_effects(judged_names, judged_rows, total_ref)]
+    modules = _module_effects(judged_names, judged_rows, total_ref)
     outputs = _output_errors(setting)
     return Effect(log2_scale=log2_scale, keep_fp32=tuple(keep), error=whole, outputs=tuple(outputs),
                   zeroed=sum(int(r[2]) for r in rows), nonzero=sum(int(r[3]) for r in rows),
                   nonfinite=nonfinite_all, loss_low=bool(setting.get("loss_low")), modules=tuple(modules),
-                  params=tuple(params), noise=whole_noise, noise_batches=k)
+                  params=tuple(params), noise=whole_noise, noise_batches=k,
+                  numerically_zero=tuple(n for n in names if n in zero))
+
+
+def numerically_zero_rows(names: Sequence[str], rows: Sequence[Any], format: str,
+                          also: Sequence[str] = ()) -> frozenset[str]:
+    """The parameters whose fp32 gradient is zero up to fp32's own rounding: no error can be judged against it.
+
+    A gradient is a sum (over the batch, the positions, the paths through the graph); where the
+    terms cancel in exact arithmetic (an attention key bias: softmax ignores a shift shared by
+    every key; a bias before a BatchNorm), each run's computed gradient is its own rounding of
+    that sum, a share of its unit roundoff u of the terms' size. Two signs, both needed:
+
+    - fp32's rounding could make it: the target rounds the same sum with u_t (fp16 2^-11, bf16
+      2^-8, from ``torch.finfo``), fp32 with u_32 = 2^-24, so fp32's own rounding is about
+      ``||g_t - g_32|| * u_32 / u_t``; the gradient is within ROUNDOFF_MARGIN of it when its
+      relative error is at least (u_t / u_32) / ROUNDOFF_MARGIN: 512 (51,200%) for fp16, 4096 for
+      bf16. Alone this is not enough: where the target's forward is itself broken (bf16's
+      E[x^2] - E[x]^2 norm after Linear(bias 4)), a real gradient is 10^4 off too.
+    - it is out of scale with its module: its fp32 norm is at least 2^CANCELLED_BITS (2^12) below
+      the largest of its module's other parameters' (a key bias 10^-8 of its weight's). A real
+      bias that far below its weight needs inputs of 4096 and more; a real gradient with both
+      signs needs such inputs and a target error of 512x.
+
+    A cancelled sum the target rounds to exact zeros is 100% off and is not caught here: the
+    fp32 histograms see it (:func:`fp16probe.analysis.whatif.numerically_zero`: a bias 2^-12
+    below the largest output gradient it sums, fp32's values alone), and their names come in
+    ``also``. Names with a non-finite target gradient stay judged.
+    """
+    try:
+        dtype: torch.dtype | None = get_format(format).dtype
+    except ValueError:  # UnknownFormatError: a format with no unit roundoff of its own, the histograms' names alone
+        dtype = None
+    zero = set(also)
+    if dtype is not None:
+        line = (torch.finfo(dtype).eps / torch.finfo(torch.float32).eps / ROUNDOFF_MARGIN) ** 2
+        by_module: dict[str, list[tuple[str, float]]] = {}
+        for n, r in zip(names, rows):
+            by_module.setdefault(_module_of(n), []).append((n, float(r[1])))
+        for n, r in zip(names, rows):
+            ref = float(r[1])
+            others = max((x for m, x in by_module[_module_of(n)] if m != n), default=0.0)
+            if (r[0] is not None and not r[4] and ref > 0 and float(r[0]) >= line * ref
+                    and ref <= 2.0 ** (-2 * CANCELLED_BITS) * others):  # squared norms: 2^-12 in norm
+                zero.add(n)
+    return frozenset(n for n, r in zip(names, rows) if n in zero and not r[4])
 
 
 def _noise(data: Mapping[str, Any]) -> tuple[dict[str, float], float | None, int]:
@@ -342,7 +405,7 @@ def _against_fp16(rec: Recommendation, data: Mapping[str, Any], eff: Effect,
     other = effect_at(fp16, k16)
     if other is None:
         return ()
-    emulated["fp16"] = other.to_dict()
+    emulated["fp16"] = {**other.to_dict(), "harmless": other.harmless}  # every fp16 parameter within TOLERANCE
     if (eff.error is not None and other.error is not None and other.nonfinite == 0
             and eff.error > BF16_WORSE * other.error):
         return (Caveat("bf16_worse_than_fp16", {"error": eff.error, "fp16_error": other.error,
@@ -467,7 +530,7 @@ def rejudge(report: Report, rec: Recommendation, format: str | Format | None = N
     emulation section, when it has one: what :func:`judge_report` does once the verdict is at hand."""
     from fp16probe.analysis.recommend import analyze
 
-    data = effect_of(report)
+    data = with_zeros(report, effect_of(report))
     if data is None or data.get("format") != rec.format:
         return rec
     k = _checked_log2(rec) if rec.format != "bf16" else 0
@@ -481,6 +544,13 @@ def rejudge(report: Report, rec: Recommendation, format: str | Format | None = N
     elif not eff.harmless:
         any_flush = analyze(report, again, kind=kind, target=target, forward_underflow_at=0.0)
     return judged(rec, data, gradients_only, any_flush)
+
+
+def with_zeros(report: Report, data: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``data`` with the biases the report's fp32 histograms call numerically zero under ZERO_KEY (``data`` itself
+    when there are none): :func:`numerically_zero_rows` sets them aside with its own."""
+    zero = sorted(numerically_zero(report)) if data is not None else []
+    return {**data, ZERO_KEY: zero} if data is not None and zero else data
 
 
 def effect_of(report: Report) -> Mapping[str, Any] | None:

@@ -50,6 +50,7 @@ __all__ = [
     "report_summary",
     "run_header",
     "scaler_device",
+    "set_aside_sentence",
     "short_answer",
     "shorten_name",
     "stacked_table",
@@ -198,6 +199,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     unfixed = _fix_refuted(rec)
     if unfixed:
         lines.append(Line("todo", unfixed))
+    fp16_holds = _fp16_holds(rec)
+    if fp16_holds:
+        lines.append(Line("todo", fp16_holds))
     if code:
         least_bad = "if you keep one scale, the least bad; " if todo else ""
         lines.append(Line("device", f"paste ({least_bad}{how}):"))
@@ -205,6 +209,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     emulated = emulated_sentence(rec)  # after the code: the answer leads with what to paste
     if emulated:
         lines.append(Line("emulated", emulated))
+    zero = set_aside_sentence(rec)
+    if zero:
+        lines.append(Line("emulated", zero))
     if report is not None:
         invented = invented_sentence(report)
         if invented:
@@ -453,6 +460,21 @@ def emulated_sentence(rec: Recommendation) -> str:
             f"{'; ' + around if around else ''}{fixed}{beside}")
 
 
+ZERO_SHOWN = 3  # names the set-aside line lists
+
+
+def set_aside_sentence(rec: Recommendation) -> str:
+    """The parameters the emulated step's judgement set aside as numerically zero in fp32 ('' when none)."""
+    names = [str(n) for n in (rec.evidence.get("emulated") or {}).get("numerically_zero") or ()]
+    if not names:
+        return ""
+    shown = ", ".join(escape.text(n) for n in names[:ZERO_SHOWN])
+    more = f" and {num.count(len(names) - ZERO_SHOWN)} more" if len(names) > ZERO_SHOWN else ""
+    return (f"set aside as numerically zero: {num.count(len(names))} parameter(s) ({shown}{more}) whose fp32 gradient "
+            "is within fp32's own rounding of zero (terms that cancel, as an attention key bias's do): no error is "
+            "judged against them, and no fix names them")
+
+
 WEIGHT_UPDATE_RULE = (
     "Without fp32 master weights an update is lost when it is below half an ulp of the "
     f"weight, i.e. when |w| is at least about 2^11 |update| in fp16 ({PAPER})."
@@ -482,6 +504,23 @@ def _fix_refuted(rec: Recommendation) -> str:
     return (f"no fix found: with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
             f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{still} (tolerance "
             f"{num.percent(em.get('tolerance'))}); the error is not one module's to keep in fp32")
+
+
+def _fp16_holds(rec: Recommendation) -> str:
+    """For a bf16 ``gradient_error``, fp16's emulated step at its S when every parameter there is within tolerance
+    ('' otherwise, and for reports from before that was recorded)."""
+    em = rec.evidence.get("emulated") or {}
+    fp16 = em.get("fp16")
+    if rec.format != "bf16" or rec.verdict is not Verdict.GRADIENT_ERROR or not isinstance(fp16, Mapping):
+        return ""
+    if fp16.get("harmless") is not True:
+        return ""
+    k = fp16.get("log2_scale")
+    at, train = (f"with S = {num.power_of_two(k)}", "train in fp16 with that loss scale") if k else ("unscaled",
+                                                                                                "train in fp16")
+    return (f"fp16 holds where bf16 does not: {at}, its emulated gradients are "
+            f"{_error_words(fp16.get('error'), fp16.get('nonfinite'))}, every parameter within "
+            f"{num.percent(em.get('tolerance'))}: {train} (fp16probe profile --format fp16 gives its GradScaler line)")
 
 
 def explanation_text(rec: Recommendation, fmt: Format | None = None) -> str:
