@@ -43,9 +43,11 @@ from fp16probe.histogram import NUM_EXP_BINS, Histogram
 __all__ = [
     "DTYPES",
     "LAYOUT",
+    "MODULE_STEPS",
     "PACK_FROM",
     "Column",
     "HistogramColumn",
+    "block_max",
     "is_packed",
     "narrow_counts",
     "narrow_floats",
@@ -53,6 +55,7 @@ __all__ = [
     "pack_histograms",
     "pack_history",
     "pack_trace",
+    "steps_per_block",
     "unpack",
     "unpack_floats",
     "unpack_histograms",
@@ -63,6 +66,15 @@ LAYOUT = "columns"
 
 PACK_FROM = 256
 """A trace or history of more steps than this is written packed; a shorter one as lists, readable by eye."""
+
+MODULE_STEPS = 4096
+"""The most entries a trace keeps per module: beyond it, each module's largest |g| is kept per block of steps.
+
+Every whole-model per-step field (histograms, scale, found_inf, ceiling; the history) is kept for
+every step: the GradScaler replay and the schedule read those. The per-module maxima are
+``len(names)`` numbers a step (273 for a 12-layer GPT-2, 1,375 of its 1,768 packed bytes a step),
+so a trace of more steps than this keeps, per module, the max over each block of
+:func:`steps_per_block` steps: exact for what it is, the largest value over those steps."""
 
 DTYPES = ("|u1", "<u2", "<u4", "<i8", "<f4", "<f8")
 """The item types a packed array may have."""
@@ -159,6 +171,19 @@ def _nullable(values: Sequence[float | None]) -> np.ndarray:
     if isinstance(values, Column):
         return values.array
     return np.fromiter((NULL if v is None else v for v in values), dtype=np.float64, count=len(values))
+
+
+def steps_per_block(steps: int) -> int:
+    """How many steps each per-module entry covers in a trace of ``steps`` steps (1: one per step)."""
+    return max(1, -(-steps // MODULE_STEPS))
+
+
+def block_max(matrix: Any, block: int) -> np.ndarray:
+    """Each row's max over consecutive blocks of ``block`` columns (the last block may be shorter)."""
+    a = np.asarray(matrix)
+    if block <= 1 or a.shape[-1] == 0:
+        return a
+    return np.maximum.reduceat(a, np.arange(0, a.shape[-1], block), axis=-1)
 
 
 # -- columns in memory -------------------------------------------------------------------------
@@ -393,8 +418,14 @@ def _need(ok: bool, path: str, expected: str) -> None:
 
 
 def pack_trace(*, steps: Any, histograms: Mapping[str, Any], names: Mapping[str, Sequence[str]],
-               module_max: Mapping[str, Any], scale: Any, found_inf: Any, ceiling: Any | None) -> dict[str, Any]:
-    """A trace's packed JSON (see ``StepTrace``): ``module_max[kind]`` a module-by-step matrix in ``names[kind]``'s order."""
+               module_max: Mapping[str, Any], scale: Any, found_inf: Any, ceiling: Any | None,
+               module_block: int = 1) -> dict[str, Any]:
+    """A trace's packed JSON (see ``StepTrace``): ``module_max[kind]`` a module-by-step matrix in ``names[kind]``'s order,
+    or by block of ``module_block`` steps; a per-step matrix of more than MODULE_STEPS steps is reduced to block maxima."""
+    n = len(steps)
+    if module_block == 1 and n > MODULE_STEPS:
+        module_block = steps_per_block(n)
+        module_max = {k: block_max(np.asarray(m).reshape(len(names[k]), n), module_block) for k, m in module_max.items()}
     out: dict[str, Any] = {
         "layout": LAYOUT,
         "steps": pack(narrow_counts(steps) if len(steps) and int(np.min(steps)) >= 0 else np.asarray(steps, np.int64)),
@@ -406,6 +437,8 @@ def pack_trace(*, steps: Any, histograms: Mapping[str, Any], names: Mapping[str,
     }
     if ceiling is not None:
         out["ceiling"] = pack(narrow_floats(np.asarray(ceiling, dtype=np.float64)))
+    if module_block > 1:
+        out["module_block"] = int(module_block)
     return out
 
 
