@@ -23,7 +23,7 @@ from fp16probe import columns, validation
 from fp16probe.errors import InputError, ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
 from fp16probe.blockscale import BlockStats
-from fp16probe.reading import read_report_text
+from fp16probe.reading import read_report
 from fp16probe.recommendation import Recommendation
 from fp16probe.blockadvice import BlockAdvice
 from fp16probe.emulation import Emulation
@@ -542,11 +542,19 @@ class Report:
     def load(cls, path: str | os.PathLike[str]) -> "Report":
         """Read a report file; a bad file (not a regular file, over the size cap, malformed) raises ReportError naming the problem."""
         path = Path(path)
-        text = read_report_text(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB
+        text, lifted = read_report(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB; long arrays decoded
         if not text.strip():
             raise ReportError(f"{path}: the report file is empty")
+
+        def put_back(obj: dict[str, Any]) -> dict[str, Any]:
+            token = obj.get("zlib")
+            if isinstance(token, str) and token in lifted:
+                obj["zlib"] = lifted.pop(token)
+            return obj
+
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_hook=put_back if lifted else None)
+            del text
         except json.JSONDecodeError as e:
             raise ReportError(
                 f"{path}: not valid JSON (truncated or corrupt?) at line {e.lineno} column {e.colno}: {e.msg}"

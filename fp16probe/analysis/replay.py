@@ -305,9 +305,9 @@ def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None, draws: np.
         last = max((int((c.lo + c.width)[c.width > 0].max()) for c in cols if (c.width > 0).any()), default=first)
         counts = np.zeros((len(picked), max(last - first, 0)), dtype=np.int64)
         for c in cols:
-            for lo in range(0, len(picked), 65536):
-                part = (c.dense(lo, min(lo + 65536, n)) if rows is None else c.take(rows[lo:lo + 65536]))
-                counts[lo:lo + 65536] += part[:, first:last]
+            for lo in range(0, len(picked), 4096):
+                part = (c.dense(lo, min(lo + 4096, n)) if rows is None else c.take(rows[lo:lo + 4096]))
+                counts[lo:lo + 4096] += part[:, first:last]
         return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1), first, rows)
     counts = np.zeros((len(picked), len(hists[0][0].counts)), dtype=np.int64)
     for hs in hists:
