@@ -47,6 +47,7 @@ __all__ = [
     "PACK_FROM",
     "Column",
     "HistogramColumn",
+    "Inflated",
     "block_max",
     "is_packed",
     "narrow_counts",
@@ -101,6 +102,11 @@ def pack(values: Any, dtype: str | None = None) -> dict[str, Any]:
     return {"dtype": name, "count": int(a.size), "zlib": base64.b64encode(zlib.compress(raw, _ZLIB_LEVEL)).decode("ascii")}
 
 
+class Inflated(bytearray):
+    """A packed array's bytes, already inflated within its declared size while its file was read
+    (:func:`fp16probe.reading.read_report`); stands in for its ``zlib`` text."""
+
+
 def is_packed(v: Any) -> bool:
     """Whether ``v`` is a packed section or array (has a ``layout`` or a ``zlib`` field), not lists."""
     return isinstance(v, Mapping) and ("layout" in v or "zlib" in v)
@@ -126,6 +132,12 @@ def unpack(d: Any, path: str, count: int | None = None) -> np.ndarray:
     if not isinstance(text, (str, bytearray)):  # a bytearray: the base64 decoded as the file was read (fp16probe.reading)
         raise ReportFieldError(f"{path}.zlib", f"{path}.zlib: expected base64 text, got {_kind(text)}")
     size = n * np.dtype(dtype).itemsize
+    if isinstance(text, Inflated):
+        if len(text) != size:
+            raise ReportFieldError(f"{path}.zlib", f"{path}.zlib: holds other than {n} values of {dtype}")
+        a = np.frombuffer(text, dtype=dtype)
+        a.flags.writeable = False
+        return a
     try:
         packed = text if isinstance(text, bytearray) else base64.b64decode(text, validate=True)
         inflate = zlib.decompressobj()

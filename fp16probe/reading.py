@@ -9,9 +9,9 @@ holds about 34,000 and 150,000 of its steps (measured: ``bench/long_history.py``
 
 A long report's bulk is the base64 text of its packed arrays. :func:`read_report` decodes each
 long one (:data:`LIFT_FROM` characters and more, in a ``"zlib"`` field) while it reads the file,
-through a read-only memory map whose pages it gives back as it goes, and leaves a token in the
-text in its place: the JSON parser never holds that text, and the file is never in memory whole
-next to its parsed form (a 10^6-step GPT-2 trace: about 445 MB of text, 333 MB once decoded).
+through a read-only memory map whose pages it gives back as it goes, inflating it within the
+size its object declares, and leaves a token in the text in its place: the JSON parser never
+holds that text, and neither the file nor its compressed bytes are ever in memory whole.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from __future__ import annotations
 import binascii
 import mmap
 import os
+import re
 import stat
+import zlib
 from pathlib import Path
 
+from fp16probe.columns import Inflated
 from fp16probe.errors import ReportError
 
 __all__ = ["DEFAULT_MAX_REPORT_MB", "LIFT_FROM", "MAX_REPORT_MB_VARIABLE", "max_report_bytes", "read_report"]
@@ -36,6 +39,8 @@ LIFT_FROM = 2**20
 
 _ZLIB_KEY = b'"zlib": "'  # how json.dumps writes a packed array's text field (fp16probe.columns.pack)
 _PIECE = 2**22  # base64 characters decoded at a time: a multiple of 4 and of the page size
+# The start of a packed array as fp16probe.columns.pack writes it: its declared size bounds the inflating.
+_PACKED_START = re.compile(rb'\{"dtype": "(\|u1|<u2|<u4|<i8|<f4|<f8)", "count": (\d{1,13}), \Z')
 
 
 def max_report_bytes() -> int:
@@ -67,9 +72,11 @@ def read_report(path: Path) -> tuple[str, dict[str, bytearray]]:
     file or is larger than :func:`max_report_bytes`.
 
     Returns the text, each long ``"zlib"`` field's base64 replaced by a token (``"#0"``, ``"#1"``:
-    never base64, so never a packed array's own text), and each token's decoded (still compressed)
-    bytes, each read once (``columns.unpack`` empties it as it inflates it). A field that is not pure base64
-    is left in the text, for the reader to refuse by name."""
+    never base64, so never a packed array's own text), and each token's bytes: inflated
+    (:class:`~fp16probe.columns.Inflated`) where the field's object starts as ``pack`` writes it
+    (``{"dtype": ..., "count": ...,``: its declared size the bound), else still compressed, read
+    once (``columns.unpack`` empties it as it inflates it). A field that is not pure base64, or
+    whose data does not inflate to its declared size, is left in the text, for the reader to refuse by name."""
     cap = _checked_cap(path)
     try:
         with open(path, "rb") as f:
@@ -103,7 +110,9 @@ def _lift(mm: mmap.mmap) -> tuple[bytes, dict[str, bytearray]]:
             backslashes += 1
         if end - start < LIFT_FROM or backslashes % 2:  # short, or the key's quote is inside a string
             continue
-        data = _base64(mm, start, end)
+        head = _PACKED_START.search(mm[max(0, k - 64):k])
+        size = None if head is None else int(head[2]) * int(head[1][2:])
+        data = _base64(mm, start, end, size)
         if data is None:
             continue
         token = f"#{len(lifted)}"
@@ -114,20 +123,30 @@ def _lift(mm: mmap.mmap) -> tuple[bytes, dict[str, bytearray]]:
     return b"".join(parts), lifted
 
 
-def _base64(mm: mmap.mmap, start: int, end: int) -> bytearray | None:
+def _base64(mm: mmap.mmap, start: int, end: int, size: int | None) -> bytearray | None:
     """The bytes of ``mm[start:end]`` read as base64, piece by piece, each piece's pages given back once read;
-    None when it is not base64."""
-    out = bytearray()
+    with ``size`` (the array's declared bytes), inflated as they come, never past it: an :class:`Inflated`.
+    None when it is not base64, or not zlib data of exactly ``size`` bytes."""
+    out = bytearray() if size is None else Inflated()
+    inflate = zlib.decompressobj()
     page = mmap.PAGESIZE
-    for a in range(start, end, _PIECE):
-        b = min(a + _PIECE, end)
-        try:
-            out += binascii.a2b_base64(mm[a:b], strict_mode=True)
-        except binascii.Error:
-            return None
-        lo, hi = -(-a // page) * page, b // page * page  # whole pages inside the piece
-        if hi > lo and hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    try:
+        for a in range(start, end, _PIECE):
+            b = min(a + _PIECE, end)
+            piece = binascii.a2b_base64(mm[a:b], strict_mode=True)
+            if size is None:
+                out += piece
+            else:
+                out += inflate.decompress(piece, size - len(out) + 1)
+                if len(out) > size or inflate.unconsumed_tail:
+                    return None
+            lo, hi = -(-a // page) * page, b // page * page  # whole pages inside the piece
+            if hi > lo and hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (binascii.Error, zlib.error):
+        return None
+    if size is not None and (len(out) != size or not inflate.eof or inflate.unused_data):
+        return None
     return out
 
 

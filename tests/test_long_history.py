@@ -107,6 +107,7 @@ def test_long_arrays_are_decoded_as_the_file_is_read(report, tmp_path, monkeypat
     text, lifted = reading.read_report(path)
     big = [len(t) for t in lifted.values()]
     assert lifted and min(big) > 0 and all(len(s) < 1000 for s in _strings(json.loads(text)))
+    assert all(isinstance(v, columns.Inflated) for v in lifted.values())  # inflated as read, within their sizes
     assert Report.load(path) == Report.from_dict(json.loads(path.read_text()))
 
 
@@ -120,6 +121,17 @@ def test_a_zlib_key_inside_another_string_is_not_lifted(tmp_path, monkeypatch):
     assert list(lifted) == ["#0"] and bytes(lifted["#0"]) == base64.b64decode(data)
     back = json.loads(text)
     assert back['x"zlib'] == data and back["y"] == doc["y"] and back["z"] == {"zlib": "#0"}
+
+
+def test_data_that_inflates_past_its_declared_size_is_left_for_the_reader_to_refuse(tmp_path, monkeypatch):
+    monkeypatch.setattr(reading, "LIFT_FROM", 16)
+    bomb = {"dtype": "|u1", "count": 10, "zlib": base64.b64encode(zlib.compress(bytes(2**20))).decode()}
+    path = tmp_path / "bomb.json"
+    path.write_text(json.dumps({"a": bomb}))
+    text, lifted = reading.read_report(path)
+    assert lifted == {} and json.loads(text) == {"a": bomb}
+    with pytest.raises(ReportError, match="holds other than 10 values"):
+        columns.unpack(json.loads(text)["a"], "a")
 
 
 def test_a_lifted_field_that_is_not_base64_is_refused_naming_it(report, tmp_path, monkeypatch):
