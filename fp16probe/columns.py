@@ -43,9 +43,12 @@ from fp16probe.histogram import NUM_EXP_BINS, Histogram
 __all__ = [
     "DTYPES",
     "LAYOUT",
+    "MODULE_STEPS",
     "PACK_FROM",
     "Column",
     "HistogramColumn",
+    "Inflated",
+    "block_max",
     "is_packed",
     "narrow_counts",
     "narrow_floats",
@@ -53,6 +56,7 @@ __all__ = [
     "pack_histograms",
     "pack_history",
     "pack_trace",
+    "steps_per_block",
     "unpack",
     "unpack_floats",
     "unpack_histograms",
@@ -64,11 +68,22 @@ LAYOUT = "columns"
 PACK_FROM = 256
 """A trace or history of more steps than this is written packed; a shorter one as lists, readable by eye."""
 
+MODULE_STEPS = 4096
+"""The most entries a trace keeps per module: beyond it, each module's largest |g| is kept per block of steps.
+
+Every whole-model per-step field (histograms, scale, found_inf, ceiling; the history) is kept for
+every step: the GradScaler replay and the schedule read those. The per-module maxima are
+``len(names)`` numbers a step (273 for a 12-layer GPT-2, 1,375 of its 1,768 packed bytes a step),
+so a trace of more steps than this keeps, per module, the max over each block of
+:func:`steps_per_block` steps: exact for what it is, the largest value over those steps."""
+
 DTYPES = ("|u1", "<u2", "<u4", "<i8", "<f4", "<f8")
 """The item types a packed array may have."""
 
 NULL = -1.0
 """What a float column stores for null (no value recorded)."""
+
+_CHUNK = 4096  # steps handled at once where a whole-trace temporary per value or per bin would be large
 
 _ZLIB_LEVEL = 1  # level 6 packs a GPT-2 trace 3% smaller at four times the CPU time
 
@@ -85,6 +100,11 @@ def pack(values: Any, dtype: str | None = None) -> dict[str, Any]:
         raise ValueError(f"cannot pack an array of {a.dtype}: expected one of {', '.join(DTYPES)}")
     raw = a.astype(name, copy=False).reshape(-1).tobytes()
     return {"dtype": name, "count": int(a.size), "zlib": base64.b64encode(zlib.compress(raw, _ZLIB_LEVEL)).decode("ascii")}
+
+
+class Inflated(bytearray):
+    """A packed array's bytes, already inflated within its declared size while its file was read
+    (:func:`fp16probe.reading.read_report`); stands in for its ``zlib`` text."""
 
 
 def is_packed(v: Any) -> bool:
@@ -109,14 +129,22 @@ def unpack(d: Any, path: str, count: int | None = None) -> np.ndarray:
         raise ReportFieldError(f"{path}.count", f"{path}.count: expected a non-negative integer, got {_short(n)}")
     if count is not None and n != count:
         raise ReportFieldError(f"{path}.count", f"{path} has {n} entries for {count} steps")
-    if not isinstance(text, str):
+    if not isinstance(text, (str, bytearray)):  # a bytearray: the base64 decoded as the file was read (fp16probe.reading)
         raise ReportFieldError(f"{path}.zlib", f"{path}.zlib: expected base64 text, got {_kind(text)}")
     size = n * np.dtype(dtype).itemsize
+    if isinstance(text, Inflated):
+        if len(text) != size:
+            raise ReportFieldError(f"{path}.zlib", f"{path}.zlib: holds other than {n} values of {dtype}")
+        a = np.frombuffer(text, dtype=dtype)
+        a.flags.writeable = False
+        return a
     try:
-        packed = base64.b64decode(text, validate=True)
+        packed = text if isinstance(text, bytearray) else base64.b64decode(text, validate=True)
         inflate = zlib.decompressobj()
         raw = inflate.decompress(packed, size)
         whole = inflate.eof and not inflate.unconsumed_tail and not inflate.unused_data
+        if isinstance(text, bytearray):
+            text.clear()  # read once (fp16probe.reading made it for this): its memory goes as the array arrives
     except (binascii.Error, ValueError, zlib.error) as e:
         raise ReportFieldError(f"{path}.zlib", f"{path}.zlib: not base64 of zlib data ({e})") from e
     if len(raw) != size or not whole:
@@ -159,6 +187,19 @@ def _nullable(values: Sequence[float | None]) -> np.ndarray:
     if isinstance(values, Column):
         return values.array
     return np.fromiter((NULL if v is None else v for v in values), dtype=np.float64, count=len(values))
+
+
+def steps_per_block(steps: int) -> int:
+    """How many steps each per-module entry covers in a trace of ``steps`` steps (1: one per step)."""
+    return max(1, -(-steps // MODULE_STEPS))
+
+
+def block_max(matrix: Any, block: int) -> np.ndarray:
+    """Each row's max over consecutive blocks of ``block`` columns (the last block may be shorter)."""
+    a = np.asarray(matrix)
+    if block <= 1 or a.shape[-1] == 0:
+        return a
+    return np.maximum.reduceat(a, np.arange(0, a.shape[-1], block), axis=-1)
 
 
 # -- columns in memory -------------------------------------------------------------------------
@@ -282,6 +323,16 @@ class HistogramColumn(Sequence[Histogram]):
             out[step, col] = self.counts[a:b]
         return out
 
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The steps ``rows`` as an int64 matrix, one row of NUM_EXP_BINS counts per step (like ``dense``)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.zeros((len(rows), NUM_EXP_BINS), dtype=np.int64)
+        width = self.offset[rows + 1] - self.offset[rows]
+        step = np.repeat(np.arange(len(rows)), width)
+        within = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+        out[step, self.lo[rows][step] + within] = self.counts[self.offset[rows][step] + within]
+        return out
+
     def total(self) -> Histogram:
         """Every step's histogram summed, exactly (Python integers where int64 could overflow)."""
         n = len(self)
@@ -289,8 +340,8 @@ class HistogramColumn(Sequence[Histogram]):
             return Histogram()
         if self._sum_fits():
             counts = np.zeros(NUM_EXP_BINS, dtype=np.int64)
-            for lo in range(0, n, 65536):
-                counts += self.dense(lo, min(lo + 65536, n)).sum(axis=0)
+            for lo in range(0, n, _CHUNK):
+                counts += self.dense(lo, min(lo + _CHUNK, n)).sum(axis=0)
             return Histogram(tuple(int(c) for c in counts), int(self.zero.sum()), int(self.inf.sum()),
                              int(self.nan.sum()), float(self.max_abs.max()))
         return Histogram.sum(self)
@@ -369,13 +420,16 @@ def unpack_histograms(d: Any, path: str, count: int) -> HistogramColumn:
     _need(a["max_abs"].dtype.kind == "f" and bool((np.isfinite(max_abs) & (max_abs >= 0)).all())
           and (not max_abs.size or float(max_abs.max()) <= 2.0**128 * (1 - 2.0**-24)), f"{path}.max_abs",
           "finite numbers in [0, 3.403e+38]")
-    hist = HistogramColumn(lo, width, counts, a["zero"], a["inf"], a["nan"], max_abs)
+    hist = HistogramColumn(lo, width, counts, a["zero"], a["inf"], a["nan"], a["max_abs"])
     # max_abs lies in the highest occupied bin, (2^(top-1), 2^top], as check_histogram requires of each.
     top = np.full(count, -1, dtype=np.int64)
-    if total:
-        step = np.repeat(np.arange(count), width)
-        col = lo[step] + (np.arange(total) - hist.offset[:-1][step])
-        np.maximum.at(top, step[counts > 0], col[counts > 0])
+    for first in range(0, count if total else 0, _CHUNK):  # in blocks of steps: temporaries bounded, not per value
+        last = min(first + _CHUNK, count)
+        a, b = int(hist.offset[first]), int(hist.offset[last])
+        step = np.repeat(np.arange(first, last), width[first:last])
+        col = lo[step] + (np.arange(a, b) - hist.offset[step])
+        occupied_value = counts[a:b] > 0
+        np.maximum.at(top, step[occupied_value], col[occupied_value])
     from fp16probe.histogram import MIN_EXP
 
     occupied = top >= 0
@@ -393,8 +447,14 @@ def _need(ok: bool, path: str, expected: str) -> None:
 
 
 def pack_trace(*, steps: Any, histograms: Mapping[str, Any], names: Mapping[str, Sequence[str]],
-               module_max: Mapping[str, Any], scale: Any, found_inf: Any, ceiling: Any | None) -> dict[str, Any]:
-    """A trace's packed JSON (see ``StepTrace``): ``module_max[kind]`` a module-by-step matrix in ``names[kind]``'s order."""
+               module_max: Mapping[str, Any], scale: Any, found_inf: Any, ceiling: Any | None,
+               module_block: int = 1) -> dict[str, Any]:
+    """A trace's packed JSON (see ``StepTrace``): ``module_max[kind]`` a module-by-step matrix in ``names[kind]``'s order,
+    or by block of ``module_block`` steps; a per-step matrix of more than MODULE_STEPS steps is reduced to block maxima."""
+    n = len(steps)
+    if module_block == 1 and n > MODULE_STEPS:
+        module_block = steps_per_block(n)
+        module_max = {k: block_max(np.asarray(m).reshape(len(names[k]), n), module_block) for k, m in module_max.items()}
     out: dict[str, Any] = {
         "layout": LAYOUT,
         "steps": pack(narrow_counts(steps) if len(steps) and int(np.min(steps)) >= 0 else np.asarray(steps, np.int64)),
@@ -406,6 +466,8 @@ def pack_trace(*, steps: Any, histograms: Mapping[str, Any], names: Mapping[str,
     }
     if ceiling is not None:
         out["ceiling"] = pack(narrow_floats(np.asarray(ceiling, dtype=np.float64)))
+    if module_block > 1:
+        out["module_block"] = int(module_block)
     return out
 
 

@@ -23,7 +23,7 @@ from fp16probe import columns, validation
 from fp16probe.errors import InputError, ReportError, ReportFieldError
 from fp16probe.histogram import Histogram
 from fp16probe.blockscale import BlockStats
-from fp16probe.reading import read_report_text
+from fp16probe.reading import read_report
 from fp16probe.recommendation import Recommendation
 from fp16probe.blockadvice import BlockAdvice
 from fp16probe.emulation import Emulation
@@ -119,6 +119,12 @@ class StepTrace:
     output, functional ops, module internals, weight gradients), ``math.inf`` when any
     gradient held inf or NaN (written as the string ``"inf"`` in JSON); None in reports
     made before it was recorded.
+
+    ``module_block``: how many steps each per-module entry covers. 1 (one entry a step) unless
+    the trace was written with more than ``columns.MODULE_STEPS`` steps: then
+    ``module_max[kind][name][j]`` is the largest over steps ``steps[j * module_block]`` to
+    ``steps[min((j + 1) * module_block, len) - 1]`` (:meth:`module_span`), exactly, and every
+    other field still has one entry a step.
     """
 
     # Tuples, or read-only columns over arrays where the trace was read packed (fp16probe.columns).
@@ -128,14 +134,21 @@ class StepTrace:
     scale: Sequence[float | None] = ()
     found_inf: Sequence[bool] = ()
     ceiling: Sequence[float] | None = None
+    module_block: int = 1
 
     def __len__(self) -> int:
         return len(self.steps)
 
+    def module_span(self, j: int) -> tuple[int, int]:
+        """The first and last step numbers that per-module entry ``j`` covers."""
+        b = self.module_block
+        return int(self.steps[j * b]), int(self.steps[min((j + 1) * b, len(self)) - 1])
+
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (the ceiling only when recorded): lists per step, or packed columns
-        (:mod:`fp16probe.columns`) for more than ``columns.PACK_FROM`` steps."""
-        if len(self) > columns.PACK_FROM:
+        (:mod:`fp16probe.columns`) for more than ``columns.PACK_FROM`` steps, the per-module maxima
+        then kept per block of steps beyond ``columns.MODULE_STEPS`` steps."""
+        if len(self) > columns.PACK_FROM or self.module_block > 1:
             return self._packed()
         return {
             "steps": list(self.steps),
@@ -168,12 +181,13 @@ class StepTrace:
 
     def _packed(self) -> dict[str, Any]:
         names = {k: list(m) for k, m in self.module_max.items()}
+        entries = -(-len(self) // self.module_block)
         return columns.pack_trace(
             steps=_array(self.steps, np.int64), histograms=self.histograms, names=names,
-            module_max={k: np.stack([_array(m[n]) for n in names[k]]) if names[k] else np.zeros((0, len(self)))
+            module_max={k: np.stack([_array(m[n]) for n in names[k]]) if names[k] else np.zeros((0, entries))
                         for k, m in self.module_max.items()},
             scale=self.scale, found_inf=_array(self.found_inf, bool),
-            ceiling=None if self.ceiling is None else _array(self.ceiling))
+            ceiling=None if self.ceiling is None else _array(self.ceiling), module_block=self.module_block)
 
     @classmethod
     def _unpacked(cls, d: Any, path: str) -> "StepTrace":
@@ -187,6 +201,11 @@ class StepTrace:
         for kind, packed in _object_of(d["histograms"], f"{path}.histograms").items():
             validation.check_kind(kind, f"{path}.histograms")
             histograms[kind] = columns.unpack_histograms(packed, f"{path}.histograms[{kind!r}]", n)
+        block = d.get("module_block", 1)
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= max(n, 1):
+            raise ReportFieldError(f"{path}.module_block",
+                                   f"{path}.module_block: expected an integer from 1 to the {n} steps, got {block!r:.40}")
+        entries = -(-n // block)
         module_max: dict[str, dict[str, Sequence[float]]] = {}
         for kind, packed in _object_of(d["module_max"], f"{path}.module_max").items():
             validation.check_kind(kind, f"{path}.module_max")
@@ -195,8 +214,8 @@ class StepTrace:
             names = packed.get("names")
             if not isinstance(names, list) or not all(isinstance(x, str) for x in names) or len(set(names)) != len(names):
                 raise ReportFieldError(f"{where}.names", f"{where}.names: expected a list of distinct module names")
-            values = columns.unpack_floats(packed.get("values"), f"{where}.values", len(names) * n, nullable=False)
-            matrix = values.array.reshape(len(names), n) if n else values.array.reshape(len(names), 0)
+            values = columns.unpack_floats(packed.get("values"), f"{where}.values", len(names) * entries, nullable=False)
+            matrix = values.array.reshape(len(names), entries)
             module_max[kind] = {name: columns.Column(matrix[j]) for j, name in enumerate(names)}
         scale = columns.unpack_floats(d["scale"], f"{path}.scale", n, nullable=True)
         found = columns.unpack(d["found_inf"], f"{path}.found_inf", n)
@@ -204,7 +223,8 @@ class StepTrace:
             raise ReportFieldError(f"{path}.found_inf", f"{path}.found_inf: expected 0 or 1 per step (|u1)")
         ceiling = (None if d.get("ceiling") is None
                    else columns.unpack_floats(d["ceiling"], f"{path}.ceiling", n, nullable=False, nonfinite="inf"))
-        return cls(columns.Column(steps), histograms, module_max, scale, columns.Column(found.astype(bool)), ceiling)
+        return cls(columns.Column(steps), histograms, module_max, scale, columns.Column(found.astype(bool)), ceiling,
+                   block)
 
 
 @dataclass(frozen=True)
@@ -522,11 +542,19 @@ class Report:
     def load(cls, path: str | os.PathLike[str]) -> "Report":
         """Read a report file; a bad file (not a regular file, over the size cap, malformed) raises ReportError naming the problem."""
         path = Path(path)
-        text = read_report_text(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB
+        text, lifted = read_report(path)  # a regular file, at most FP16PROBE_MAX_REPORT_MB; long arrays decoded
         if not text.strip():
             raise ReportError(f"{path}: the report file is empty")
+
+        def put_back(obj: dict[str, Any]) -> dict[str, Any]:
+            token = obj.get("zlib")
+            if isinstance(token, str) and token in lifted:
+                obj["zlib"] = lifted.pop(token)
+            return obj
+
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_hook=put_back if lifted else None)
+            del text
         except json.JSONDecodeError as e:
             raise ReportError(
                 f"{path}: not valid JSON (truncated or corrupt?) at line {e.lineno} column {e.colno}: {e.msg}"
@@ -568,6 +596,14 @@ def merge_reports(reports: Sequence[Report], *, how: str = "auto") -> Report:
                     f"{len(first.trace.steps)} step(s), report {i} {len(r.trace.steps)}; merge separate runs "
                     "with how='runs'"
                 )
+
+    blocked = [i for i, r in enumerate(reports) if r.trace.module_block > 1]
+    if blocked:
+        raise InputError(
+            f"report {blocked[0]} keeps its per-module maxima per block of {reports[blocked[0]].trace.module_block} "
+            "steps (a long trace), so its steps cannot be lined up with another report's: merge the reports "
+            "before they are saved"
+        )
 
     by_key: dict[tuple[str, str], ModuleStats] = {}
     for r in reports:

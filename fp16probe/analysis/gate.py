@@ -501,4 +501,5 @@ def compare_reports(baseline: Report | str | PathLike[str], current: Report | st
         fmt, knd = target_of(report, fmt, knd)
         rec = judge_report(report, fmt, kind=knd)  # the emulated step's judgement kept, when it applies
         snaps.append(snapshot(report, rec, fmt=fmt, kind=knd, worst_n=thresholds.worst_n, source=source))
+        del report, rec  # one report in memory at a time: a long run's is most of a gigabyte
     return compare(snaps[0], snaps[1], thresholds)

@@ -246,10 +246,13 @@ class _StepModel:
     cumulative: np.ndarray  # int64 [T, bins]: counts of `kind` at or below each bin from `first_bin` on
     nonzero: np.ndarray  # int64 [T]
     first_bin: int = 0  # the bins below it are empty at every step (a long trace keeps only the occupied band)
+    # The profiled steps the rows stand for (None: every step, in order). A replay reads only the steps it
+    # draws, so a long trace's model holds those rows, not one per profiled step.
+    rows: np.ndarray | None = None
 
-    @property
-    def steps(self) -> int:
-        return len(self.step_max)
+    def local(self, draws: np.ndarray) -> np.ndarray:
+        """The row of each drawn profiled step."""
+        return draws if self.rows is None else np.searchsorted(self.rows, draws)
 
     def flushed(self, t: int, fmt: Format, scale: float) -> int:
         """Values of step t that flush at ``scale`` (exact for powers of two, else an upper bound)."""
@@ -269,7 +272,15 @@ class _StepModel:
         return m > 0.0 and fmt.overflows(m * scale)
 
 
-def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepModel:
+def _draws(trace: StepTrace, horizon: int, seed: int) -> np.ndarray:
+    """The profiled steps a replay of ``horizon`` steps draws, uniformly with replacement (none without steps)."""
+    if len(trace) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.random.default_rng(seed).integers(0, len(trace), size=int(horizon))
+
+
+def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None, draws: np.ndarray | None = None) -> _StepModel:
+    """The model of the steps in ``draws`` (every step when None), each drawn step's figures exact."""
     kinds = kinds_named(kind)
     hists = [hs for hs in (trace.histograms.get(k) for k in kinds) if hs]
     if not hists:
@@ -284,21 +295,24 @@ def _step_model(trace: StepTrace, kind: str, ceiling: Ceiling | None) -> _StepMo
         ceiling = Ceiling.from_trace(trace)
     if len(ceiling.steps) != n:
         raise AnalysisError(f"the ceiling has {len(ceiling.steps)} steps for a trace of {n}: build it from this trace")
-    step_max = np.asarray([s.effective_max for s in ceiling.steps], dtype=np.float64)
-    nonfinite = np.asarray([s.intrinsic for s in ceiling.steps], dtype=bool)
+    rows = None if draws is None else np.unique(draws)
+    picked = range(n) if rows is None else rows.tolist()
+    step_max = np.asarray([ceiling.steps[t].effective_max for t in picked], dtype=np.float64)
+    nonfinite = np.asarray([ceiling.steps[t].intrinsic for t in picked], dtype=bool)
     if all(isinstance(hs, HistogramColumn) for hs in hists):  # a packed trace: its arrays, the occupied band only
         cols = [hs for hs in hists if isinstance(hs, HistogramColumn)]
         first = min((int(c.lo[c.width > 0].min()) for c in cols if (c.width > 0).any()), default=0)
         last = max((int((c.lo + c.width)[c.width > 0].max()) for c in cols if (c.width > 0).any()), default=first)
-        counts = np.zeros((n, max(last - first, 0)), dtype=np.int64)
+        counts = np.zeros((len(picked), max(last - first, 0)), dtype=np.int64)
         for c in cols:
-            for lo in range(0, n, 65536):
-                counts[lo:lo + 65536] += c.dense(lo, min(lo + 65536, n))[:, first:last]
-        return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1), first)
-    counts = np.zeros((n, len(hists[0][0].counts)), dtype=np.int64)
+            for lo in range(0, len(picked), 4096):
+                part = (c.dense(lo, min(lo + 4096, n)) if rows is None else c.take(rows[lo:lo + 4096]))
+                counts[lo:lo + 4096] += part[:, first:last]
+        return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1), first, rows)
+    counts = np.zeros((len(picked), len(hists[0][0].counts)), dtype=np.int64)
     for hs in hists:
-        counts += np.asarray([h.counts for h in hs], dtype=np.int64)
-    return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1))
+        counts += np.asarray([hs[t].counts for t in picked], dtype=np.int64)
+    return _StepModel(step_max, nonfinite, np.cumsum(counts, axis=1), counts.sum(axis=1), 0, rows)
 
 
 def simulate(
@@ -339,9 +353,8 @@ def simulate(
     if isinstance(trace, Report):
         ceiling = ceiling or Ceiling.of(trace)
         trace = trace.trace
-    model = _step_model(trace, kind, ceiling)
-    draws = np.random.default_rng(seed).integers(0, model.steps, size=int(horizon))
-    return _run(model, fmt, rule, draws)
+    draws = _draws(trace, horizon, seed)
+    return _run(_step_model(trace, kind, ceiling, draws), fmt, rule, draws)
 
 
 def _run(model: _StepModel, fmt: Format, rule: ScalerRule, draws: np.ndarray) -> ReplayResult:
@@ -352,7 +365,7 @@ def _run(model: _StepModel, fmt: Format, rule: ScalerRule, draws: np.ndarray) ->
     flushed_applied = nonzero_applied = 0
     nonzero = model.nonzero
     with np.errstate(over="ignore"):
-        for t in draws.tolist():
+        for t in model.local(draws).tolist():
             scale = state.scale
             found_inf = model.overflows(t, fmt, scale)
             flushed = model.flushed(t, fmt, scale)
@@ -474,8 +487,8 @@ def score_growth_intervals(
         raise AnalysisError(f"growth_interval candidates must be positive integers, got {list(candidates)!r}")
     if int(horizon) < 1:
         raise AnalysisError(f"horizon must be a positive number of steps, got {horizon!r}")
-    model = _step_model(trace, kind, ceiling)
-    draws = np.random.default_rng(seed).integers(0, model.steps, size=int(horizon))
+    draws = _draws(trace, horizon, seed)
+    model = _step_model(trace, kind, ceiling, draws)
     rows = []
     for g in cands:
         rule = ScalerRule(init_scale, growth_factor, backoff_factor, g, hysteresis, min_scale)

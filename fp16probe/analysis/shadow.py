@@ -150,11 +150,12 @@ def scale_check(report: Report) -> dict[str, Any] | None:
     that the live run sampled without inf/NaN, compares its largest magnitude in the live
     run (already divided by the claimed scale) with the fp32 rerun's: the median of
     log2(live / fp32) over the tensors is the measured ratio (0: the gradients carry the
-    claimed scale). None when the run claims no scale or no tensor is nonzero in both.
+    claimed scale). None when the run claims no scale, no tensor is nonzero in both, or the trace
+    keeps its per-module maxima per block of steps (``module_block`` > 1).
     """
     shadow = report.shadow
-    if shadow is None or not report.metadata.grad_scaler:
-        return None
+    if shadow is None or not report.metadata.grad_scaler or report.trace.module_block > 1:
+        return None  # per-module maxima kept per block of steps: no step's own to compare
     trace = report.trace
     live_at = {s: i for i, s in enumerate(trace.steps)}
     logs: list[float] = []

@@ -110,7 +110,12 @@ class WhatIfRow:
 
 @dataclass(frozen=True)
 class WhatIfTable:
-    """The what-if rows for one format and kind: globally (``rows``) and per module."""
+    """The what-if rows for one format and kind: globally (``rows``) and per module.
+
+    A module row's ``overflow_steps`` counts steps, or, where the trace keeps its per-module
+    maxima per block of ``module_block`` steps (a long trace), the blocks holding such a step:
+    at most the steps, and at least one where there is any.
+    """
 
     format: str
     kind: str
@@ -119,6 +124,7 @@ class WhatIfTable:
     rows: tuple[WhatIfRow, ...]
     modules: Mapping[str, tuple[WhatIfRow, ...]] = field(default_factory=dict)
     nonfinite_steps: int = 0
+    module_block: int = 1
 
     def row(self, log2_scale: int) -> WhatIfRow:
         """Return the row for S = 2^log2_scale."""
@@ -137,6 +143,7 @@ class WhatIfTable:
             "rows": [r.to_dict() for r in self.rows],
             "modules": {n: [r.to_dict() for r in rs] for n, rs in self.modules.items()},
             "nonfinite_steps": self.nonfinite_steps,
+            **({"module_block": self.module_block} if self.module_block > 1 else {}),
         }
 
     @classmethod
@@ -150,6 +157,7 @@ class WhatIfTable:
             rows=tuple(WhatIfRow.from_dict(r) for r in d["rows"]),
             modules={n: tuple(WhatIfRow.from_dict(r) for r in rs) for n, rs in d.get("modules", {}).items()},
             nonfinite_steps=int(d.get("nonfinite_steps", 0)),
+            module_block=int(d.get("module_block", 1)),
         )
 
 
@@ -195,7 +203,7 @@ def what_if(
                                               fmt, scales)
     return WhatIfTable(fmt.name, kind, len(ceiling.steps), hist.nonzero_finite,
                        _rows(hist, lambda k: ceiling.overflow_steps(fmt, k), fmt, scales), table_modules,
-                       ceiling.intrinsic_steps)
+                       ceiling.intrinsic_steps, report.trace.module_block)
 
 
 def _module_overflows(per_step: Sequence[float] | None, hist: Histogram, fmt: Format) -> Callable[[int], int]:

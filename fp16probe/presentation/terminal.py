@@ -42,7 +42,7 @@ from fp16probe.presentation.answer import (
     wrap_text,
 )
 from fp16probe.recommendation import Recommendation, Verdict
-from fp16probe.report import ACTIVATION_GRAD, Histogram, Report
+from fp16probe.report import ACTIVATION_GRAD, Histogram, Report, StepTrace
 from fp16probe.verification import Verification
 
 __all__ = [
@@ -189,6 +189,9 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
         judged = rec is None or rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE
         if top and report.modules_of(kind) and judged:
             yield from _worst_table(report, kind, fmt, k, top, width)
+        blocked = module_block_words(report.trace)
+        if blocked:
+            yield from _para(blocked, width)
         for line in section_lines(report):
             yield from _para(line, width)
         if explain and report.verification is not None:
@@ -201,6 +204,17 @@ def summary_view(report: Report, rec: Recommendation | None, *, kind: str = ACTI
             yield from _para("--explain adds the reasoning, evidence, replay and sources", width, "dim")
 
     return Fitted(build)
+
+
+def module_block_words(trace: StepTrace) -> str | None:
+    """What a long trace keeps per module (its maxima per block of steps), or None when it keeps every step's."""
+    b = trace.module_block
+    if b <= 1:
+        return None
+    n = len(trace)
+    return (f"per-module trace: each module's largest |g| kept as the max over each block of {num.count(b)} steps "
+            f"({num.count(-(-n // b))} blocks over the {num.count(n)} steps); every whole-model figure (histogram, "
+            "scale, overflow, ceiling) is kept for every step")
 
 
 def recommendation_view(rec: Recommendation, report: Report | None = None, *,
