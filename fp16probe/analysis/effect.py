@@ -60,6 +60,7 @@ ZEROED_COUNTS = 0.5
 # value as fp32 rounding, and no relative error against it means anything.
 ROUNDOFF_MARGIN = 16.0
 ZERO_KEY = "numerically_zero"  # data's optional list of names the histograms call numerically zero (rejudge adds it)
+UNIT_KEY = "_dtype"  # data's format resolved to its torch dtype by effect_of (None: none of its own); never stored
 FORWARD = (Verdict.FORWARD_UNDERFLOW, Verdict.FORWARD_OVERFLOW)
 # bf16 keeps 8 significant bits to fp16's 11: its rounding error is about 8x fp16's wherever fp16's
 # range is not the limit. Said when bf16's emulated error is more than twice fp16's with a scale.
@@ -169,7 +170,7 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
     total_ref = sum(float(r[1]) for r in rows)
     nonfinite_all = sum(int(r[4]) for r in rows)
     whole = _whole_error(rows, total_ref, nonfinite_all)
-    zero = numerically_zero_rows(names, rows, str(data.get("format")), data.get(ZERO_KEY) or ())
+    zero = numerically_zero_rows(names, rows, data.get(UNIT_KEY, data.get("format")), data.get(ZERO_KEY) or ())
     judged_names = [n for n in names if n not in zero]
     judged_rows = [r for n, r in zip(names, rows) if n not in zero]
     noise, whole_noise, k = _noise(data)
@@ -184,7 +185,7 @@ def effect_at(data: Mapping[str, Any], log2_scale: int, keep: Sequence[str] = ()
                   numerically_zero=tuple(n for n in names if n in zero))
 
 
-def numerically_zero_rows(names: Sequence[str], rows: Sequence[Any], format: str,
+def numerically_zero_rows(names: Sequence[str], rows: Sequence[Any], format: str | torch.dtype | None,
                           also: Sequence[str] = ()) -> frozenset[str]:
     """The parameters whose fp32 gradient is zero up to fp32's own rounding: no error can be judged against it.
 
@@ -209,10 +210,14 @@ def numerically_zero_rows(names: Sequence[str], rows: Sequence[Any], format: str
     below the largest output gradient it sums, fp32's values alone), and their names come in
     ``also``. Names with a non-finite target gradient stay judged.
     """
-    try:
-        dtype: torch.dtype | None = get_format(format).dtype
-    except ValueError:  # UnknownFormatError: a format with no unit roundoff of its own, the histograms' names alone
-        dtype = None
+    dtype: torch.dtype | None = None
+    if isinstance(format, torch.dtype):
+        dtype = format
+    elif format is not None:
+        try:
+            dtype = get_format(str(format)).dtype
+        except ValueError:  # UnknownFormatError: a format with no unit roundoff of its own, the histograms' names alone
+            dtype = None
     zero = set(also)
     if dtype is not None:
         line = (torch.finfo(dtype).eps / torch.finfo(torch.float32).eps / ROUNDOFF_MARGIN) ** 2
@@ -530,7 +535,7 @@ def rejudge(report: Report, rec: Recommendation, format: str | Format | None = N
     emulation section, when it has one: what :func:`judge_report` does once the verdict is at hand."""
     from fp16probe.analysis.recommend import analyze
 
-    data = with_zeros(report, effect_of(report))
+    data = with_zeros(report, effect_of(report, format if isinstance(format, Format) else None))
     if data is None or data.get("format") != rec.format:
         return rec
     k = _checked_log2(rec) if rec.format != "bf16" else 0
@@ -553,10 +558,21 @@ def with_zeros(report: Report, data: Mapping[str, Any] | None) -> Mapping[str, A
     return {**data, ZERO_KEY: zero} if data is not None and zero else data
 
 
-def effect_of(report: Report) -> Mapping[str, Any] | None:
-    """The emulation data a report carries (its ``emulation`` section, JSON form), None without a finished pass."""
+def effect_of(report: Report, fmt: Format | None = None) -> Mapping[str, Any] | None:
+    """The emulation data a report carries (its ``emulation`` section, JSON form), None without a finished pass.
+
+    ``fmt``: the Format the caller resolved, when it is the data's; its dtype goes with the data (``UNIT_KEY``),
+    otherwise the stored name is resolved here, once for every :func:`effect_at` that judges this data.
+    """
     section = report.section("emulation")
     if section is None or section.error is not None:
         return None
-    data: Mapping[str, Any] = section.to_dict()
+    data: dict[str, Any] = section.to_dict()
+    if fmt is not None and fmt.name == data.get("format"):
+        data[UNIT_KEY] = fmt.dtype
+        return data
+    try:
+        data[UNIT_KEY] = get_format(str(data.get("format"))).dtype
+    except ValueError:  # UnknownFormatError: no unit roundoff of its own; the histograms' names alone
+        data[UNIT_KEY] = None
     return data

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp16probe.analysis.effect import fixes_to_try, rejudge, scales_to_check, with_zeros
+from fp16probe.analysis.effect import UNIT_KEY, fixes_to_try, rejudge, scales_to_check, with_zeros
 from fp16probe.analysis.recommend import analyze
 from fp16probe.emulation import Emulation
 from fp16probe.formats import Format
@@ -108,7 +108,10 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
                                               settings=[(int(k16), ())])
         if len(batches) > 1:  # one batch has no spread: the judgement then says the noise is not measured
             data["noise"] = measure_noise(model, _runs(model, batches[:NOISE_BATCHES], loss), data["parameters"])
-        for fix in fixes_to_try(rec, with_zeros(report, data) or data):
+        judging = dict(with_zeros(report, data) or data)
+        if fmt is not None and fmt.name == rec.format:  # the Format at hand: its name is not looked up again
+            judging[UNIT_KEY] = fmt.dtype
+        for fix in fixes_to_try(rec, judging):
             more = measure_effect(model, runs, format=rec.format, target=target, regime=regime,
                                   settings=[(k, fix)])
             data["settings"] += more["settings"]
