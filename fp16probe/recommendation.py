@@ -147,6 +147,7 @@ class Evidence(TypedDict, total=False):
     simulated_final_scale: float
     simulated_meets_threshold: bool
     simulated_candidates_tied: bool  # the replay could not tell the growth_interval candidates apart on underflow
+    interval_study: dict[str, Any]  # the run's drift against the growth-interval study's families (analysis.interval_study)
     # the breakdown by kind and the judgement of weak evidence (issue 11)
     by_kind: dict[str, dict[str, Any]]  # per gradient kind: nonzero values, flushed fractions, max |g|
     scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1

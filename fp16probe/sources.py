@@ -15,7 +15,9 @@ Two sources for FP16 loss scaling, with a division of labour the words must resp
   as defaults, with init_scale 65536.
 
 So 2000 is a widely-run, once-validated default, not a measured optimum, and it is not
-the paper's. ``tests/fixtures/wording.py`` (``wording_problems``), a lint the tests run over
+the paper's. What the interval costs against the alternatives is measured by this project's
+own growth-interval study (:data:`INTERVAL_STUDY`, docs/interval-study.md), which the answer
+cites where it uses it. ``tests/fixtures/wording.py`` (``wording_problems``), a lint the tests run over
 every verdict's text, checks any text against these rules.
 """
 
@@ -27,6 +29,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "FP8_FORMATS",
     "GRADSCALER",
+    "INTERVAL_STUDY",
     "MIXED_PRECISION_TRAINING",
     "MXFP8_RECIPES",
     "MX_SPECIFICATION",
@@ -47,6 +50,10 @@ NVIDIA_GUIDE = Citation("NVIDIA", "Train With Mixed Precision", url=NVIDIA_GUIDE
 GRADSCALER = Citation("PyTorch", "torch.amp.GradScaler",
                       url="https://docs.pytorch.org/docs/stable/amp.html#gradient-scaling",
                       note="defaults: " + ", ".join(f"{k}={v}" for k, v in GRADSCALER_DEFAULTS.items()))
+# the project's own measurement of the growth interval (bench/interval_study.py; fp16probe.analysis.interval_study)
+INTERVAL_STUDY = Citation(
+    "fp16probe developers", "The growth-interval study: GradScaler's growth interval measured on six small model families",
+    url="docs/interval-study.md", note="in the fp16probe repository; bench/interval_study.py reproduces it")
 TRANSFORMER_ENGINE = Citation(
     "NVIDIA", "Transformer Engine: DelayedScaling recipe",
     url="https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/api/common.html",

@@ -27,13 +27,13 @@ from fp16probe.analysis.ceiling import (
     run_format,
 )
 from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP, ForwardFindings, forward_findings
-from fp16probe.analysis import shadow
+from fp16probe.analysis import interval_study, shadow
 from fp16probe.analysis.replay import DEFAULT_GROWTH_INTERVALS, GrowthIntervalTable, score_growth_intervals
 from fp16probe.analysis.whatif import ALL_GRADS, fraction, kinds_of, merged, per_step, worst_modules
 from fp16probe.errors import AnalysisError
 from fp16probe.formats import Format, get_format
 from fp16probe.recommendation import Citation
-from fp16probe.sources import GRADSCALER, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, TRANSFORMER_ENGINE
+from fp16probe.sources import GRADSCALER, INTERVAL_STUDY, MIXED_PRECISION_TRAINING, NVIDIA_GUIDE, TRANSFORMER_ENGINE
 from fp16probe.histogram import Histogram
 from fp16probe.sections import CaptureNotes, Workload
 from fp16probe.recommendation import GRADSCALER_DEFAULTS, Caveat, Evidence, Recommendation, Thresholds, Verdict
@@ -431,18 +431,22 @@ def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresho
         ev["simulated_meets_threshold"] = c.meets_threshold
         ev["simulated_candidates_tied"] = _candidates_tied(table)
         growth_interval = c.growth_interval
+        study = interval_study.evidence(report, m.ceiling.per_step_max())
+        if study:
+            ev["interval_study"] = study
     else:
         growth_interval = GRADSCALER_DEFAULTS["growth_interval"]
     kwargs = {"init_scale": math.ldexp(1.0, k), "growth_factor": float(th["growth_factor"]),
               "backoff_factor": float(th["backoff_factor"]), "growth_interval": int(growth_interval)}
     if capped:
         ev["fp32_capped_from_log2_scale"] = k_max - margin
+    cites = _citations(verdict) + ((INTERVAL_STUDY,) if "interval_study" in ev else ())
     return Recommendation(
         verdict=verdict, format=fmt.name, log2_scale=k, scale=math.ldexp(1.0, k), grad_scaler_kwargs=kwargs,
         flushed_fraction_at_1=ev["flushed_fraction_at_1"], flushed_fraction_at_scale=ev["flushed_fraction_at_scale"],
         overflow_steps_at_scale=ev["overflow_steps_at_scale"], headroom_bits=k_max - k,
         worst_modules=_worst(report, m, fmt, 0, th["worst"]), evidence=ev, thresholds=th,
-        citations=_citations(verdict), kind=m.kind,
+        citations=cites, kind=m.kind,
         growth_interval_table=None if table is None else table.to_dict(), caveats=caveats,
     )
 

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fp16probe.analysis import interval_study
 from fp16probe.analysis.ceiling import run_format
 from fp16probe.analysis.replay import ScalerRule, _ScalerState
 from fp16probe.analysis.whatif import kinds_of
@@ -91,7 +92,9 @@ class ScheduleNote:
 
     Codes: ``not_reproduced`` (``steps``: where the run's own rule missed its recorded scale),
     ``verdict`` (``verdict``, ``grad_scaler_kwargs``, ``differs``: the live run's loss-scale
-    verdict, added by :func:`fp16probe.analysis.one_answer.with_verdict_note`).
+    verdict, added by :func:`fp16probe.analysis.one_answer.with_verdict_note`), ``interval_study``
+    (the run's drift against the growth-interval study's families:
+    :func:`fp16probe.analysis.interval_study.evidence`).
     """
 
     code: str
@@ -306,7 +309,11 @@ def judge_schedules(
                    if history.scale[t] is not None
                    and (scales[t] != history.scale[t] or skipped[t] != bool(steps.found[t]))]
             reproduced, mismatched = not bad, tuple(bad[:10])
-    notes = (ScheduleNote("not_reproduced", {"steps": mismatched}),) if reproduced is False else ()
+    notes: tuple[ScheduleNote, ...] = (
+        (ScheduleNote("not_reproduced", {"steps": mismatched}),) if reproduced is False else ())
+    study = interval_study.evidence(report)
+    if study:
+        notes += (ScheduleNote("interval_study", study),)
     best, fine = _best(rows)
     return ScheduleTable(tuple(rows), len(history), history.first_step, fmt.name, max_flushed_fraction,
                          reproduced, mismatched, reference, best, fine, notes)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fp16probe.analysis.schedule import DEFAULTS, OWN, ScheduleNote, ScheduleRow, ScheduleTable
 from fp16probe.formatting import count, percent
+from fp16probe.presentation.verdict import study_words
 
 __all__ = ["RULE_LABELS", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
 
@@ -82,7 +83,12 @@ def _verdict(d: Mapping[str, Any]) -> str:
             "skipped steps over the run's history. Paste the verdict's; use this table to tune how the scale moves.")
 
 
-_NOTES: dict[str, Callable[[Mapping[str, Any]], str]] = {"not_reproduced": _not_reproduced, "verdict": _verdict}
+def _study(d: Mapping[str, Any]) -> str:
+    return study_words({"interval_study": d}).strip()
+
+
+_NOTES: dict[str, Callable[[Mapping[str, Any]], str]] = {"not_reproduced": _not_reproduced, "verdict": _verdict,
+                                                         "interval_study": _study}
 
 
 def note_text(note: ScheduleNote) -> str:

@@ -14,13 +14,14 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
+from fp16probe.analysis.interval_study import NEVER_GROWS
 from fp16probe.analysis.replay import GRADSCALER_DEFAULT_ROW, RESAMPLED_STEPS, GrowthIntervalTable
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
 from fp16probe.presentation import escape
-from fp16probe.presentation.cite import PAPER
+from fp16probe.presentation.cite import PAPER, cite
 from fp16probe.recommendation import Recommendation, Verdict
-from fp16probe.sources import NVIDIA_GUIDE_URL
+from fp16probe.sources import INTERVAL_STUDY, NVIDIA_GUIDE_URL
 
 __all__ = [
     "BF16_NO_SCALER",
@@ -32,6 +33,7 @@ __all__ = [
     "method_words",
     "replay_table",
     "row_note_words",
+    "study_words",
     "verdict_text",
 ]
 
@@ -168,6 +170,35 @@ def _limit_words(ev: Mapping[str, Any], margin: int) -> str:
             f"{power_of_two(ev['largest_safe_log2_scale'])}; S keeps {margin} bit(s) of headroom below that.")
 
 
+def _interval_words(gi: int) -> str:
+    return "never growing the scale" if gi >= NEVER_GROWS else f"growth_interval={gi}"
+
+
+def study_words(ev: Mapping[str, Any]) -> str:
+    """What the growth-interval study measured for the family nearest this run's drift (empty without one)."""
+    try:
+        study = ev.get("interval_study")
+        return _study_sentence(study) if isinstance(study, Mapping) else ""
+    except (KeyError, TypeError, ValueError):  # a stored report's evidence without the study's numbers
+        return ""
+
+
+def _study_sentence(st: Mapping[str, Any]) -> str:
+    n = int(st["families"])
+    within = ("" if st["within_range"] else
+              " This run's drift lies outside the range the study's families covered, so the study does not "
+              "speak for it.")
+    return (f" The growth-interval study ({cite(INTERVAL_STUDY)}) replayed the interval grid on {n} small model "
+            f"families trained for real in fp16 on a CPU: this run's gradient scale drifts "
+            f"{st['drift_log2_per_1000']:+.2f} bits per 1000 steps, nearest the "
+            f"{escape.text(str(st['family']))} family's {st['family_drift_log2_per_1000']:+.2f}, "
+            f"where {_interval_words(int(st['growth_interval']))} (growth x{st['growth_factor']:g}, "
+            f"backoff x{st['backoff_factor']:g}) skipped the fewest steps at no more flushed share and "
+            f"gradient error than GradScaler's defaults: {count(st['skipped_steps'])} against "
+            f"{count(st['defaults_skipped_steps'])} in {count(st['steps'])} steps "
+            f"({int(st['agreeing'])} of {n} families chose the same interval).{within}")
+
+
 def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
     if table is None:
         return (f" growth_interval={kwargs['growth_interval']} is GradScaler's default, not chosen from "
@@ -179,14 +210,16 @@ def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: Gro
                 f"{percent(min(r.mean_flushed_fraction or 0.0 for r in table.rows))} to "
                 f"{percent(max(r.mean_flushed_fraction or 0.0 for r in table.rows))} of values flushed, and the only skipped steps are growth "
                 f"probes that overflow ({c.skipped_steps} at growth_interval={c.growth_interval}, the longest "
-                "candidate, which probes least often). So the profile says: hold S; growth_interval is not a "
-                "measured optimum, and the profiled steps do not drift enough to choose a schedule (profile more "
-                f"steps of real training to see drift). {method_words(table.method)}")
+                "candidate, which probes least often). So the profile says: hold S; the profiled steps do not "
+                "drift enough to choose a schedule (profile more steps of real training to see drift), "
+                + ("and growth_interval is not a measured optimum. " if "interval_study" not in ev else
+                   "and the study below measured what the interval costs on runs that do.")
+                + f"{study_words(ev)} {method_words(table.method)}")
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
             f"{[r.growth_interval for r in table.rows]} over {table.horizon} simulated steps: it skipped "
             f"{c.skipped_steps} step(s) ({percent(c.skipped_fraction)}) and left {percent(c.mean_flushed_fraction)} "
             f"of values flushed, the fewest skipped steps among candidates within the threshold (or the "
-            f"least underflow when none is). {method_words(table.method)}")
+            f"least underflow when none is).{study_words(ev)} {method_words(table.method)}")
 
 
 # -- one function per verdict ------------------------------------------------------------------

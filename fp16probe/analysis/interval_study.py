@@ -1,0 +1,119 @@
+"""What the growth-interval study measured (``bench/interval_study.py``, docs/interval-study.md), as data.
+
+The study trained small model families for real in fp16 (CPU autocast, ``GradScaler("cpu")``),
+recorded each run's per-step history with the Probe and replayed a grid of loss-scale rules on
+it. Per family it keeps here: the measured drift of the gradient scale (the least-squares slope
+of log2 max|g| over the run's clean steps, in bits per 1000 steps), the rule that skipped the
+fewest steps at no more flushed share, steps below the needed scale and emulated gradient error
+than GradScaler's defaults, and the skipped steps of both. ``tests/test_interval_study.py``
+checks that :data:`FAMILIES` equals :func:`summarise` of the study's JSON
+(docs/data/interval-study.json), so this table cannot drift from the measurement.
+
+A run's own drift (:func:`drift_per_1000`) is set against the families' by :func:`nearest`:
+the family whose drift is closest, and whether the run's drift lies inside the range the study
+covered. Outside it, the study says nothing about the run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from fp16probe.report import Report
+
+__all__ = ["FAMILIES", "StudyFamily", "StudyMatch", "drift_per_1000", "evidence", "nearest", "summarise"]
+
+
+@dataclass(frozen=True)
+class StudyFamily:
+    """One family's finding: its drift, the chosen rule and what it saved against the defaults."""
+
+    family: str
+    steps: int
+    drift_log2_per_1000: float
+    growth_interval: int  # the chosen rule's (NEVER_GROWS: it never grew)
+    growth_factor: float
+    backoff_factor: float
+    skipped_steps: int
+    defaults_skipped_steps: int
+
+
+@dataclass(frozen=True)
+class StudyMatch:
+    """A run's drift set against the study's families."""
+
+    drift_log2_per_1000: float
+    family: StudyFamily
+    within_range: bool  # the run's |drift| lies inside the families' range of |drift|
+    agreeing: int  # families whose chosen growth_interval equals this family's
+
+
+NEVER_GROWS = 10**9  # the study's "never": a growth interval no run reaches
+
+
+def drift_per_1000(steps: Iterable[int], largest: Iterable[float | None]) -> float | None:
+    """The least-squares slope of log2 of each step's largest |g| against the step number, per 1000 steps.
+
+    Steps whose largest gradient is missing, zero or not finite (an overflow) are left out; None
+    with fewer than two steps left or one step number only."""
+    pts = [(float(s), math.log2(g)) for s, g in zip(steps, largest)
+           if g is not None and math.isfinite(g) and g > 0.0]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return None
+    x, y = np.array(pts, dtype=np.float64).T
+    return float(np.polyfit(x, y, 1)[0] * 1000.0)
+
+
+def summarise(study: Mapping[str, Any]) -> tuple[StudyFamily, ...]:
+    """The per-family findings of a study's JSON (``bench/interval_study.py --out``)."""
+    out = []
+    for f in study["families"]:
+        best = next(r for r in f["rows"] if r["rule"] == f["best"])
+        out.append(StudyFamily(str(f["family"]), int(f["steps"]), round(float(f["drift_log2_per_1000"]), 3),
+                               int(best["growth_interval"]), float(best["growth_factor"]),
+                               float(best["backoff_factor"]), int(best["skipped_steps"]),
+                               int(f["rows"][0]["skipped_steps"])))
+    return tuple(out)
+
+
+def nearest(drift: float | None, families: Sequence[StudyFamily] | None = None) -> StudyMatch | None:
+    """The study family whose drift of the gradient scale is closest to ``drift`` (None: no drift or no study)."""
+    fams = FAMILIES if families is None else tuple(families)
+    if drift is None or not math.isfinite(drift) or not fams:
+        return None
+    fam = min(fams, key=lambda f: (abs(abs(f.drift_log2_per_1000) - abs(drift)), f.family))
+    spread = [abs(f.drift_log2_per_1000) for f in fams]
+    agreeing = sum(f.growth_interval == fam.growth_interval for f in fams)
+    return StudyMatch(float(drift), fam, min(spread) <= abs(drift) <= max(spread), agreeing)
+
+
+def evidence(report: Report, per_step_max: Sequence[float] | None = None) -> dict[str, Any]:
+    """The run's drift of the gradient scale set against the study's families, as the verdict's evidence.
+
+    The drift comes from the per-step history where there is one (every step's largest |g|),
+    else from ``per_step_max`` over the profiled steps (their overflow ceilings). Empty when
+    neither gives a drift or the package holds no study (:data:`FAMILIES`)."""
+    h = report.history
+    if h is not None and len(h):
+        drift = drift_per_1000(range(h.first_step, h.first_step + len(h)), h.grad_max)
+    elif per_step_max is not None and len(report.trace):
+        drift = drift_per_1000(report.trace.steps, per_step_max)
+    else:
+        drift = None
+    match = nearest(drift)
+    if match is None:
+        return {}
+    f = match.family
+    return {"drift_log2_per_1000": match.drift_log2_per_1000, "family": f.family,
+            "family_drift_log2_per_1000": f.drift_log2_per_1000, "growth_interval": f.growth_interval,
+            "growth_factor": f.growth_factor, "backoff_factor": f.backoff_factor,
+            "skipped_steps": f.skipped_steps, "defaults_skipped_steps": f.defaults_skipped_steps,
+            "steps": f.steps, "within_range": match.within_range, "agreeing": match.agreeing,
+            "families": len(FAMILIES)}
+
+
+# The full study's findings: summarise(docs/data/interval-study.json), checked by tests/test_interval_study.py.
+FAMILIES: tuple[StudyFamily, ...] = ()
