@@ -52,6 +52,7 @@ class StudyMatch:
 
 
 NEVER_GROWS = 10**9  # the study's "never": a growth interval no run reaches
+MIN_SPAN = 100  # steps a run's measured drift must span before it is set against the study's
 
 
 def drift_per_1000(steps: Iterable[int], largest: Iterable[float | None]) -> float | None:
@@ -95,14 +96,17 @@ def evidence(report: Report, per_step_max: Sequence[float] | None = None) -> dic
 
     The drift comes from the per-step history where there is one (every step's largest |g|),
     else from ``per_step_max`` over the profiled steps (their overflow ceilings). Empty when
-    neither gives a drift or the package holds no study (:data:`FAMILIES`)."""
+    neither gives a drift, the steps span fewer than :data:`MIN_SPAN` steps, or the package holds
+    no study (:data:`FAMILIES`)."""
     h = report.history
+    steps: Sequence[int] = ()
     if h is not None and len(h):
-        drift = drift_per_1000(range(h.first_step, h.first_step + len(h)), h.grad_max)
+        steps, largest = range(h.first_step, h.first_step + len(h)), list(h.grad_max)
     elif per_step_max is not None and len(report.trace):
-        drift = drift_per_1000(report.trace.steps, per_step_max)
-    else:
-        drift = None
+        steps, largest = list(report.trace.steps), list(per_step_max)
+    if not steps or max(steps) - min(steps) < MIN_SPAN:  # a few steps' slope says nothing of drift
+        return {}
+    drift = drift_per_1000(steps, largest)
     match = nearest(drift)
     if match is None:
         return {}

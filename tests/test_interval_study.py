@@ -1,0 +1,121 @@
+"""The growth-interval study (issue 42): its CI tier runs, its replay matches real fp16 runs, its finding reaches the answer.
+
+``bench/interval_study.py --quick`` trains six tiny families for real under CPU fp16 autocast with
+``torch.amp.GradScaler("cpu")`` (the real skipped steps are read off ``scaler.get_scale()`` in the
+script's plain-torch loop) and replays the grid on the Probe's history; the full study's JSON
+(docs/data/interval-study.json) is what docs/interval-study.md and
+``fp16probe.analysis.interval_study.FAMILIES`` are made from.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp16probe.analysis import interval_study
+from fp16probe.analysis.interval_study import StudyFamily, drift_per_1000, nearest, summarise
+from fp16probe.analysis.schedule import judge_schedules
+from fp16probe.presentation.schedule import note_text
+from fp16probe.presentation.verdict import study_words
+from tests.fixtures.wording import wording_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import interval_study as study  # noqa: E402
+from docs import interval_study_doc as doc  # noqa: E402
+
+DATA = ROOT / "docs" / "data" / "interval-study.json"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "quick.json"
+    assert study.main(["--quick", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_quick_tier_runs_every_family_over_the_whole_grid(quick):
+    assert quick["tier"] == "quick"
+    assert [f["family"] for f in quick["families"]] == list(study.FAMILIES)
+    assert len(study.FAMILIES) >= 6
+    for f in quick["families"]:
+        names = [r["rule"] for r in f["rows"]]
+        assert names[0] == "defaults" and {"DeepSpeed", "Megatron"} <= set(names)
+        assert len(names) == 1 + len(study.INTERVALS) * len(study.FACTORS) + 2
+        assert f["flush_reference"] == "shadow"  # the flushed shares come from fp32 reruns
+        assert f["drift_log2_per_1000"] is not None
+        assert f["best"] in names
+        d = f["rows"][0]
+        assert d["growth_interval"] == 2000 and d["growth_factor"] == 2.0 and d["backoff_factor"] == 0.5
+        assert f["history_real_skipped"] > 0  # the initial scale overflows: skipped steps mean something
+
+
+@pytest.mark.slow
+def test_the_replays_skipped_steps_equal_the_real_runs(quick):
+    for f in quick["families"]:
+        assert f["history_own_replay"] == f["history_real_skipped"], f["family"]
+        assert len(f["checks"]) == 3
+        for c in f["checks"]:
+            # each check run's own history replayed with its rule, and the main history replayed with it
+            assert c["own_replay"] == c["real"] and c["own_equal"], (f["family"], c)
+            assert c["predicted"] == c["real"], (f["family"], c)
+
+
+def test_the_package_holds_the_full_studys_findings():
+    full = json.loads(DATA.read_text(encoding="utf-8"))
+    assert full["tier"] == "full"
+    assert interval_study.FAMILIES == summarise(full)
+    assert len(interval_study.FAMILIES) >= 6
+
+
+def test_the_pages_tables_are_the_studys_json():
+    assert doc.main(["--check"]) == 0
+
+
+def test_drift_is_the_slope_of_log2_max_g_per_1000_steps():
+    steps = range(0, 2000, 10)
+    assert drift_per_1000(steps, [2.0 ** (s / 500) for s in steps]) == pytest.approx(2.0)
+    assert drift_per_1000(steps, [float("inf") if s % 20 else 2.0 ** (-s / 1000) for s in steps]) == pytest.approx(-1.0)
+    assert drift_per_1000([1, 2], [None, 1.0]) is None
+
+
+def test_the_nearest_family_is_the_closest_drift_and_says_when_it_is_outside_the_range():
+    fams = (StudyFamily("a", 1000, 0.5, 400, 2.0, 0.5, 3, 9), StudyFamily("b", 1000, -3.0, 10**9, 2.0, 0.5, 5, 5))
+    m = nearest(-0.7, fams)
+    assert m is not None and m.family.family == "a" and m.within_range and m.agreeing == 1
+    far = nearest(40.0, fams)
+    assert far is not None and far.family.family == "b" and not far.within_range
+    assert nearest(None, fams) is None
+
+
+def test_the_verdicts_words_cite_the_study_and_keep_the_wording_rules():
+    f = interval_study.FAMILIES[0]
+    ev = {"interval_study": {"drift_log2_per_1000": f.drift_log2_per_1000, "family": f.family,
+                             "family_drift_log2_per_1000": f.drift_log2_per_1000, "growth_interval": f.growth_interval,
+                             "growth_factor": f.growth_factor, "backoff_factor": f.backoff_factor,
+                             "skipped_steps": f.skipped_steps, "defaults_skipped_steps": f.defaults_skipped_steps,
+                             "steps": f.steps, "within_range": True, "agreeing": 1,
+                             "families": len(interval_study.FAMILIES)}}
+    words = study_words(ev)
+    assert "fp16probe developers" in words and "docs/interval-study.md" in words and f.family in words
+    assert "LIT-" not in words and "optimum" not in words
+    assert wording_problems(words + " (Micikevicius et al., arXiv:1710.03740)") == []
+    assert study_words({"interval_study": {"family": "x"}}) == ""  # a stored report's partial evidence: nothing
+
+
+def test_schedule_sets_the_runs_drift_against_the_study():
+    from tests.test_schedule import _drifting_run
+
+    report, _ = _drifting_run(120)
+    table = judge_schedules(report)
+    note = next(n for n in table.notes if n.code == "interval_study")
+    assert note.data["drift_log2_per_1000"] == pytest.approx(interval_study.evidence(report)["drift_log2_per_1000"])
+    assert note.data["family"] in {f.family for f in interval_study.FAMILIES}
+    assert "docs/interval-study.md" in note_text(note)
+    short, _ = _drifting_run(40)  # a slope over 40 steps says nothing of drift: no note
+    assert not [n for n in judge_schedules(short).notes if n.code == "interval_study"]
