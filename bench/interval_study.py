@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fp16probe import Probe  # noqa: E402
-from fp16probe.analysis.interval_study import NEVER_GROWS, drift_per_1000  # noqa: E402
+from fp16probe.analysis.interval_study import NEVER_GROWS, choose, drift_per_1000  # noqa: E402
 from fp16probe.analysis.replay import ScalerRule  # noqa: E402
 from fp16probe.analysis.schedule import _arrays, _flush_refs, _replay  # noqa: E402
 from fp16probe.capture.emulate import measure_effect  # noqa: E402
@@ -344,17 +344,10 @@ def replay_grid(report, errors: dict[int, dict[int, float | None]], tier: Tier) 
     return out
 
 
-def _le(a: float | None, b: float | None) -> bool:
-    return a is None or b is None or a <= b * (1 + 1e-9)
-
-
 def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rule skipping fewest steps at no more flushed share, steps below the needed scale and gradient
-    error than the defaults (ties: less flushed, then the longer interval)."""
-    d = rows[0]
-    ok = [r for r in rows if _le(r["mean_flushed_fraction"], d["mean_flushed_fraction"])
-          and _le(r["steps_below_needed"], d["steps_below_needed"]) and _le(r["gradient_error"], d["gradient_error"])]
-    return min(ok, key=lambda r: (r["skipped_steps"], r["mean_flushed_fraction"] or 0.0, -r["growth_interval"]))
+    """The rule of the whole grid skipping fewest steps at no more flushed share, steps below the needed scale
+    and gradient error than the defaults (ties: less flushed, then the longer interval)."""
+    return dict(choose(rows, defaults_factors=False))
 
 
 def study(fam: Family, tier: Tier) -> dict[str, Any]:

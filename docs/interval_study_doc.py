@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp16probe.analysis.interval_study import choose, meets  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "interval-study.md"
 DATA = ROOT / "docs" / "data" / "interval-study.json"
@@ -44,15 +47,16 @@ def _row(f: dict[str, Any], name: str) -> dict[str, Any]:
 
 def summary(study: dict[str, Any]) -> str:
     head = ("| family | params | steps | drift (log2 max\\|g\\| per 1000 steps) | defaults (2000, x2, x0.5): skipped | "
-            "best rule | its skipped | steps saved | checks: real / own replay / predicted at intervals |\n"
-            "|---|---:|---:|---:|---:|---|---:|---:|---|\n")
+            "best interval (x2, x0.5) | its skipped | steps saved | best rule of the grid (skipped) | "
+            "checks: real / own replay / predicted at intervals |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n")
     lines = []
     for f in study["families"]:
-        d, b = f["rows"][0], _row(f, f["best"])
+        d, b, g = f["rows"][0], choose(f["rows"]), choose(f["rows"], defaults_factors=False)
         checks = "; ".join(f"{c['growth_interval']}: {c['real']} / {c['own_replay']} / {c['predicted']}" for c in f["checks"])
         lines.append(f"| {f['family']} | {f['parameters']:,} | {f['steps']} | {f['drift_log2_per_1000']:+.2f} | "
-                     f"{d['skipped_steps']} | {f['best']} | {b['skipped_steps']} | "
-                     f"{d['skipped_steps'] - b['skipped_steps']} | {checks} |")
+                     f"{d['skipped_steps']} | {_gi(b['growth_interval'])} | {b['skipped_steps']} | "
+                     f"{d['skipped_steps'] - b['skipped_steps']} | {g['rule']} ({g['skipped_steps']}) | {checks} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -61,14 +65,30 @@ def family(f: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in f["rows"]:
-        mark = " (best)" if r["rule"] == f["best"] else ""
+        mark = (" (best interval)" if r is choose(f["rows"]) else
+                " (best of the grid)" if r is choose(f["rows"], defaults_factors=False) else "")
         lines.append(f"| {r['rule']}{mark} | {r['skipped_steps']} | {_pct(r['mean_flushed_fraction'])} | "
                      f"{r['steps_below_needed']} | {_err(r['gradient_error'])} | {r['backoffs']} | {r['growths']} |")
     return head + "\n".join(lines) + "\n"
 
 
+def across(study: dict[str, Any]) -> str:
+    """Every rule: in how many families it meets the defaults' flushed share, steps flushing and error, and its skipped steps in each."""
+    fams = study["families"]
+    head = ("| rule | families where it flushes and errs no more than the defaults | skipped steps, all families | "
+            + " | ".join(f["family"] for f in fams) + " |\n|---|---:|---:|" + "---:|" * len(fams) + "\n")
+    lines = []
+    for i, r0 in enumerate(fams[0]["rows"]):
+        rows = [f["rows"][i] for f in fams]
+        ok = sum(meets(r, f["rows"][0]) for r, f in zip(rows, fams))
+        cells = " | ".join(str(r["skipped_steps"]) + ("" if meets(r, f["rows"][0]) else "*") for r, f in zip(rows, fams))
+        lines.append((-ok, sum(r["skipped_steps"] for r in rows), i,
+                      f"| {r0['rule']} | {ok} of {len(fams)} | {sum(r['skipped_steps'] for r in rows)} | {cells} |"))
+    return head + "\n".join(line for *_, line in sorted(lines)) + "\n"
+
+
 def blocks(study: dict[str, Any]) -> dict[str, str]:
-    out = {"summary": summary(study)}
+    out = {"summary": summary(study), "across": across(study)}
     for f in study["families"]:
         out[f"family-{f['family']}"] = family(f)
     return out

@@ -3,9 +3,10 @@
 The study trained small model families for real in fp16 (CPU autocast, ``GradScaler("cpu")``),
 recorded each run's per-step history with the Probe and replayed a grid of loss-scale rules on
 it. Per family it keeps here: the measured drift of the gradient scale (the least-squares slope
-of log2 max|g| over the run's clean steps, in bits per 1000 steps), the rule that skipped the
-fewest steps at no more flushed share, steps below the needed scale and emulated gradient error
-than GradScaler's defaults, and the skipped steps of both. ``tests/test_interval_study.py``
+of log2 max|g| over the run's clean steps, in bits per 1000 steps), the growth interval that
+skipped the fewest steps (at the defaults' x2 and x0.5) at no more flushed share, steps below the
+needed scale and emulated gradient error than GradScaler's defaults (:func:`choose`), and the
+skipped steps of both. ``tests/test_interval_study.py``
 checks that :data:`FAMILIES` equals :func:`summarise` of the study's JSON
 (docs/data/interval-study.json), so this table cannot drift from the measurement.
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from fp16probe.report import Report
 
-__all__ = ["FAMILIES", "StudyFamily", "StudyMatch", "drift_per_1000", "evidence", "nearest", "summarise"]
+__all__ = ["FAMILIES", "StudyFamily", "StudyMatch", "choose", "drift_per_1000", "evidence", "nearest", "summarise"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class StudyFamily:
     family: str
     steps: int
     drift_log2_per_1000: float
-    growth_interval: int  # the chosen rule's (NEVER_GROWS: it never grew)
+    growth_interval: int  # the chosen interval at the defaults' factors (NEVER_GROWS: never grow)
     growth_factor: float
     backoff_factor: float
     skipped_steps: int
@@ -68,11 +69,35 @@ def drift_per_1000(steps: Iterable[int], largest: Iterable[float | None]) -> flo
     return float(np.polyfit(x, y, 1)[0] * 1000.0)
 
 
+def _le(a: float | None, b: float | None) -> bool:
+    return a is None or b is None or a <= b * (1 + 1e-9)
+
+
+def meets(row: Mapping[str, Any], defaults: Mapping[str, Any]) -> bool:
+    """Whether a replayed rule flushes, spends steps flushing and errs no more than the defaults (None: not measured)."""
+    return (_le(row["mean_flushed_fraction"], defaults["mean_flushed_fraction"])
+            and _le(row["steps_below_needed"], defaults["steps_below_needed"])
+            and _le(row["gradient_error"], defaults["gradient_error"]))
+
+
+def choose(rows: Sequence[Mapping[str, Any]], *, defaults_factors: bool = True) -> Mapping[str, Any]:
+    """The study's choice among a family's replayed rules (``rows[0]`` is GradScaler's defaults).
+
+    Among the rules that :func:`meets` the defaults, the one skipping the fewest steps (ties: less
+    flushed, then the longer interval). ``defaults_factors``: only the rules with the defaults'
+    growth x2, backoff x0.5 and no hysteresis (the growth interval alone varies); else every rule."""
+    d = rows[0]
+    pool = [r for r in rows if meets(r, d) and (not defaults_factors or (
+        r["growth_factor"] == d["growth_factor"] and r["backoff_factor"] == d["backoff_factor"]
+        and r["hysteresis"] == 1))]
+    return min(pool, key=lambda r: (r["skipped_steps"], r["mean_flushed_fraction"] or 0.0, -r["growth_interval"]))
+
+
 def summarise(study: Mapping[str, Any]) -> tuple[StudyFamily, ...]:
-    """The per-family findings of a study's JSON (``bench/interval_study.py --out``)."""
+    """The per-family findings of a study's JSON (``bench/interval_study.py --out``): the interval :func:`choose` picks."""
     out = []
     for f in study["families"]:
-        best = next(r for r in f["rows"] if r["rule"] == f["best"])
+        best = choose(f["rows"])
         out.append(StudyFamily(str(f["family"]), int(f["steps"]), round(float(f["drift_log2_per_1000"]), 3),
                                int(best["growth_interval"]), float(best["growth_factor"]),
                                float(best["backoff_factor"]), int(best["skipped_steps"]),
