@@ -26,6 +26,7 @@ weights leave the main run's at its first differing skip, so the two are differe
     python bench/interval_study.py                      # all families (docs/interval-study.md)
     python bench/interval_study.py --family gpt2        # one family's row, exactly, on the same torch
     python bench/interval_study.py --quick --out /tmp/q.json   # the CI tier: tiny steps, same code path
+    python bench/interval_study.py --merge gpt2.json bert.json --out study.json   # --family outputs as one study
 
 Torch runs on one thread with fixed seeds; the same command gives the same JSON on the same torch
 and Python (the GPT-2, BERT, T5 and LSTM families read the standard library's top-level ``.py``
@@ -388,7 +389,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="one family (repeatable); default all")
     ap.add_argument("--quick", action="store_true", help="the CI tier: tiny steps, the same code path")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="merge these --family outputs (same tier) into one study, in the study's order; trains nothing")
     args = ap.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(p.read_text()) for p in args.merge]
+        fams = {f["family"]: f for part in parts for f in part["families"]}
+        merged = {**parts[0], "families": [fams[n] for n in FAMILIES if n in fams]}
+        text = json.dumps(merged, indent=1) + "\n"
+        if args.out is None:
+            sys.stdout.write(text)
+        else:
+            args.out.write_text(text)
+        return 0
     torch.set_num_threads(1)
     tier = QUICK if args.quick else FULL
     names = args.family or list(FAMILIES)
