@@ -192,8 +192,8 @@ def _study_sentence(st: Mapping[str, Any]) -> str:
             f"families trained for real in fp16 on a CPU: this run's gradient scale drifts "
             f"{st['drift_log2_per_1000']:+.2f} bits per 1000 steps, nearest the "
             f"{escape.text(str(st['family']))} family's {st['family_drift_log2_per_1000']:+.2f}, "
-            f"where {_interval_words(int(st['growth_interval']))} (growth x{st['growth_factor']:g}, "
-            f"backoff x{st['backoff_factor']:g}) skipped the fewest steps at no more flushed share and "
+            f"where {_interval_words(int(st['growth_interval']))} (growth factor {st['growth_factor']:g}, "
+            f"backoff factor {st['backoff_factor']:g}) skipped the fewest steps at no more flushed share and "
             f"gradient error than GradScaler's defaults: {count(st['skipped_steps'])} against "
             f"{count(st['defaults_skipped_steps'])} in {count(st['steps'])} steps "
             f"({int(st['agreeing'])} of {n} families chose the same interval).{within}")
