@@ -117,5 +117,9 @@ def test_schedule_sets_the_runs_drift_against_the_study():
     assert note.data["drift_log2_per_1000"] == pytest.approx(interval_study.evidence(report)["drift_log2_per_1000"])
     assert note.data["family"] in {f.family for f in interval_study.FAMILIES}
     assert "docs/interval-study.md" in note_text(note)
+    # the study's interval for the nearest family is replayed on the run's own history beside the grid
+    row = next(r for r in table.rows if r.name.endswith(f"(study: {note.data['family']})"))
+    assert row.rule["growth_interval"] == note.data["growth_interval"]
+    assert row.rule["init_scale"] == report.history.scale[0]
     short, _ = _drifting_run(40)  # a slope over 40 steps says nothing of drift: no note
     assert not [n for n in judge_schedules(short).notes if n.code == "interval_study"]

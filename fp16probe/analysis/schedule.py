@@ -281,7 +281,10 @@ def judge_schedules(
         format: the format the gradients are cast to (default fp16).
         max_flushed_fraction: the flushed share above which a step counts as flushing too much.
         kind: whose flushing counts, as for :func:`fp16probe.analysis.recommend.analyze`.
-        rules: ``(name, ScalerRule)`` pairs to judge; default :func:`candidate_rules`.
+        rules: ``(name, ScalerRule)`` pairs to judge; default :func:`candidate_rules`, and where the
+            run's drift of the gradient scale can be set against the growth-interval study's families
+            (:func:`fp16probe.analysis.interval_study.evidence`), the interval the study measured for
+            the nearest family, from the run's first scale (its note says so).
     """
     history = report.history
     if history is None or not len(history):
@@ -297,7 +300,13 @@ def judge_schedules(
     init_scale = first if first is not None else float(GRADSCALER_DEFAULTS["init_scale"])
     settings = None if report.capture is None else report.capture.scaler_settings
     run = settings if isinstance(settings, Mapping) and first is not None else None
+    study = interval_study.evidence(report)
     chosen = list(rules) if rules is not None else candidate_rules(run, init_scale)
+    if rules is None and study:  # the interval the study measured for the family nearest this run's drift
+        gi = int(study["growth_interval"])
+        label = "never grow" if gi >= interval_study.NEVER_GROWS else f"interval {gi}"
+        chosen.append((f"{label} (study: {study['family']})",
+                       ScalerRule(init_scale, float(study["growth_factor"]), float(study["backoff_factor"]), gi)))
     rows: list[ScheduleRow] = []
     reproduced: bool | None = None
     mismatched: tuple[int, ...] = ()
@@ -311,7 +320,6 @@ def judge_schedules(
             reproduced, mismatched = not bad, tuple(bad[:10])
     notes: tuple[ScheduleNote, ...] = (
         (ScheduleNote("not_reproduced", {"steps": mismatched}),) if reproduced is False else ())
-    study = interval_study.evidence(report)
     if study:
         notes += (ScheduleNote("interval_study", study),)
     best, fine = _best(rows)
