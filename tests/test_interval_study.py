@@ -105,6 +105,11 @@ def test_the_verdicts_words_cite_the_study_and_keep_the_wording_rules():
     assert "fp16probe developers" in words and "docs/interval-study.md" in words and f.family in words
     assert "LIT-" not in words and "optimum" not in words
     assert wording_problems(words + " (Micikevicius et al., arXiv:1710.03740)") == []
+    tied = f.skipped_steps >= f.defaults_skipped_steps
+    assert ("no growth interval skipped fewer steps than GradScaler's defaults" in words) == tied
+    fewer = study_words({"interval_study": {**ev["interval_study"], "growth_interval": 400, "skipped_steps": 3,
+                                            "defaults_skipped_steps": 9, "within_range": False}})
+    assert "growth_interval=400" in fewer and "3 against 9" in fewer and "does not speak for it" in fewer
     assert study_words({"interval_study": {"family": "x"}}) == ""  # a stored report's partial evidence: nothing
 
 

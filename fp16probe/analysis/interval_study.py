@@ -84,13 +84,15 @@ def choose(rows: Sequence[Mapping[str, Any]], *, defaults_factors: bool = True) 
     """The study's choice among a family's replayed rules (``rows[0]`` is GradScaler's defaults).
 
     Among the rules that :func:`meets` the defaults, the one skipping the fewest steps (ties: less
-    flushed, then the longer interval). ``defaults_factors``: only the rules with the defaults'
+    flushed, then the defaults' own interval, then the longer interval: a tie with the defaults is
+    the defaults). ``defaults_factors``: only the rules with the defaults'
     growth x2, backoff x0.5 and no hysteresis (the growth interval alone varies); else every rule."""
     d = rows[0]
     pool = [r for r in rows if meets(r, d) and (not defaults_factors or (
         r["growth_factor"] == d["growth_factor"] and r["backoff_factor"] == d["backoff_factor"]
         and r["hysteresis"] == 1))]
-    return min(pool, key=lambda r: (r["skipped_steps"], r["mean_flushed_fraction"] or 0.0, -r["growth_interval"]))
+    return min(pool, key=lambda r: (r["skipped_steps"], r["mean_flushed_fraction"] or 0.0,
+                                    r["growth_interval"] != d["growth_interval"], -r["growth_interval"]))
 
 
 def summarise(study: Mapping[str, Any]) -> tuple[StudyFamily, ...]:

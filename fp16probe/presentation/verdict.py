@@ -188,15 +188,21 @@ def _study_sentence(st: Mapping[str, Any]) -> str:
     within = ("" if st["within_range"] else
               " This run's drift lies outside the range the study's families covered, so the study does not "
               "speak for it.")
-    return (f" The growth-interval study ({cite(INTERVAL_STUDY)}) replayed the interval grid on {n} small model "
+    head = (f" The growth-interval study ({cite(INTERVAL_STUDY)}) replayed the interval grid on {n} small model "
             f"families trained for real in fp16 on a CPU: this run's gradient scale drifts "
-            f"{st['drift_log2_per_1000']:+.2f} bits per 1000 steps, nearest the "
-            f"{escape.text(str(st['family']))} family's {st['family_drift_log2_per_1000']:+.2f}, "
-            f"where {_interval_words(int(st['growth_interval']))} (growth factor {st['growth_factor']:g}, "
-            f"backoff factor {st['backoff_factor']:g}) skipped the fewest steps at no more flushed share and "
+            f"{float(st['drift_log2_per_1000']):+.2f} bits per 1000 steps, nearest the "
+            f"{escape.text(str(st['family']))} family's {float(st['family_drift_log2_per_1000']):+.2f}, where ")
+    same = f"{int(st['agreeing'])} of {n} families"
+    if int(st["skipped_steps"]) >= int(st["defaults_skipped_steps"]):
+        return (head + "no growth interval skipped fewer steps than GradScaler's defaults at no more flushed share "
+                f"and gradient error ({count(st['defaults_skipped_steps'])} skipped in {count(st['steps'])} steps; "
+                f"{same} found the same): a shorter interval regrew the scale and each growth cost a skipped "
+                f"step.{within}")
+    return (head + f"{_interval_words(int(st['growth_interval']))} (growth factor {float(st['growth_factor']):g}, "
+            f"backoff factor {float(st['backoff_factor']):g}) skipped the fewest steps at no more flushed share and "
             f"gradient error than GradScaler's defaults: {count(st['skipped_steps'])} against "
             f"{count(st['defaults_skipped_steps'])} in {count(st['steps'])} steps "
-            f"({int(st['agreeing'])} of {n} families chose the same interval).{within}")
+            f"({same} chose the same interval).{within}")
 
 
 def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
