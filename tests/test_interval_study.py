@@ -85,7 +85,7 @@ def test_drift_is_the_slope_of_log2_max_g_per_1000_steps():
 
 
 def test_the_nearest_family_is_the_closest_drift_and_says_when_it_is_outside_the_range():
-    fams = (StudyFamily("a", 1000, 0.5, 400, 2.0, 0.5, 3, 9), StudyFamily("b", 1000, -3.0, 10**9, 2.0, 0.5, 5, 5))
+    fams = (StudyFamily("a", 1000, 0.5, 400, 2.0, 0.5, 3, 9, 0.0, 0.0), StudyFamily("b", 1000, -3.0, 10**9, 2.0, 0.5, 5, 5, 0.0, 0.0))
     m = nearest(-0.7, fams)
     assert m is not None and m.family.family == "a" and m.within_range and m.agreeing == 1
     far = nearest(40.0, fams)
@@ -99,17 +99,21 @@ def test_the_verdicts_words_cite_the_study_and_keep_the_wording_rules():
                              "family_drift_log2_per_1000": f.drift_log2_per_1000, "growth_interval": f.growth_interval,
                              "growth_factor": f.growth_factor, "backoff_factor": f.backoff_factor,
                              "skipped_steps": f.skipped_steps, "defaults_skipped_steps": f.defaults_skipped_steps,
-                             "steps": f.steps, "within_range": True, "agreeing": 1,
+                             "mean_flushed_fraction": f.mean_flushed_fraction,
+                             "defaults_mean_flushed_fraction": f.defaults_mean_flushed_fraction, "steps": f.steps, "within_range": True, "agreeing": 1,
                              "families": len(interval_study.FAMILIES)}}
     words = study_words(ev)
     assert "fp16probe developers" in words and "docs/interval-study.md" in words and f.family in words
     assert "LIT-" not in words and "optimum" not in words
     assert wording_problems(words + " (Micikevicius et al., arXiv:1710.03740)") == []
-    tied = f.skipped_steps >= f.defaults_skipped_steps
-    assert ("no growth interval skipped fewer steps than GradScaler's defaults" in words) == tied
+    assert ("no growth interval did better than GradScaler's defaults" in words) == (f.growth_interval == 2000)
     fewer = study_words({"interval_study": {**ev["interval_study"], "growth_interval": 400, "skipped_steps": 3,
                                             "defaults_skipped_steps": 9, "within_range": False}})
     assert "growth_interval=400" in fewer and "3 against 9" in fewer and "does not speak for it" in fewer
+    same = study_words({"interval_study": {**ev["interval_study"], "growth_interval": 200, "skipped_steps": 10,
+                                           "defaults_skipped_steps": 10, "mean_flushed_fraction": 3e-5,
+                                           "defaults_mean_flushed_fraction": 1e-4}})
+    assert "growth_interval=200 skipped as few steps as GradScaler's defaults (10 in" in same and "0.003%" in same
     assert study_words({"interval_study": {"family": "x"}}) == ""  # a stored report's partial evidence: nothing
 
 

@@ -40,6 +40,8 @@ class StudyFamily:
     backoff_factor: float
     skipped_steps: int
     defaults_skipped_steps: int
+    mean_flushed_fraction: float | None  # the chosen interval's, over the run
+    defaults_mean_flushed_fraction: float | None
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,19 @@ def drift_per_1000(steps: Iterable[int], largest: Iterable[float | None]) -> flo
     return float(np.polyfit(x, y, 1)[0] * 1000.0)
 
 
-def _le(a: float | None, b: float | None) -> bool:
-    return a is None or b is None or a <= b * (1 + 1e-9)
+ERROR_TOLERANCE = 0.01  # relative: the emulated error at these scales is fp16's rounding, moving by parts in 10^5
+
+
+def _le(a: float | None, b: float | None, tolerance: float = 1e-9) -> bool:
+    return a is None or b is None or a <= b * (1 + tolerance)
 
 
 def meets(row: Mapping[str, Any], defaults: Mapping[str, Any]) -> bool:
-    """Whether a replayed rule flushes, spends steps flushing and errs no more than the defaults (None: not measured)."""
+    """Whether a replayed rule flushes and spends steps flushing no more than the defaults, and errs no more
+    within :data:`ERROR_TOLERANCE` of the defaults' emulated gradient error (None: not measured)."""
     return (_le(row["mean_flushed_fraction"], defaults["mean_flushed_fraction"])
             and _le(row["steps_below_needed"], defaults["steps_below_needed"])
-            and _le(row["gradient_error"], defaults["gradient_error"]))
+            and _le(row["gradient_error"], defaults["gradient_error"], ERROR_TOLERANCE))
 
 
 def choose(rows: Sequence[Mapping[str, Any]], *, defaults_factors: bool = True) -> Mapping[str, Any]:
@@ -103,7 +109,8 @@ def summarise(study: Mapping[str, Any]) -> tuple[StudyFamily, ...]:
         out.append(StudyFamily(str(f["family"]), int(f["steps"]), round(float(f["drift_log2_per_1000"]), 3),
                                int(best["growth_interval"]), float(best["growth_factor"]),
                                float(best["backoff_factor"]), int(best["skipped_steps"]),
-                               int(f["rows"][0]["skipped_steps"])))
+                               int(f["rows"][0]["skipped_steps"]), best["mean_flushed_fraction"],
+                               f["rows"][0]["mean_flushed_fraction"]))
     return tuple(out)
 
 
@@ -142,9 +149,23 @@ def evidence(report: Report, per_step_max: Sequence[float] | None = None) -> dic
             "family_drift_log2_per_1000": f.drift_log2_per_1000, "growth_interval": f.growth_interval,
             "growth_factor": f.growth_factor, "backoff_factor": f.backoff_factor,
             "skipped_steps": f.skipped_steps, "defaults_skipped_steps": f.defaults_skipped_steps,
-            "steps": f.steps, "within_range": match.within_range, "agreeing": match.agreeing,
+            "mean_flushed_fraction": f.mean_flushed_fraction,
+            "defaults_mean_flushed_fraction": f.defaults_mean_flushed_fraction, "steps": f.steps, "within_range": match.within_range, "agreeing": match.agreeing,
             "families": len(FAMILIES)}
 
 
 # The full study's findings: summarise(docs/data/interval-study.json), checked by tests/test_interval_study.py.
-FAMILIES: tuple[StudyFamily, ...] = ()
+FAMILIES: tuple[StudyFamily, ...] = (
+    StudyFamily('gpt2', 1000, -0.573, 2000, 2.0, 0.5, 8, 8,
+                0.00025069903531322024, 0.00025069903531322024),
+    StudyFamily('bert', 1000, 1.019, 2000, 2.0, 0.5, 8, 8,
+                6.707735484760758e-05, 6.707735484760758e-05),
+    StudyFamily('t5', 1000, 0.511, 2000, 2.0, 0.5, 8, 8,
+                1.010565280465209e-05, 1.010565280465209e-05),
+    StudyFamily('resnet', 1000, -4.885, 2000, 2.0, 0.5, 7, 7,
+                0.0, 0.0),
+    StudyFamily('vit', 1000, -8.782, 200, 2.0, 0.5, 10, 10,
+                3.130928192601616e-05, 9.939915888141925e-05),
+    StudyFamily('lstm', 1000, -1.023, 400, 2.0, 0.5, 7, 7,
+                0.011261063400134344, 0.012383306157230123),
+)

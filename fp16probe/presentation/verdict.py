@@ -20,7 +20,7 @@ from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS, bits, count, fp16_run, magnitude, percent, power_of_two, scales_in_force
 from fp16probe.presentation import escape
 from fp16probe.presentation.cite import PAPER, cite
-from fp16probe.recommendation import Recommendation, Verdict
+from fp16probe.recommendation import GRADSCALER_DEFAULTS, Recommendation, Verdict
 from fp16probe.sources import INTERVAL_STUDY, NVIDIA_GUIDE_URL
 
 __all__ = [
@@ -193,16 +193,21 @@ def _study_sentence(st: Mapping[str, Any]) -> str:
             f"{float(st['drift_log2_per_1000']):+.2f} bits per 1000 steps, nearest the "
             f"{escape.text(str(st['family']))} family's {float(st['family_drift_log2_per_1000']):+.2f}, where ")
     same = f"{int(st['agreeing'])} of {n} families"
-    if int(st["skipped_steps"]) >= int(st["defaults_skipped_steps"]):
-        return (head + "no growth interval skipped fewer steps than GradScaler's defaults at no more flushed share "
-                f"and gradient error ({count(st['defaults_skipped_steps'])} skipped in {count(st['steps'])} steps; "
-                f"{same} found the same): a shorter interval regrew the scale and each growth cost a skipped "
-                f"step.{within}")
-    return (head + f"{_interval_words(int(st['growth_interval']))} (growth factor {float(st['growth_factor']):g}, "
-            f"backoff factor {float(st['backoff_factor']):g}) skipped the fewest steps at no more flushed share and "
-            f"gradient error than GradScaler's defaults: {count(st['skipped_steps'])} against "
-            f"{count(st['defaults_skipped_steps'])} in {count(st['steps'])} steps "
-            f"({same} chose the same interval).{within}")
+    gi, skipped, d_skipped = int(st["growth_interval"]), int(st["skipped_steps"]), int(st["defaults_skipped_steps"])
+    steps = count(st["steps"])
+    if gi == int(GRADSCALER_DEFAULTS["growth_interval"]):
+        return (head + "no growth interval did better than GradScaler's defaults: none skipped fewer steps at no "
+                f"more flushed share and gradient error ({count(d_skipped)} skipped in {steps} steps; {same} found "
+                f"the same), and the shorter ones skipped more, regrowing the scale into overflows.{within}")
+    flushed = (f" and flushed {percent(st['mean_flushed_fraction'])} of gradient values against "
+               f"{percent(st['defaults_mean_flushed_fraction'])}")
+    if skipped == d_skipped:
+        return (head + f"{_interval_words(gi)} skipped as few steps as GradScaler's defaults ({count(skipped)} in "
+                f"{steps} steps){flushed}, at no more gradient error ({same} chose that interval).{within}")
+    return (head + f"{_interval_words(gi)} (growth factor {float(st['growth_factor']):g}, backoff factor "
+            f"{float(st['backoff_factor']):g}) skipped the fewest steps at no more flushed share and gradient error "
+            f"than GradScaler's defaults: {count(skipped)} against {count(d_skipped)} in {steps} steps{flushed} "
+            f"({same} chose that interval).{within}")
 
 
 def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
