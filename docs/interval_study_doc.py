@@ -116,8 +116,14 @@ def figure(study: dict[str, Any], path: Path) -> None:
         xs = [100 * (r["mean_flushed_fraction"] or 0.0) for r in rows]
         ys = [r["skipped_steps"] for r in rows]
         ax.plot(xs, ys, "o-", color="tab:blue")
-        for x, y, r in zip(xs, ys, rows):
-            ax.annotate(_gi(r["growth_interval"]), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        labels: dict[tuple[float, int], list[str]] = {}
+        for x, y, r in zip(xs, ys, rows):  # intervals replaying to the same point share one label
+            labels.setdefault((x, y), []).append(_gi(r["growth_interval"]))
+        for (x, y), names in labels.items():
+            text = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.ticklabel_format(axis="x", useOffset=False)
+        ax.locator_params(axis="x", nbins=4)
         d = f["rows"][0]
         ax.plot([100 * (d["mean_flushed_fraction"] or 0.0)], [d["skipped_steps"]], "s", color="tab:red",
                 label="GradScaler defaults")
