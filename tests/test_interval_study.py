@@ -89,7 +89,9 @@ def test_the_nearest_family_is_the_closest_drift_and_says_when_it_is_outside_the
     m = nearest(-0.7, fams)
     assert m is not None and m.family.family == "a" and m.within_range and m.agreeing == 1
     far = nearest(40.0, fams)
-    assert far is not None and far.family.family == "b" and not far.within_range
+    assert far is not None and far.family.family == "a" and not far.within_range
+    shrinking = nearest(-2.0, fams)  # the sign counts: -2 is nearer -3 than +0.5
+    assert shrinking is not None and shrinking.family.family == "b" and shrinking.within_range
     assert nearest(None, fams) is None
 
 
@@ -127,8 +129,13 @@ def test_schedule_sets_the_runs_drift_against_the_study():
     assert note.data["family"] in {f.family for f in interval_study.FAMILIES}
     assert "docs/interval-study.md" in note_text(note)
     # the study's interval for the nearest family is replayed on the run's own history beside the grid
-    row = next(r for r in table.rows if r.name.endswith(f"(study: {note.data['family']})"))
+    row = next(r for r in table.rows if r.name.startswith("study: "))
     assert row.rule["growth_interval"] == note.data["growth_interval"]
     assert row.rule["init_scale"] == report.history.scale[0]
+    assert note.data["within_range"]
+    longer, _ = _drifting_run(240)  # drifts faster than any family: the note says so, no study row
+    far = judge_schedules(longer)
+    assert not next(n for n in far.notes if n.code == "interval_study").data["within_range"]
+    assert not [r for r in far.rows if r.name.startswith("study: ")]
     short, _ = _drifting_run(40)  # a slope over 40 steps says nothing of drift: no note
     assert not [n for n in judge_schedules(short).notes if n.code == "interval_study"]

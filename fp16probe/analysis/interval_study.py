@@ -50,7 +50,7 @@ class StudyMatch:
 
     drift_log2_per_1000: float
     family: StudyFamily
-    within_range: bool  # the run's |drift| lies inside the families' range of |drift|
+    within_range: bool  # the run's drift lies inside the families' range of drifts
     agreeing: int  # families whose chosen growth_interval equals this family's
 
 
@@ -115,14 +115,15 @@ def summarise(study: Mapping[str, Any]) -> tuple[StudyFamily, ...]:
 
 
 def nearest(drift: float | None, families: Sequence[StudyFamily] | None = None) -> StudyMatch | None:
-    """The study family whose drift of the gradient scale is closest to ``drift`` (None: no drift or no study)."""
+    """The study family whose drift of the gradient scale is closest to ``drift``, sign included (None: no drift
+    or no study): gradients that shrink leave the scale room to grow, gradients that grow do not."""
     fams = FAMILIES if families is None else tuple(families)
     if drift is None or not math.isfinite(drift) or not fams:
         return None
-    fam = min(fams, key=lambda f: (abs(abs(f.drift_log2_per_1000) - abs(drift)), f.family))
-    spread = [abs(f.drift_log2_per_1000) for f in fams]
+    fam = min(fams, key=lambda f: (abs(f.drift_log2_per_1000 - drift), f.family))
+    spread = [f.drift_log2_per_1000 for f in fams]
     agreeing = sum(f.growth_interval == fam.growth_interval for f in fams)
-    return StudyMatch(float(drift), fam, min(spread) <= abs(drift) <= max(spread), agreeing)
+    return StudyMatch(float(drift), fam, min(spread) <= drift <= max(spread), agreeing)
 
 
 def evidence(report: Report, per_step_max: Sequence[float] | None = None) -> dict[str, Any]:

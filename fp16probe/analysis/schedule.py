@@ -283,8 +283,9 @@ def judge_schedules(
         kind: whose flushing counts, as for :func:`fp16probe.analysis.recommend.analyze`.
         rules: ``(name, ScalerRule)`` pairs to judge; default :func:`candidate_rules`, and where the
             run's drift of the gradient scale can be set against the growth-interval study's families
-            (:func:`fp16probe.analysis.interval_study.evidence`), the interval the study measured for
-            the nearest family, from the run's first scale (its note says so).
+            (:func:`fp16probe.analysis.interval_study.evidence`) and lies inside the families' range,
+            the interval the study measured for the nearest family, from the run's first scale (its
+            note says so).
     """
     history = report.history
     if history is None or not len(history):
@@ -302,10 +303,10 @@ def judge_schedules(
     run = settings if isinstance(settings, Mapping) and first is not None else None
     study = interval_study.evidence(report)
     chosen = list(rules) if rules is not None else candidate_rules(run, init_scale)
-    if rules is None and study:  # the interval the study measured for the family nearest this run's drift
+    if rules is None and study and study["within_range"]:  # the study's interval for the nearest family's drift
         gi = int(study["growth_interval"])
         label = "never grow" if gi >= interval_study.NEVER_GROWS else f"interval {gi}"
-        chosen.append((f"{label} (study: {study['family']})",
+        chosen.append((f"study: {label}",
                        ScalerRule(init_scale, float(study["growth_factor"]), float(study["backoff_factor"]), gi)))
     rows: list[ScheduleRow] = []
     reproduced: bool | None = None
