@@ -28,8 +28,8 @@ weights leave the main run's at its first differing skip, so the two are differe
     python bench/interval_study.py --quick --out /tmp/q.json   # the CI tier: tiny steps, same code path
     python bench/interval_study.py --merge gpt2.json bert.json --out study.json   # --family outputs as one study
 
-Torch runs on one thread with fixed seeds; the same command gives the same JSON on the same torch
-and Python (the GPT-2, BERT, T5 and LSTM families read the standard library's top-level ``.py``
+Torch runs on one thread with fixed seeds; the same command gives the same JSON (all but each
+family's ``cpu_seconds``) on the same torch and Python (the GPT-2, BERT, T5 and LSTM families read the standard library's top-level ``.py``
 files, in sorted order, as their text).
 """
 
