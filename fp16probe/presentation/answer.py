@@ -171,13 +171,14 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     if margin:
         lines.append(Line("margin", margin))
     if rec.evidence.get("simulated_candidates_tied") and rec.grad_scaler_kwargs:
+        study = rec.evidence.get("interval_study")
+        where = ("not a measured optimum (--explain shows the table)"
+                 if not isinstance(study, dict) or not study.get("within_range") else
+                 f"the growth-interval study's finding for the nearest family ({escape.text(str(study.get('family')))}) "
+                 "and the table are in --explain")
         lines.append(Line("schedule", f"growth_interval={rec.grad_scaler_kwargs['growth_interval']}: the replay "
                                       "cannot tell the candidates apart on underflow, so it is the longest "
-                                      "(fewest growth probes): in effect hold S; "
-                                      + ("not a measured optimum" if not isinstance(rec.evidence.get("interval_study"), dict) else
-                                         "the growth-interval study's measurement for the nearest family, "
-                                         f"{escape.text(str(rec.evidence['interval_study'].get('family')))}, is in --explain")
-                                      + " (--explain shows the table)"))
+                                      f"(fewest growth probes): in effect hold S; {where}"))
     todo = _what_to_do(rec)
     if todo:
         lines.append(Line("todo", todo))

@@ -210,6 +210,11 @@ def _study_sentence(st: Mapping[str, Any]) -> str:
             f"({same} chose that interval).{within}")
 
 
+def _study_speaks(ev: Mapping[str, Any]) -> bool:
+    study = ev.get("interval_study")
+    return isinstance(study, Mapping) and bool(study.get("within_range"))
+
+
 def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: GrowthIntervalTable | None) -> str:
     if table is None:
         return (f" growth_interval={kwargs['growth_interval']} is GradScaler's default, not chosen from "
@@ -223,7 +228,7 @@ def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: Gro
                 f"probes that overflow ({c.skipped_steps} at growth_interval={c.growth_interval}, the longest "
                 "candidate, which probes least often). So the profile says: hold S; the profiled steps do not "
                 "drift enough to choose a schedule (profile more steps of real training to see drift), "
-                + ("and growth_interval is not a measured optimum. " if "interval_study" not in ev else
+                + ("and growth_interval is not a measured optimum." if not _study_speaks(ev) else
                    "and the study below measured what the interval costs on runs that do.")
                 + f"{study_words(ev)} {method_words(table.method)}")
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
