@@ -139,3 +139,39 @@ def test_schedule_sets_the_runs_drift_against_the_study():
     assert not [r for r in far.rows if r.name.startswith("study: ")]
     short, _ = _drifting_run(40)  # a slope over 40 steps says nothing of drift: no note
     assert not [n for n in judge_schedules(short).notes if n.code == "interval_study"]
+
+
+def test_a_tied_replay_points_to_the_study_only_where_the_runs_drift_lies_inside_it():
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from fp16probe import Probe
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.presentation.answer import short_answer
+    from fp16probe.presentation.verdict import verdict_text
+    from tests.test_first_hour import _labelled, _mlp
+
+    model = _mlp()
+    with Probe(model) as probe:
+        for x, y in _labelled(4):
+            (F.cross_entropy(model(x), y) * 1e-6).backward()
+            model.zero_grad()
+            probe.step()
+    rec = analyze(probe.report(), "fp16")
+    assert rec.evidence["simulated_candidates_tied"] and "interval_study" not in rec.evidence  # 4 steps: no drift
+    f = interval_study.FAMILIES[-1]
+    study = {"drift_log2_per_1000": f.drift_log2_per_1000, "family": f.family,
+             "family_drift_log2_per_1000": f.drift_log2_per_1000, "growth_interval": f.growth_interval,
+             "growth_factor": f.growth_factor, "backoff_factor": f.backoff_factor, "skipped_steps": f.skipped_steps,
+             "defaults_skipped_steps": f.defaults_skipped_steps, "mean_flushed_fraction": f.mean_flushed_fraction,
+             "defaults_mean_flushed_fraction": f.defaults_mean_flushed_fraction, "steps": f.steps,
+             "within_range": True, "agreeing": 1, "families": len(interval_study.FAMILIES)}
+    for within in (True, False):
+        r = dataclasses.replace(rec, evidence={**rec.evidence, "interval_study": {**study, "within_range": within}})
+        text = verdict_text(r)
+        line = next(x.text for x in short_answer(None, r) if x.kind == "schedule")
+        assert ("growth_interval is not a measured optimum" in text) != within
+        assert ("not a measured optimum" in line) != within
+        assert "docs/interval-study.md" in text and wording_problems(text) == []
+        assert (f"nearest family ({f.family})" in line) == within
