@@ -32,7 +32,7 @@ TINY = 1e-5  # the losses' weight: gradients low enough that fp16 needs a loss s
 def _nets() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     g = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
-    d = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    d = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 1))  # dropout: RNG draws
     return g, d
 
 
