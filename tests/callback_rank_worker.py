@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node 2 tests/callback_rank_worker.py {hf,lightning} OUT_DIR [FAIL_AT]
 The model's forward raises on rank 1 at training forward FAIL_AT (1-based; 0: never), after
-noting the time in OUT_DIR/fault_time. Each rank writes OUT_DIR/exit.RANK (its exit code and
+noting the time in OUT_DIR/fault_time; with FAIL_IN=loss, backward or step (the Trainer only), the
+Trainer's compute_loss, the backward of that forward's output or the optimizer's step raises there instead. Each rank writes OUT_DIR/exit.RANK (its exit code and
 the time it ended), OUT_DIR/error.RANK (the first line of what training raised) and trace.RANK; rank 0's
 callback writes its report into OUT_DIR.
 """
@@ -22,6 +23,13 @@ from torch import nn
 STEPS = 5
 BATCH = 4
 RANK = int(os.environ.get("RANK", "0"))
+FAIL_IN = os.environ.get("FAIL_IN", "forward")
+
+
+def fault(out: Path) -> RuntimeError:
+    """Note the time of the fault and return the error rank 1 raises."""
+    (out / "fault_time").write_text(str(time.time()))
+    return RuntimeError("the model broke on purpose")
 
 
 class Net(nn.Module):
@@ -36,10 +44,11 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if self.training and torch.is_grad_enabled():
             self.forwards += 1
-            if RANK == 1 and self.forwards == self.fail_at:
-                (self.out / "fault_time").write_text(str(time.time()))
-                raise RuntimeError("the model broke on purpose")
+            if RANK == 1 and self.forwards == self.fail_at and FAIL_IN == "forward":
+                raise fault(self.out)
         y = self.net(x)
+        if RANK == 1 and self.forwards == self.fail_at and FAIL_IN == "backward" and torch.is_grad_enabled():
+            y.register_hook(lambda grad: (_ for _ in ()).throw(fault(self.out)))  # raises inside backward
         return {"logits": y} if labels is None else {"loss": F.mse_loss(y, labels), "logits": y}
 
 
@@ -53,11 +62,38 @@ def run_hf(out: Path, fail_at: int, timeout: int) -> None:
 
     from fp16probe.integrations.huggingface import Fp16ProbeCallback
 
+    class FailingTrainer(Trainer):
+        """compute_loss raises on rank 1 at training step ``fail_at``, after the forward, with FAIL_IN=loss."""
+
+        def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+            loss = super().compute_loss(model, inputs, *args, **kwargs)  # the forward ran and agreed
+            if RANK == 1 and FAIL_IN == "loss" and self.state.global_step + 1 == fail_at:
+                raise fault(out)
+            return loss
+
+    class FailingSGD(torch.optim.SGD):
+        """The optimizer's step raises on rank 1 at step ``fail_at`` with FAIL_IN=step."""
+
+        steps = 0
+
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            self.steps += 1
+            if RANK == 1 and FAIL_IN == "step" and self.steps == fail_at:
+                raise fault(out)
+            return super().step(closure)
+
+    # TrainingArguments(use_cpu=True) does not hand ddp_timeout to the process group it makes (transformers
+    # 5.25; on a GPU it does): make it here, with that timeout, as a GPU run would have it
+    from datetime import timedelta
+
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, use_cpu=True,
                              report_to="none", ddp_backend="gloo", ddp_timeout=timeout, save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, learning_rate=0.1)
-    Trainer(model=Net(out, fail_at), args=args, train_dataset=rows(BATCH * STEPS * 2),
-            callbacks=[Fp16ProbeCallback(output_dir=out)]).train()
+    model = Net(out, fail_at)
+    FailingTrainer(model=model, args=args, train_dataset=rows(BATCH * STEPS * 2),
+                   optimizers=(FailingSGD(model.parameters(), lr=0.1), None),
+                   callbacks=[Fp16ProbeCallback(output_dir=out)]).train()
 
 
 def run_lightning(out: Path, fail_at: int, timeout: int) -> None:

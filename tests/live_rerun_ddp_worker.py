@@ -62,7 +62,9 @@ def train(how: str, probed: bool) -> tuple[list[torch.Tensor], object]:
         runner = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    probe = Probe(model, scaler=scaler).start() if probed else None
+    # accumulation=MICRO: each rerun step replays the MICRO micro-batches, each loss / MICRO (the Probe's default
+    # divisor), as the loop backpropagates them
+    probe = Probe(model, scaler=scaler, accumulation=MICRO).start() if probed else None
     for step in range(STEPS):
         for micro in range(MICRO):
             x, y = batch(step, micro, rank())

@@ -64,10 +64,35 @@ def test_ddp_reruns_on_each_rank_give_the_fp32_verdict(tmp_path, fp32_scale):
         2 * reports["rank0"].shadow.histogram("activation_grad").total
 
 
-def test_ddp_no_sync_accumulation_reruns_and_leaves_training_as_it_was(tmp_path):
+def _fp32_reference(micro: int, rank: int) -> int:
+    """log2 S of an fp32 run of one rank's micro-batches, each loss / micro, accumulated to a step: plain torch,
+    the statistics from an fp32 Probe with no reruns (one process: the DDP average moves the weights by ~1e-5)."""
+    model = worker.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = fp16probe.Probe(model, shadow_every=0).start()
+    for step in range(worker.STEPS):
+        for m in range(micro):
+            (model(*worker.batch(step, m, rank)) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    probe.stop()
+    rec = analyze(probe.report())
+    assert rec.verdict in ("constant", "dynamic"), rec
+    return rec.log2_scale
+
+
+def test_ddp_no_sync_accumulation_gives_the_fp32_verdict_of_the_divided_loss_and_leaves_training_as_it_was(tmp_path):
     reports = _torchrun("ddp", 2, tmp_path)
     for name, report in reports.items():
-        assert report.shadow_runs.steps == (0, 1, 2) and report.shadow_runs.off is None, name
+        runs = report.shadow_runs
+        assert runs.steps == (0, 1, 2) and runs.off is None and not runs.discarded, (name, runs)
+        assert runs.accumulation == 2 and runs.loss_divisors == (2.0,), (name, runs)
+    for rank in (0, 1):
+        rec, reference = analyze(reports[f"rank{rank}"]), _fp32_reference(2, rank)
+        assert rec.verdict in ("constant", "dynamic"), (rank, rec)
+        assert abs(rec.log2_scale - reference) <= 1, (rank, rec.log2_scale, reference)
+        assert rec.evidence["scale_check"]["carried"], (rank, rec.evidence["scale_check"])
 
 
 def test_fsdp2_says_why_no_rerun_runs_and_what_to_run_instead(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fp16probe.cli import app
-from fp16probe.errors import Fp16ProbeError
+from fp16probe.errors import Fp16ProbeError, InputError
 from fp16probe.histogram import MIN_EXP
 from fp16probe.presentation.trackers import TrackerLog, export, log_histogram, tracker_series
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
@@ -235,15 +235,20 @@ def test_wandb_offline_run_holds_the_exact_bins(tmp_path, monkeypatch):
     assert [r[("fp16probe/skipped_steps",)] for r in rows] == [0, 0, 0, 1, 1, 1]
 
 
-# -- MLflow (local file store) -----------------------------------------------------------------
+# -- MLflow (a folder: a SQLite store MLflow 3 reads with no opt-in) ----------------------------
 
 @pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
-def test_mlflow_file_store_holds_metrics_figures_and_html(tmp_path, monkeypatch):
+def test_mlflow_folder_is_read_by_mlflow_itself_with_no_env_var(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")  # MLflow's SQLite store: the mlflow extra installs both (CI: .[dev])
+    pytest.importorskip("alembic")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     report = scaled_report()
     run_id = export(report, to="mlflow", dest=tmp_path / "mlruns", run_name="test")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # only for reading it back here
-    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    assert "MLFLOW_ALLOW_FILE_STORE" not in __import__("os").environ  # set by no one, at no time
+    assert sorted(p.name for p in (tmp_path / "mlruns").iterdir()) == ["artifacts", "mlflow.db"]
+    client = mlflow.MlflowClient(tracking_uri="sqlite:///" + (tmp_path / "mlruns" / "mlflow.db").as_posix())
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "test"
     history = client.get_metric_history(run_id, "fp16probe/activation_grad/flushed_fraction_at_1")
@@ -258,15 +263,49 @@ def test_mlflow_file_store_holds_metrics_figures_and_html(tmp_path, monkeypatch)
     page = Path(folder, "fp16probe-report.html").read_text(encoding="utf-8")
     assert page.startswith("<!doctype html>") and "HandBuilt" in page
     assert Path(folder, "fp16probe-figures.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "MLFLOW_ALLOW_FILE_STORE" in __import__("os").environ  # our setenv, not left by export
+    # a second export joins the same store and experiment
+    again = export(report, to="mlflow", dest=tmp_path / "mlruns", run_name="again")
+    assert {r.info.run_id for r in client.search_runs([run.info.experiment_id])} == {run_id, again}
+
+
+def test_mlflow_folder_uri_is_its_sqlite_store_unless_it_holds_a_file_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from fp16probe.presentation import trackers
+
+    monkeypatch.setattr(trackers, "_sqlite_writable", lambda: True)
+    assert trackers._mlflow_uri(tmp_path / "new") == "sqlite:///" + (tmp_path / "new" / "mlflow.db").as_posix()
+    assert trackers._mlflow_uri("sqlite:///x.db") == "sqlite:///x.db"
+    old = tmp_path / "old"
+    (old / "0").mkdir(parents=True)
+    (old / "0" / "meta.yaml").write_text("name: Default\n")  # what MLflow's file store makes first
+    assert trackers._mlflow_uri(old) == old.as_uri()
+
+
+def test_mlflow_3_without_sqlalchemy_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+    from importlib import metadata
+
+    from fp16probe.presentation import trackers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    monkeypatch.setattr(metadata, "version", lambda dist: "3.18.0")
+    with pytest.raises(InputError, match=r"MLFLOW_ALLOW_FILE_STORE=true.*pip install 'fp16probe\[mlflow\]'"):
+        trackers._mlflow_uri(tmp_path)
+    monkeypatch.setattr(metadata, "version", lambda dist: "2.22.0")  # MLflow 2 reads its file store as it is
+    assert trackers._mlflow_uri(tmp_path) == tmp_path.absolute().as_uri()
 
 
 @pytest.mark.slow  # over 10 s on a loaded 2-core machine: the full suite only
-def test_mlflow_export_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+def test_mlflow_export_to_a_file_uri_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    export(hand_report(), to="mlflow", dest=tmp_path)
+    export(hand_report(), to="mlflow", dest=tmp_path.as_uri())
     assert "MLFLOW_ALLOW_FILE_STORE" not in __import__("os").environ
+    assert list(tmp_path.glob("*/meta.yaml"))  # the file store the URI named
+    from fp16probe.presentation.trackers import _mlflow_uri
+
+    assert _mlflow_uri(tmp_path) == tmp_path.as_uri()  # the same folder given as a path stays a file store
 
 
 # -- missing extras, bad input, the CLI -------------------------------------------------------

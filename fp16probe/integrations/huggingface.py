@@ -14,10 +14,18 @@ scale the loss) there is nothing to unscale. Only a run that scales the loss wit
 the callback cannot find (fp16 without accelerate's optimizer) is refused, rather than
 recording gradients 65536 times too large; pass ``scaler=`` there. The report records the
 TrainingArguments that decide precision and steps (``report.workload.training_arguments``).
+
+Under torchrun the ranks agree before each backward (a forward hook on the model); the Trainer
+tells a callback of no failure, so for the run the callback also wraps the Trainer's
+``training_step`` and its optimizer's ``step``: a rank that raises in ``compute_loss``, backward or
+the optimizer's step stops every rank, and rank 0 writes the partial report (see docs/distributed.md).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +113,7 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
     ) -> None:
         super().__init__(every, format, log_every, log_modules, trackers, probe_options)
         self.output_dir, self.trainer, self.scaler = output_dir, trainer, scaler
+        self._wrapped: list[tuple[Any, str, Any]] = []  # (owner, name, its own attribute or _ABSENT) to put back
 
     def attach(self, trainer: Any) -> "Fp16ProbeCallback":
         """Add this callback to ``trainer`` (once); ``Trainer(callbacks=[...])`` works as well."""
@@ -144,6 +153,53 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
             # The Trainer tells a callback of no failure: torch runs this hook even when the forward
             # raises, so the failing rank joins the agreement from there (see fp16probe.integrations.guard).
             self.guard.hook_forward(model, self._after_forward)
+            # Outside the forward (compute_loss, backward, the optimizer step) nothing of the Trainer's
+            # runs on the way out; the Trainer's training_step and its optimizer's step do, when wrapped.
+            self._watch(self.trainer or _calling_trainer(self), kwargs.get("optimizer"))
+
+    def _watch(self, trainer: Any, optimizer: Any) -> None:
+        """Wrap ``trainer.training_step`` and ``optimizer.step`` (instance attributes, put back at the
+        end) so that what they raise stops every rank as a failing forward does."""
+        for owner, name in ((trainer, "training_step"), (optimizer, "step")):
+            call = getattr(owner, name, None) if owner is not None else None
+            if call is None:
+                continue
+            self._wrapped.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+            setattr(owner, name, self._guarded(call))
+
+    def _guarded(self, call: Any) -> Any:
+        @functools.wraps(call)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                self._on_failure(e)
+                raise
+        return guarded
+
+    def _on_failure(self, error: BaseException) -> None:
+        """Training raised on this rank: stop every rank with it (rank 0 writes what every rank finished,
+        or its own steps, marked), then remove every hook and wrapper, as Lightning's ``on_exception``."""
+        try:
+            self._failed(error)
+        except Exception as e:  # never mask the run's own failure with a bookkeeping one
+            warnings.warn(f"fp16probe could not settle the ranks after the failure: {e}", stacklevel=2)
+        self._unwatch()
+        if self.guard is not None:
+            self.guard.close()
+        self.live = None  # no final flush: it is a collective, and the run is failing
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None
+
+    def _unwatch(self) -> None:
+        """Put back what :meth:`_watch` wrapped."""
+        wrapped, self._wrapped = self._wrapped, []
+        for owner, name, own in reversed(wrapped):
+            if own is _ABSENT:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, own)
 
     def _after_forward(self, error: BaseException | None) -> None:
         """After each training forward (before backward): agree with the other ranks, or stop them with ``error``."""
@@ -158,6 +214,7 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Stop probing; merge ranks, analyse and write the report on the main process."""
+        self._unwatch()
         self._finish_ranks()
         probe = self._stop()
         if probe is None:
@@ -172,3 +229,21 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
         self.report = finish(probe, trainer="transformers", global_step=state.global_step,
                              is_main=state.is_world_process_zero, folder=self.output_dir or args.output_dir,
                              format=self.format, extra=self.extra)
+
+
+_ABSENT = object()
+
+
+def _calling_trainer(callback: Any) -> Any:
+    """The Trainer calling ``callback``'s event, found up the call stack, or None.
+
+    The Trainer hands its callbacks no reference to itself; the event's caller is its method.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, transformers.Trainer) and any(
+                c is callback for c in getattr(owner.callback_handler, "callbacks", ())):
+            return owner
+        frame = frame.f_back
+    return None

@@ -25,6 +25,13 @@ figures and an HTML report as artifacts instead):
   ``fp16probe/skipped_step`` (the step, the scale, the module whose gradient held inf/NaN first).
   MLflow keeps each text as the artifact ``fp16probe/skipped_step/step-<step>.txt``.
 
+A folder given to the MLflow export becomes an MLflow SQLite store: ``<folder>/mlflow.db`` (runs,
+metrics, texts) and ``<folder>/artifacts``, which MLflow 3 reads as it is
+(``MlflowClient(tracking_uri="sqlite:///<folder>/mlflow.db")``, ``mlflow ui --backend-store-uri``
+the same), where its file store (``./mlruns``) needs ``MLFLOW_ALLOW_FILE_STORE=true``. A folder
+that already holds a file store, or a ``file:`` URI, is written as a file store (the variable set
+for the export only); so is any folder under MLflow 2 without SQLAlchemy, which MLflow 2 reads.
+
 Every number comes from the report; the flushed fractions are exact sums of whole bins
 (see :class:`fp16probe.histogram.Histogram`). A step whose scale is not a power of two
 gets no ``..._at_scale_in_force`` value: there the bins cannot give it exactly.
@@ -556,18 +563,58 @@ def _open(to: str, dest: Any, *, run_name: str | None, project: str) -> Any:
         return _WandbSink(run, owned=True)
     mlflow = require("mlflow", "mlflow", "exporting to MLflow")
     uri = None if dest is None else _mlflow_uri(dest)
+    artifacts = None
+    if uri is not None and uri.startswith("sqlite:") and uri != os.fspath(dest):
+        # a folder: its own artifact root beside the database (MLflow's default is ./mlartifacts of the cwd)
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        artifacts = (Path(dest).absolute() / MLFLOW_ARTIFACTS).as_uri()
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(project)
-    experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(project)
+    experiment_id = (experiment.experiment_id if experiment is not None
+                     else client.create_experiment(project, artifact_location=artifacts))
     run = client.create_run(experiment_id, run_name=run_name)
     return _MlflowSink(client, run.info.run_id, owned=True)
 
 
+MLFLOW_DB = "mlflow.db"  # the SQLite store an export to a folder makes (what MLflow 3 reads by default)
+MLFLOW_ARTIFACTS = "artifacts"  # its artifact root, beside it
+
+
 def _mlflow_uri(dest: Any) -> str:
+    """The tracking URI for ``dest``: a URI as given; a folder's SQLite store, or its file store where
+    the folder already holds one (or MLflow 2 has no SQLAlchemy to write SQLite with)."""
     text = os.fspath(dest)
     if "://" in text or text.startswith(("file:", "databricks", "sqlite:")):
         return text
-    return Path(text).absolute().as_uri()
+    folder = Path(text).absolute()
+    if _is_file_store(folder) or not _sqlite_writable():
+        return folder.as_uri()
+    return "sqlite:///" + (folder / MLFLOW_DB).as_posix()
+
+
+def _is_file_store(folder: Path) -> bool:
+    """Whether ``folder`` already holds an MLflow file store (its trash folder, or an experiment's meta.yaml)."""
+    if (folder / ".trash").is_dir():
+        return True
+    return folder.is_dir() and any((c / "meta.yaml").is_file() for c in folder.iterdir() if c.is_dir())
+
+
+def _sqlite_writable() -> bool:
+    """Whether MLflow can write a SQLite store here; raise when MLflow 3 cannot (its file store needs an opt-in)."""
+    if all(importlib.util.find_spec(name) is not None for name in ("sqlalchemy", "alembic")):
+        return True
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = ""
+    for dist in ("mlflow", "mlflow-skinny"):
+        with contextlib.suppress(PackageNotFoundError):
+            found = found or version(dist)
+    if found and int(found.split(".")[0]) < 3:
+        return False  # MLflow 2 reads its file store without any opt-in
+    raise InputError(
+        f"exporting to an MLflow folder writes a SQLite store there (MLflow {found or '3'} reads a plain folder "
+        "only with MLFLOW_ALLOW_FILE_STORE=true), which needs SQLAlchemy and alembic: "
+        "pip install 'fp16probe[mlflow]'; or pass a tracking URI")
 
 
 # -- live logging --------------------------------------------------------------------------------
