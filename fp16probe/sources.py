@@ -34,6 +34,7 @@ __all__ = [
     "MXFP8_RECIPES",
     "MX_SPECIFICATION",
     "MICROSCALING",
+    "RL_FP16_MISMATCH",
     "NVFP4_PRETRAINING",
     "NVIDIA_GUIDE",
     "NVIDIA_GUIDE_URL",
@@ -68,3 +69,6 @@ MICROSCALING = Citation("Rouhani et al.", "Microscaling Data Formats for Deep Le
 MXFP8_RECIPES = Citation("Mishra et al.", "Recipes for Pre-training LLMs with MXFP8", arxiv="2506.08027")
 NVFP4_PRETRAINING = Citation("NVIDIA", "Pretraining Large Language Models with NVFP4", arxiv="2509.25149")
 BLOCK_FORMATS = (FP8_FORMATS, MX_SPECIFICATION, MICROSCALING, MXFP8_RECIPES, NVFP4_PRETRAINING)
+
+# the train-inference mismatch (capture.mismatch)
+RL_FP16_MISMATCH = Citation("Qi et al.", "Defeating the Training-Inference Mismatch via FP16", arxiv="2510.26788")
