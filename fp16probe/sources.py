@@ -27,6 +27,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "FP8_FORMATS",
     "GRADSCALER",
+    "GRPO",
     "MIXED_PRECISION_TRAINING",
     "MXFP8_RECIPES",
     "MX_SPECIFICATION",
@@ -61,3 +62,8 @@ MICROSCALING = Citation("Rouhani et al.", "Microscaling Data Formats for Deep Le
 MXFP8_RECIPES = Citation("Mishra et al.", "Recipes for Pre-training LLMs with MXFP8", arxiv="2506.08027")
 NVFP4_PRETRAINING = Citation("NVIDIA", "Pretraining Large Language Models with NVFP4", arxiv="2509.25149")
 BLOCK_FORMATS = (FP8_FORMATS, MX_SPECIFICATION, MICROSCALING, MXFP8_RECIPES, NVFP4_PRETRAINING)
+
+# RL post-training objectives (running.rl)
+GRPO = Citation("Shao et al.",
+                "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+                arxiv="2402.03300", note="group relative policy optimization (GRPO)")
