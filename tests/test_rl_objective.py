@@ -102,3 +102,37 @@ def test_real_fp16_grpo_step_on_a_causal_lm():
     scaler.update()
     assert scaler.get_scale() == 2.0 ** 10  # no inf/nan found: the step was taken
     assert GRPO.arxiv == "2402.03300"
+
+
+def _planted_gpt2(transformers):
+    """A tiny GPT-2, weights rounded through bf16 ("bf16-pretrained"), one MLP down-projection output past 65504."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        model.transformer.h[0].mlp.c_proj.bias[5] = 1.0e5  # a massive activation, exact in bf16's range
+    return model
+
+
+def _fp16_grpo_loss(model, ids, mask, adv):
+    with torch.no_grad():
+        old, _ = rl.token_logprobs(model(ids).logits.float(), ids)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logp, _ = rl.token_logprobs(model(ids).logits, ids)
+        return rl.policy_loss(logp, old.to(logp.dtype), adv, mask)
+
+
+def test_planted_activation_breaks_fp16_rl_loss_and_keep_in_fp32_fixes_it():
+    transformers = pytest.importorskip("transformers")
+    import fp16probe
+
+    model = _planted_gpt2(transformers)
+    ids = torch.randint(0, 64, (8, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(8, 9, dtype=torch.long)
+    mask[:, 3:] = 1
+    adv = rl.advantages(torch.randn(8, generator=torch.Generator().manual_seed(1)), 4)
+    assert not torch.isfinite(_fp16_grpo_loss(model, ids, mask, adv))
+    fp16probe.keep_in_fp32(model, ["transformer.h.0.mlp.c_proj"], device_type="cpu")
+    assert torch.isfinite(_fp16_grpo_loss(model, ids, mask, adv))
