@@ -29,6 +29,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "FP8_FORMATS",
     "GRADSCALER",
+    "GRPO",
     "INTERVAL_STUDY",
     "MIXED_PRECISION_TRAINING",
     "MXFP8_RECIPES",
@@ -72,3 +73,7 @@ BLOCK_FORMATS = (FP8_FORMATS, MX_SPECIFICATION, MICROSCALING, MXFP8_RECIPES, NVF
 
 # the train-inference mismatch (capture.mismatch)
 RL_FP16_MISMATCH = Citation("Qi et al.", "Defeating the Training-Inference Mismatch via FP16", arxiv="2510.26788")
+# RL post-training objectives (running.rl)
+GRPO = Citation("Shao et al.",
+                "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+                arxiv="2402.03300", note="group relative policy optimization (GRPO)")
