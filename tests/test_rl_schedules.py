@@ -130,13 +130,25 @@ def _sharded_kwargs(line: str) -> dict[str, float]:
             for k in call.keywords}
 
 
-def test_the_printed_sharded_grad_scaler_line_builds_one_that_steps_as_the_replay():
+def test_the_printed_sharded_grad_scaler_line_builds_one_that_steps_as_the_replay(tmp_path):
     rule = dict(FRAMEWORK_RULES)[VERL]
     line = sharded_grad_scaler_call(rule.to_dict())
     assert line is not None and line.startswith("from torch.distributed.fsdp.sharded_grad_scaler import")
     kwargs = _sharded_kwargs(line)
     assert set(kwargs) <= SHARDED_GRAD_SCALER_ARGS <= set(inspect.signature(ShardedGradScaler).parameters)
-    scaler = ShardedGradScaler("cpu", **kwargs)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        scales = _step_sharded(ShardedGradScaler("cpu", **kwargs))
+    finally:
+        dist.destroy_process_group()
+    # one backoff at step 10, then growth every 400 clean steps: what verl's rule replays
+    assert scales[10] == 2.0**15 and scales[410] == 2.0**16 and scales[810] == 2.0**17
+    assert scales[409] == 2.0**15 and scales[809] == 2.0**16
+
+
+def _step_sharded(scaler: ShardedGradScaler) -> list[float]:
     p = nn.Parameter(torch.ones(1))
     opt = torch.optim.SGD([p], lr=0.0)
     scales = []
@@ -146,9 +158,7 @@ def test_the_printed_sharded_grad_scaler_line_builds_one_that_steps_as_the_repla
         scaler.update()
         scales.append(scaler.get_scale())
         opt.zero_grad()
-    # one backoff at step 10, then growth every 400 clean steps: what verl's rule replays
-    assert scales[10] == 2.0**15 and scales[410] == 2.0**16 and scales[810] == 2.0**17
-    assert scales[409] == 2.0**15 and scales[809] == 2.0**16
+    return scales
 
 
 def test_every_framework_gets_a_form_or_a_reason():
