@@ -25,6 +25,12 @@ from fp16probe.recommendation import GRADSCALER_DEFAULTS, Citation
 
 __all__ = [
     "BLOCK_FORMATS",
+    "DEEPSPEED_SCALER",
+    "FRAMEWORK_SOURCES",
+    "FP16_RL",
+    "MEGATRON_SCALER",
+    "RELAX_SCALER",
+    "VERL_SCALER",
     "FP8_FORMATS",
     "GRADSCALER",
     "MIXED_PRECISION_TRAINING",
@@ -61,3 +67,20 @@ MICROSCALING = Citation("Rouhani et al.", "Microscaling Data Formats for Deep Le
 MXFP8_RECIPES = Citation("Mishra et al.", "Recipes for Pre-training LLMs with MXFP8", arxiv="2506.08027")
 NVFP4_PRETRAINING = Citation("NVIDIA", "Pretraining Large Language Models with NVFP4", arxiv="2509.25149")
 BLOCK_FORMATS = (FP8_FORMATS, MX_SPECIFICATION, MICROSCALING, MXFP8_RECIPES, NVFP4_PRETRAINING)
+
+# The RL frameworks' shipped loss scalers (analysis.schedule.FRAMEWORK_RULES)
+FP16_RL = Citation("Qi et al.", "Defeating the Training-Inference Mismatch via FP16", arxiv="2510.26788")
+VERL_SCALER = Citation("verl", "FSDP ShardedGradScaler(growth_interval=400) for fp16 (PR #4036)",
+                       url="https://github.com/volcengine/verl/pull/4036", note="the FP16 paper's own patch")
+DEEPSPEED_SCALER = Citation(
+    "DeepSpeed", "deepspeed/runtime/fp16/loss_scaler.py and the fp16 config options",
+    url="https://www.deepspeed.ai/docs/config-json/#fp16-training-options",
+    note="initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1; Oat uses it as shipped")
+MEGATRON_SCALER = Citation(
+    "NVIDIA", "Megatron-LM megatron/training/arguments.py and megatron/core/optimizer/grad_scaler.py",
+    url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/training/arguments.py",
+    note="initial loss scale 2^32, window 1000, hysteresis 2, min 1")
+RELAX_SCALER = Citation("Relax", "initial_loss_scale=32768, min_loss_scale=1 on Megatron's scaler",
+                        note="not checked against Relax's source here; window and hysteresis are Megatron's defaults")
+FRAMEWORK_SOURCES = {"verl": VERL_SCALER, "deepspeed": DEEPSPEED_SCALER, "megatron": MEGATRON_SCALER,
+                     "relax": RELAX_SCALER}

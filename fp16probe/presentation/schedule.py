@@ -14,7 +14,7 @@ from fp16probe.analysis.schedule import DEFAULTS, OWN, ScheduleNote, ScheduleRow
 from fp16probe.formatting import count, percent
 from fp16probe.presentation.paste import FRAMEWORKS, framework_settings
 
-__all__ = ["RULE_LABELS", "framework_snippets", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
+__all__ = ["RULE_LABELS", "framework_snippets", "framework_sources", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
 
 RULE_LABELS = {DEFAULTS: "GradScaler defaults", OWN: "this run's settings"}
 REFERENCES = {"shadow": "the fp32 shadow reruns", "fp32_run": "the run's own fp32 steps"}
@@ -102,6 +102,14 @@ _CANNOT = {
 }
 
 
+def framework_sources() -> list[str]:
+    """Where the frameworks' shipped rules in the table come from, one cited line each."""
+    from fp16probe.presentation.cite import cite
+    from fp16probe.sources import FRAMEWORK_SOURCES, FP16_RL
+
+    return [cite(c) for c in (*FRAMEWORK_SOURCES.values(), FP16_RL)]
+
+
 def framework_snippets(table: ScheduleTable, device: str = "cuda") -> dict[str, Any]:
     """The best rule written in each framework's own form, or why that form cannot express it.
 
@@ -128,5 +136,5 @@ def schedule_dict(table: ScheduleTable) -> dict[str, Any]:
         "flush_reference": _reference(table.flush_reference), "answer": schedule_answer(table),
         "best": rule_label(table.best), "defaults_fine": table.defaults_fine,
         "notes": [note_text(n) for n in table.notes],
-        "frameworks": framework_snippets(table),
+        "frameworks": framework_snippets(table), "framework_sources": framework_sources(),
     }
