@@ -174,7 +174,7 @@ def _rule(rule: Mapping[str, Any]) -> dict[str, Any] | None:
     return r
 
 
-def sharded_grad_scaler_call(rule: Mapping[str, Any]) -> str | None:
+def sharded_grad_scaler_call(rule: Mapping[str, Any], width: int | None = None) -> str | None:
     """FSDP's ``ShardedGradScaler(...)`` line (verl's scaler) for a rule, with its import; None when it does not fit.
 
     ShardedGradScaler takes GradScaler's four scale arguments; a rule with hysteresis or a floor
@@ -189,7 +189,7 @@ def sharded_grad_scaler_call(rule: Mapping[str, Any]) -> str | None:
     if args is None:
         return None
     return ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
-            "scaler = ShardedGradScaler(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")")
+            + call_text("scaler = ShardedGradScaler", [f"{k}={v}" for k, v in args.items()], width))
 
 
 def _power_of_two(x: float) -> int | None:
@@ -233,7 +233,8 @@ def megatron_flags(rule: Mapping[str, Any]) -> str | None:
             f"--min-loss-scale {_json_number(float(r['min_scale']))}")
 
 
-def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "cuda") -> str | None:
+def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "cuda",
+                       width: int | None = None) -> str | None:
     """A rule written in ``framework``'s own form (one of :data:`FRAMEWORKS`); None when that form cannot express it.
 
     ``torch``: a ``torch.amp.GradScaler`` line; ``verl``: FSDP's ``ShardedGradScaler``;
@@ -245,9 +246,9 @@ def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "c
             return None
         return grad_scaler_call({"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
                                  "backoff_factor": float(r["backoff_factor"]),
-                                 "growth_interval": int(r["growth_interval"])}, device)
+                                 "growth_interval": int(r["growth_interval"])}, device, width)
     if framework == "verl":
-        return sharded_grad_scaler_call(rule)
+        return sharded_grad_scaler_call(rule, width)
     if framework == "deepspeed":
         return deepspeed_fp16_block(rule)
     if framework == "megatron":

@@ -110,14 +110,14 @@ def framework_sources() -> list[str]:
     return [cite(c) for c in (*FRAMEWORK_SOURCES.values(), FP16_RL)]
 
 
-def framework_snippets(table: ScheduleTable, device: str = "cuda") -> dict[str, Any]:
+def framework_snippets(table: ScheduleTable, device: str = "cuda", width: int | None = None) -> dict[str, Any]:
     """The best rule written in each framework's own form, or why that form cannot express it.
 
     Returns ``{"rule": label, "settings": {framework: text or None}, "cannot": {framework: reason}}``
     over :data:`fp16probe.presentation.paste.FRAMEWORKS`; every text comes from paste.py's checked builders.
     """
     rule = table.row(table.best).rule
-    settings = {fw: framework_settings(rule, fw, device) for fw in FRAMEWORKS}
+    settings = {fw: framework_settings(rule, fw, device, width) for fw in FRAMEWORKS}
     return {"rule": rule_label(table.best), "settings": settings,
             "cannot": {fw: _CANNOT[fw] for fw, text in settings.items() if text is None}}
 

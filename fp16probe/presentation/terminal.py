@@ -425,7 +425,7 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
     yield from _para(schedule_answer(table), width)
     for note in table.notes:
         yield from _para(note_text(note), width, "yellow")
-    snippets = framework_snippets(table)
+    snippets = framework_snippets(table, width=width)
     yield from _lines(["", f"{snippets['rule']} in each framework's own form:"])
     for fw, text in snippets["settings"].items():
         if text is None:
