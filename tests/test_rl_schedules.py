@@ -28,7 +28,7 @@ from fp16probe.presentation.paste import (deepspeed_fp16_block, framework_settin
 from fp16probe.presentation.schedule import framework_snippets, schedule_dict
 
 STEPS = 480
-VERL = "verl (growth_interval 400)"
+VERL = "verl (interval 400)"
 
 # The documented option names, copied from each framework's documentation (golden data).
 # DeepSpeed: https://www.deepspeed.ai/docs/config-json/#fp16-training-options

@@ -63,8 +63,8 @@ MEGATRON = ScalerRule(init_scale=2.0**32, growth_interval=1000, hysteresis=2, mi
 # keeps Megatron's window and hysteresis. Oat uses DeepSpeed's stock scaler (DEEPSPEED).
 VERL = ScalerRule(growth_interval=400)
 RELAX = ScalerRule(init_scale=2.0**15, growth_interval=1000, hysteresis=2, min_scale=1.0)
-FRAMEWORK_RULES = (("verl (growth_interval 400)", VERL), ("DeepSpeed (hysteresis 2)", DEEPSPEED),
-                   ("Megatron (hysteresis 2)", MEGATRON), ("Relax (init 2^15, hysteresis 2)", RELAX))
+FRAMEWORK_RULES = (("verl (interval 400)", VERL), ("DeepSpeed (hysteresis 2)", DEEPSPEED),
+                   ("Megatron (hysteresis 2)", MEGATRON), ("Relax (hysteresis 2)", RELAX))
 
 
 @dataclass(frozen=True)
