@@ -27,6 +27,12 @@ from fp16probe.recommendation import GRADSCALER_DEFAULTS, Citation
 
 __all__ = [
     "BLOCK_FORMATS",
+    "DEEPSPEED_SCALER",
+    "FRAMEWORK_SOURCES",
+    "FP16_RL",
+    "MEGATRON_SCALER",
+    "RELAX_SCALER",
+    "VERL_SCALER",
     "FP8_FORMATS",
     "GRADSCALER",
     "GRPO",
@@ -77,3 +83,19 @@ RL_FP16_MISMATCH = Citation("Qi et al.", "Defeating the Training-Inference Misma
 GRPO = Citation("Shao et al.",
                 "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
                 arxiv="2402.03300", note="group relative policy optimization (GRPO)")
+# The RL frameworks' shipped loss scalers (analysis.schedule.FRAMEWORK_RULES)
+FP16_RL = RL_FP16_MISMATCH  # the same work, named for the schedule's framework rows
+VERL_SCALER = Citation("verl", "FSDP ShardedGradScaler(growth_interval=400) for fp16 (PR #4036)",
+                       url="https://github.com/volcengine/verl/pull/4036", note="the FP16 paper's own patch")
+DEEPSPEED_SCALER = Citation(
+    "DeepSpeed", "deepspeed/runtime/fp16/loss_scaler.py and the fp16 config options",
+    url="https://www.deepspeed.ai/docs/config-json/#fp16-training-options",
+    note="initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1; Oat uses it as shipped")
+MEGATRON_SCALER = Citation(
+    "NVIDIA", "Megatron-LM megatron/training/arguments.py and megatron/core/optimizer/grad_scaler.py",
+    url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/training/arguments.py",
+    note="initial loss scale 2^32, window 1000, hysteresis 2, min 1")
+RELAX_SCALER = Citation("Relax", "initial_loss_scale=32768, min_loss_scale=1 on Megatron's scaler",
+                        note="not checked against Relax's source here; window and hysteresis are Megatron's defaults")
+FRAMEWORK_SOURCES = {"verl": VERL_SCALER, "deepspeed": DEEPSPEED_SCALER, "megatron": MEGATRON_SCALER,
+                     "relax": RELAX_SCALER}

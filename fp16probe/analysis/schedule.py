@@ -47,7 +47,7 @@ from fp16probe.histogram import Histogram
 from fp16probe.recommendation import GRADSCALER_DEFAULTS
 from fp16probe.report import Report, StepHistory
 
-__all__ = ["DEFAULTS", "OWN", "ScheduleNote", "ScheduleRow", "ScheduleTable", "candidate_rules", "judge_schedules"]
+__all__ = ["DEFAULTS", "FRAMEWORK_RULES", "OWN", "ScheduleNote", "ScheduleRow", "ScheduleTable", "candidate_rules", "judge_schedules"]
 
 # The names of the two rules every table starts with (fp16probe.presentation.schedule labels them);
 # the grid's names say their settings ("interval 500"), DeepSpeed's and Megatron's their source.
@@ -59,6 +59,13 @@ GRID_FACTORS = ((2.0, 0.25), (4.0, 0.5))  # beside x2/x0.5, at the run's own int
 # DeepSpeed's and Megatron's dynamic loss scalers (their defaults: REFERENCE.md, from their sources).
 DEEPSPEED = ScalerRule(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
 MEGATRON = ScalerRule(init_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0)
+# The RL frameworks' shipped settings (REFERENCE.md): verl builds ShardedGradScaler(growth_interval=400)
+# with GradScaler's other defaults; Relax passes Megatron initial_loss_scale=32768, min_loss_scale=1 and
+# keeps Megatron's window and hysteresis. Oat uses DeepSpeed's stock scaler (DEEPSPEED).
+VERL = ScalerRule(growth_interval=400)
+RELAX = ScalerRule(init_scale=2.0**15, growth_interval=1000, hysteresis=2, min_scale=1.0)
+FRAMEWORK_RULES = (("verl (interval 400)", VERL), ("DeepSpeed (hysteresis 2)", DEEPSPEED),
+                   ("Megatron (hysteresis 2)", MEGATRON), ("Relax (hysteresis 2)", RELAX))
 
 
 @dataclass(frozen=True)
@@ -132,12 +139,12 @@ class ScheduleTable:
 
 
 def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tuple[str, ScalerRule]]:
-    """The rules to judge: GradScaler's defaults, the run's own, a grid, DeepSpeed's and Megatron's.
+    """The rules to judge: GradScaler's defaults, the run's own, a grid, and the frameworks' shipped rules.
 
     The grid starts from the run's first scale: growth_interval 100, 500, 2000 and a quarter and
     four times the run's own (growth x2, backoff x0.5), and at the run's own interval (else 2000)
-    growth x2 with backoff x0.25 ("/x4") and growth x4 with backoff x0.5. DeepSpeed's and
-    Megatron's rules start from their own default initial scales.
+    growth x2 with backoff x0.25 ("/x4") and growth x4 with backoff x0.5. The frameworks' rules
+    (:data:`FRAMEWORK_RULES`: verl, DeepSpeed, Megatron, Relax) start from their own initial scales.
     """
     out: list[tuple[str, ScalerRule]] = [(DEFAULTS, ScalerRule())]
     own_interval = None
@@ -154,8 +161,7 @@ def candidate_rules(run: Mapping[str, Any] | None, init_scale: float) -> list[tu
     at = own_interval if own_interval is not None else int(GRADSCALER_DEFAULTS["growth_interval"])
     for gf, bf in GRID_FACTORS:
         out.append((f"interval {at} x{gf:g} /x{1 / bf:g}", ScalerRule(init_scale, gf, bf, at)))
-    out.append(("DeepSpeed (hysteresis 2)", DEEPSPEED))
-    out.append(("Megatron (hysteresis 2)", MEGATRON))
+    out.extend(FRAMEWORK_RULES)
     return out
 
 

@@ -17,6 +17,7 @@ split at dots into adjacent string literals, which Python joins back into the on
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 from typing import Any, Mapping, Sequence, Union
@@ -24,7 +25,8 @@ from typing import Any, Mapping, Sequence, Union
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import AUTOCAST_TARGETS, SCALER_DEVICES, check_grad_scaler_kwargs
 
-__all__ = ["Arg", "call_text", "grad_scaler_args", "grad_scaler_call", "keep_in_fp32_call", "string_literal"]
+__all__ = ["FRAMEWORKS", "Arg", "call_text", "deepspeed_fp16_block", "framework_settings", "grad_scaler_args",
+           "grad_scaler_call", "keep_in_fp32_call", "megatron_flags", "sharded_grad_scaler_call", "string_literal"]
 
 Arg = Union[str, tuple[str, ...]]
 """An argument already written as Python: an expression, or the items of a list literal."""
@@ -149,3 +151,106 @@ def _pieces(literal: str, room: int) -> list[str]:
     if current or not out:
         out.append(current)
     return [repr(p) for p in out]
+
+
+FRAMEWORKS = ("torch", "verl", "deepspeed", "megatron")
+"""The frameworks whose own form of a loss-scaling rule :func:`framework_settings` writes."""
+
+_RULE_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
+
+
+def _rule(rule: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A replayed rule's fields, checked: finite positive numbers, integer interval and hysteresis; None otherwise."""
+    try:
+        r = {k: rule[k] for k in _RULE_KEYS}
+    except (KeyError, TypeError):
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in r.values()):
+        return None
+    if (r["init_scale"] <= 0 or r["growth_factor"] <= 1 or not 0 <= r["backoff_factor"] < 1 or r["min_scale"] < 0
+            or int(r["growth_interval"]) != r["growth_interval"] or r["growth_interval"] < 1
+            or int(r["hysteresis"]) != r["hysteresis"] or r["hysteresis"] < 1):
+        return None
+    return r
+
+
+def sharded_grad_scaler_call(rule: Mapping[str, Any], width: int | None = None) -> str | None:
+    """FSDP's ``ShardedGradScaler(...)`` line (verl's scaler) for a rule, with its import; None when it does not fit.
+
+    ShardedGradScaler takes GradScaler's four scale arguments; a rule with hysteresis or a floor
+    cannot be written in it (None).
+    """
+    r = _rule(rule)
+    if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0:
+        return None
+    kwargs = {"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
+              "backoff_factor": float(r["backoff_factor"]), "growth_interval": int(r["growth_interval"])}
+    args = grad_scaler_args(kwargs)
+    if args is None:
+        return None
+    return ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+            + call_text("scaler = ShardedGradScaler", [f"{k}={v}" for k, v in args.items()], width))
+
+
+def _power_of_two(x: float) -> int | None:
+    e = math.log2(x)
+    return int(e) if e.is_integer() else None
+
+
+def deepspeed_fp16_block(rule: Mapping[str, Any]) -> str | None:
+    """DeepSpeed's ``"fp16"`` config block (dynamic scaling: ``loss_scale`` 0) as JSON; None when it does not fit.
+
+    DeepSpeed's config grows by x2 and backs off by /2 only, and its initial scale is a power of
+    two (``initial_scale_power``): other rules are None.
+    """
+    r = _rule(rule)
+    if r is None or r["growth_factor"] != 2 or r["backoff_factor"] != 0.5:
+        return None
+    power = _power_of_two(float(r["init_scale"]))
+    if power is None or power < 0:
+        return None
+    block = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": power,
+                      "loss_scale_window": int(r["growth_interval"]), "hysteresis": int(r["hysteresis"]),
+                      "min_loss_scale": _json_number(float(r["min_scale"]))}}
+    return json.dumps(block, indent=2)
+
+
+def _json_number(x: float) -> int | float:
+    return int(x) if x.is_integer() else x
+
+
+def megatron_flags(rule: Mapping[str, Any]) -> str | None:
+    """Megatron-LM's command-line flags for a rule; None when it does not fit.
+
+    Megatron's dynamic scaler grows by x2 and backs off by /2 (fixed in its training set-up), so
+    other factors are None.
+    """
+    r = _rule(rule)
+    if r is None or r["growth_factor"] != 2 or r["backoff_factor"] != 0.5:
+        return None
+    return (f"--fp16 --initial-loss-scale {_json_number(float(r['init_scale']))} "
+            f"--loss-scale-window {int(r['growth_interval'])} --hysteresis {int(r['hysteresis'])} "
+            f"--min-loss-scale {_json_number(float(r['min_scale']))}")
+
+
+def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "cuda",
+                       width: int | None = None) -> str | None:
+    """A rule written in ``framework``'s own form (one of :data:`FRAMEWORKS`); None when that form cannot express it.
+
+    ``torch``: a ``torch.amp.GradScaler`` line; ``verl``: FSDP's ``ShardedGradScaler``;
+    ``deepspeed``: the ``"fp16"`` config block; ``megatron``: command-line flags.
+    """
+    if framework == "torch":
+        r = _rule(rule)
+        if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0:
+            return None
+        return grad_scaler_call({"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
+                                 "backoff_factor": float(r["backoff_factor"]),
+                                 "growth_interval": int(r["growth_interval"])}, device, width)
+    if framework == "verl":
+        return sharded_grad_scaler_call(rule, width)
+    if framework == "deepspeed":
+        return deepspeed_fp16_block(rule)
+    if framework == "megatron":
+        return megatron_flags(rule)
+    return None

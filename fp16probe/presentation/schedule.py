@@ -12,9 +12,10 @@ from typing import Any
 
 from fp16probe.analysis.schedule import DEFAULTS, OWN, ScheduleNote, ScheduleRow, ScheduleTable
 from fp16probe.formatting import count, percent
+from fp16probe.presentation.paste import FRAMEWORKS, framework_settings
 from fp16probe.presentation.verdict import study_words
 
-__all__ = ["RULE_LABELS", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
+__all__ = ["RULE_LABELS", "framework_snippets", "framework_sources", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
 
 RULE_LABELS = {DEFAULTS: "GradScaler defaults", OWN: "this run's settings"}
 REFERENCES = {"shadow": "the fp32 shadow reruns", "fp32_run": "the run's own fp32 steps"}
@@ -96,6 +97,37 @@ def note_text(note: ScheduleNote) -> str:
     return _NOTES[note.code](note.data)
 
 
+FRAMEWORK_FORMS = {"torch": "torch.amp.GradScaler", "verl": "verl (FSDP ShardedGradScaler)",
+                   "deepspeed": 'DeepSpeed config "fp16" block', "megatron": "Megatron-LM flags"}
+_CANNOT = {
+    "torch": "GradScaler has no hysteresis and no floor on the scale",
+    "verl": "ShardedGradScaler has GradScaler's arguments only: no hysteresis, no floor on the scale",
+    "deepspeed": "DeepSpeed's config grows x2 and backs off /2 only, from a power-of-two initial scale "
+                 "(initial_scale_power)",
+    "megatron": "Megatron's dynamic scaler grows x2 and backs off /2 only",
+}
+
+
+def framework_sources() -> list[str]:
+    """Where the frameworks' shipped rules in the table come from, one cited line each."""
+    from fp16probe.presentation.cite import cite
+    from fp16probe.sources import FRAMEWORK_SOURCES, FP16_RL
+
+    return [cite(c) for c in (*FRAMEWORK_SOURCES.values(), FP16_RL)]
+
+
+def framework_snippets(table: ScheduleTable, device: str = "cuda", width: int | None = None) -> dict[str, Any]:
+    """The best rule written in each framework's own form, or why that form cannot express it.
+
+    Returns ``{"rule": label, "settings": {framework: text or None}, "cannot": {framework: reason}}``
+    over :data:`fp16probe.presentation.paste.FRAMEWORKS`; every text comes from paste.py's checked builders.
+    """
+    rule = table.row(table.best).rule
+    settings = {fw: framework_settings(rule, fw, device, width) for fw in FRAMEWORKS}
+    return {"rule": rule_label(table.best), "settings": settings,
+            "cannot": {fw: _CANNOT[fw] for fw, text in settings.items() if text is None}}
+
+
 def schedule_dict(table: ScheduleTable) -> dict[str, Any]:
     """Return the table as the JSON ``fp16probe schedule --json`` prints: rule labels, the answer and notes worded."""
     rows = []
@@ -110,4 +142,5 @@ def schedule_dict(table: ScheduleTable) -> dict[str, Any]:
         "flush_reference": _reference(table.flush_reference), "answer": schedule_answer(table),
         "best": rule_label(table.best), "defaults_fine": table.defaults_fine,
         "notes": [note_text(n) for n in table.notes],
+        "frameworks": framework_snippets(table), "framework_sources": framework_sources(),
     }

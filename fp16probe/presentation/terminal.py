@@ -23,7 +23,7 @@ from fp16probe import formatting as num
 from fp16probe.presentation import escape
 from fp16probe.presentation.escape import GuardedStream
 from fp16probe.presentation.gate import check_message, warning_texts
-from fp16probe.presentation.schedule import note_text, rule_label, schedule_answer
+from fp16probe.presentation.schedule import FRAMEWORK_FORMS, framework_snippets, framework_sources, note_text, rule_label, schedule_answer
 from fp16probe.presentation.cite import cite
 from fp16probe.presentation.verdict import replay_table
 from fp16probe.presentation.answer import (
@@ -425,6 +425,16 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
     yield from _para(schedule_answer(table), width)
     for note in table.notes:
         yield from _para(note_text(note), width, "yellow")
+    snippets = framework_snippets(table, width=width)
+    yield from _lines(["", f"{snippets['rule']} in each framework's own form:"])
+    for fw, text in snippets["settings"].items():
+        if text is None:
+            yield from _para(f"{FRAMEWORK_FORMS[fw]}: cannot be written ({snippets['cannot'][fw]})", width, "dim")
+        else:
+            yield from _lines([f"{FRAMEWORK_FORMS[fw]}:"] + text.split("\n"))
+    yield from _lines(["", "the frameworks' shipped rules, from:"], "dim")
+    for line in framework_sources():
+        yield from _para(line, width, "dim", "  ")
 
 
 def print_schedule(console: Any, table: Any) -> None:
