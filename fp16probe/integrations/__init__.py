@@ -7,6 +7,8 @@ The frameworks are optional extras, imported only when a callback module is impo
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,20 @@ class ProbeCallback:
         if settled is not None and hasattr(error, "add_note"):
             # The framework raises its own error (a collective's timeout, say); the note names the failing rank.
             error.add_note(f"fp16probe: {settled}")
+
+    def _stop_after_failure(self, error: BaseException) -> None:
+        """Training raised on this rank: settle the ranks (:meth:`_failed`), then stop probing; never masks the
+        run's own failure with a bookkeeping one, and makes no final flush (a collective, and the run is failing)."""
+        try:
+            self._failed(error)
+        except Exception as e:
+            warnings.warn(f"fp16probe could not settle the ranks after the failure: {e}", stacklevel=3)
+        if self.guard is not None:
+            self.guard.close()
+        self.live = None
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None
 
     def _finish_ranks(self) -> None:
         """At the end of training: agree that every rank finished; raise the failing rank's error if one did not."""

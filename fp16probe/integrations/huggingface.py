@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -181,16 +180,9 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
         """Training raised on this rank: stop every rank with it (rank 0 writes what every rank finished,
         or its own steps, marked), then remove every hook and wrapper, as Lightning's ``on_exception``."""
         try:
-            self._failed(error)
-        except Exception as e:  # never mask the run's own failure with a bookkeeping one
-            warnings.warn(f"fp16probe could not settle the ranks after the failure: {e}", stacklevel=2)
-        self._unwatch()
-        if self.guard is not None:
-            self.guard.close()
-        self.live = None  # no final flush: it is a collective, and the run is failing
-        if self.probe is not None:
-            self.probe.stop()
-            self.probe = None
+            self._stop_after_failure(error)
+        finally:
+            self._unwatch()
 
     def _unwatch(self) -> None:
         """Put back what :meth:`_watch` wrapped."""

@@ -14,7 +14,6 @@ the plugin's scaler and every histogram is of the unscaled gradients.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,16 +104,7 @@ class Fp16ProbeCallback(ProbeCallback, pl.Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Stop probing and remove every hook when training fails; under torch.distributed, stop every rank
         with this failure (rank 0 writes the report of the steps every rank finished)."""
-        try:
-            self._failed(exception)
-        except Exception as e:  # never mask the run's own failure with a bookkeeping one
-            warnings.warn(f"fp16probe could not settle the ranks after the failure: {e}", stacklevel=2)
-        if self.guard is not None:
-            self.guard.close()
-        self.live = None  # no final flush: it is a collective, and the run is failing
-        if self.probe is not None:
-            self.probe.stop()
-            self.probe = None
+        self._stop_after_failure(exception)
 
 
 def _quiet_training_step(pl_module: Any, batch: Any, batch_idx: int) -> Any:
