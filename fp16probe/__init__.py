@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from fp16probe.analysis.gate import GateResult, GateThresholds, compare_reports
     from fp16probe.analysis.whatif import WhatIfRow, WhatIfTable, what_if
     from fp16probe.analysis.replay import ReplayResult, replay_scaler, simulate
-    from fp16probe.capture.mismatch import MismatchResult, measure_mismatch
+    from fp16probe.running.mismatch import MismatchResult, measure_mismatch
     from fp16probe.capture.probe import Probe
     from fp16probe.formats import FORMATS, Format, get_format
     from fp16probe.presentation.trackers import export
@@ -49,7 +49,7 @@ _LAZY = {
     "weight_update_loss": "fp16probe.analysis.weight_updates",
     **dict.fromkeys(("WhatIfRow", "WhatIfTable", "what_if"), "fp16probe.analysis.whatif"),
     **dict.fromkeys(("ReplayResult", "replay_scaler", "simulate"), "fp16probe.analysis.replay"),
-    **dict.fromkeys(("MismatchResult", "measure_mismatch"), "fp16probe.capture.mismatch"),
+    **dict.fromkeys(("MismatchResult", "measure_mismatch"), "fp16probe.running.mismatch"),
     "Probe": "fp16probe.capture.probe",
     **dict.fromkeys(("FORMATS", "Format", "get_format"), "fp16probe.formats"),
     "export": "fp16probe.presentation.trackers",

@@ -77,7 +77,7 @@ MXFP8_RECIPES = Citation("Mishra et al.", "Recipes for Pre-training LLMs with MX
 NVFP4_PRETRAINING = Citation("NVIDIA", "Pretraining Large Language Models with NVFP4", arxiv="2509.25149")
 BLOCK_FORMATS = (FP8_FORMATS, MX_SPECIFICATION, MICROSCALING, MXFP8_RECIPES, NVFP4_PRETRAINING)
 
-# the train-inference mismatch (capture.mismatch)
+# the train-inference mismatch (running.mismatch)
 RL_FP16_MISMATCH = Citation("Qi et al.", "Defeating the Training-Inference Mismatch via FP16", arxiv="2510.26788")
 # RL post-training objectives (running.rl)
 GRPO = Citation("Shao et al.",

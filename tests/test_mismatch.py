@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from fp16probe.capture.mismatch import measure_mismatch
+from fp16probe.running.mismatch import measure_mismatch
 from fp16probe.running.fixes import keep_in_fp32
 
 transformers = pytest.importorskip("transformers")
