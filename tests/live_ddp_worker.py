@@ -51,6 +51,7 @@ def main(out: Path) -> None:
     if rank() == 0:
         merged.save(out / "merged.json")
         (out / "reports.txt").write_text(str(live.reports))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -98,6 +98,7 @@ def main(out: Path, how: str) -> None:
     merged = gather_report(probe)
     if rank() == 0:
         merged.save(out / "merged.json")
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -78,9 +78,9 @@ def test_every_page_with_commands_is_found():
     readme = commands(ROOT / "README.md")
     # the quick start, exactly as a newcomer copies it
     assert 'pip install torch==2.13.0 -e ".[dev]" && fp16probe profile' in readme
-    assert "python -m pytest -q" in readme  # the whole suite, the command .ci/run runs:
-    assert "python3 -m pytest -q\n" in (ROOT / ".ci" / "run").read_text()
-    assert 'python -m pytest -q -m "not slow"' in readme  # the fast tier a newcomer can wait for
+    assert "python -m pytest -q -n auto" in readme  # the whole suite, the command .ci/run runs:
+    assert "python3 -m pytest -q -n auto\n" in (ROOT / ".ci" / "run").read_text()
+    assert 'python -m pytest -q -n auto -m "not slow"' in readme  # the fast tier a newcomer can wait for
 
 
 def test_usage_lines_name_real_commands_and_options():
