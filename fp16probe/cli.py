@@ -167,7 +167,7 @@ ReportArg = Annotated[Path, typer.Argument(help="A report written by fp16probe p
 PARAMETER_FLAGS = {
     "batches": "--batches", "device": "--device", "format": "--format", "granularity": "--granularity",
     "input_dtype": "--input-dtype", "input_shape": "--input-shape", "kind": "--kind", "loss": "--loss",
-    "loss_fn": "--loss", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
+    "loss_fn": "--loss", "objective": "--objective", "loss_scale": "--loss-scale", "lr": "--lr", "modules": "--modules",
     "optimizer": "--optimizer", "plot": "--plot", "precision": "--precision", "recipe": "--recipe",
     "scaler": "--loss-scale", "seed": "--seed", "steps": "--steps", "trust_checkpoint": "--trust-checkpoint",
     "trust_remote_code": "--trust-remote-code", "verify": "--verify", "target": "--target", "trial": "--trial",
@@ -301,6 +301,7 @@ def profile(
     vocab_size: Annotated[Optional[int], typer.Option(min=1, help="Range of synthetic integer ids (default: the model config's).")] = None,
     batches: Annotated[Optional[str], typer.Option(help="package.module:function returning an iterable of real batches.")] = None,
     loss: Annotated[Optional[str], typer.Option(help="A built-in loss (cross_entropy, nll, bce_with_logits, mse, l1, smooth_l1: against the batch's targets, else random ones) or package.module:function(output, batch) returning a scalar. Default: the model family's own loss (see the README).")] = None,
+    objective: Annotated[Optional[Literal["grpo", "ppo"]], typer.Option(help="An RL post-training loss instead of the model's own, for a causal LM: before the run, completions are sampled from the model (the first half of each batch's token ids as prompts, 4 completions each), then each step takes the clipped policy-gradient loss on them (grpo: group-normalised advantages, k3 KL x 0.001; ppo: the batch's mean reward as baseline), with synthetic rewards (docs/rl.md).")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Forward+backward passes to profile.")] = 10,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where to run.")] = "auto",
     precision: Annotated[Literal["fp32", "fp16", "bf16"], typer.Option(help="fp32 reference, or autocast fp16/bf16.")] = "fp32",
@@ -343,7 +344,7 @@ def profile(
         request = ProfileRequest(
             model=model, weights=weights, trust_checkpoint=trust_checkpoint, trust_remote_code=trust_remote_code,
             input_shape=input_shape, input_dtype=input_dtype, vocab_size=vocab_size, batches=batches, loss=loss,
-            steps=steps, device=device, precision=precision, loss_scale=loss_scale,
+            objective=objective, steps=steps, device=device, precision=precision, loss_scale=loss_scale,
             optimizer=None if optimizer == "none" else optimizer, lr=lr, format=format, kind=kind or "all",
             granularity=granularity, modules=tuple(modules or ()), seed=seed, verify=verify, target=target,
             recipe=recipe, plot=plot, trial=trial)

@@ -411,7 +411,10 @@ def _profile_request(r: ProfileRequest, is_dist: bool, on_notes: Callable[[list[
     batch_src = make_batches(loaded, dev, input_shape=r.input_shape, input_dtype=r.input_dtype,
                              vocab_size=r.vocab_size, batches=r.batches,
                              seed=r.seed + rank)  # each rank draws its own synthetic batches
-    loss_src = make_loss(loaded, r.loss, batch_src, seed=r.seed + rank)
+    if r.objective is not None:  # completions sampled now, before the probe is attached
+        batch_src, loss_src = _objective_inputs(r, loaded.model, batch_src, dev, seed=r.seed + rank)
+    else:
+        loss_src = make_loss(loaded, r.loss, batch_src, seed=r.seed + rank)
     notes = [*loaded.notes, *batch_src.notes]
     if on_notes is not None and rank == 0:
         on_notes(notes)
@@ -427,6 +430,17 @@ def _profile_request(r: ProfileRequest, is_dist: bool, on_notes: Callable[[list[
     with quiet, progress(r.steps, rank == 0) as update:
         return profile_model(r, loaded.model, batch_src, loss_src, device=dev, on_step=update, extra=extra,
                              modules=list(r.modules) or None, granularity=r.granularity)
+
+
+def _objective_inputs(r: ProfileRequest, model: nn.Module, source: Batches, dev: torch.device, *,
+                      seed: int) -> tuple[Batches, Loss]:
+    """The RL objective's sampled batches (one per step) and its loss (fp16probe.running.objective)."""
+    from fp16probe.running.objective import OBJECTIVES, objective_batches, objective_loss
+
+    objective = OBJECTIVES[str(r.objective)]
+    model.to(dev)
+    batches, prompt = objective_batches(model, source, objective, r.steps, seed=seed)
+    return batches, objective_loss(objective, prompt_tokens=prompt)
 
 
 def _verified(report: Report, initial: Any, batches: tuple[Any, ...], loss: Loss, dev: torch.device,

@@ -49,6 +49,7 @@ class ProfileRequest:
     vocab_size: int | None = None
     batches: str | None = None
     loss: str | None = None
+    objective: str | None = None  # an RL objective's name (fp16probe.running.objective.OBJECTIVES)
     steps: int = 10
     device: str = "auto"
     precision: str = "fp32"
@@ -78,6 +79,7 @@ class ProfileRequest:
         self._check_run()
         check_recipe(fmt, self.recipe)
         check_loss_spec(self.loss)
+        self._check_objective()
         if self.input_shape is not None:
             parse_shape(self.input_shape)
         if self.input_dtype not in DTYPES:
@@ -88,6 +90,19 @@ class ProfileRequest:
         if self.plot is not None and fmt in SCALED_FORMATS:
             raise InputError(f"plot={self.plot}: the figures draw fp16/bf16/fp8 histograms, and {fmt} answers with "
                              "its per-layer table instead; drop it", parameter="plot")
+
+    def _check_objective(self) -> None:
+        from fp16probe.running.objective import OBJECTIVES
+
+        if self.objective is None:
+            return
+        if self.objective not in OBJECTIVES:
+            raise InputError(f"objective={self.objective!r}: expected one of {', '.join(OBJECTIVES)} "
+                             "(an RL post-training loss on completions sampled from a causal LM)",
+                             parameter="objective")
+        if self.loss is not None:
+            raise InputError(f"objective={self.objective!r} brings its own loss; give it or a loss "
+                             f"({self.loss!r}), not both", parameter="objective")
 
     def _check_run(self) -> None:
         """Refuse settings the run cannot take (InputError naming :func:`fp16probe.profile`'s parameter)."""
