@@ -88,6 +88,7 @@ def _profile(folder, objective="grpo", **kw) -> Report:
     return profile_request(r)
 
 
+@pytest.mark.slow
 def test_real_fp16_grpo_steps_at_the_answer_skip_no_more_than_predicted(folders):
     report = _profile(folders / "trained")
     rec = report.recommendation
@@ -96,11 +97,22 @@ def test_real_fp16_grpo_steps_at_the_answer_skip_no_more_than_predicted(folders)
     assert kwargs["init_scale"] > 1
     steps = 40
     predicted = math.ceil(rec.evidence["simulated_skipped_fraction"] * steps)
-    model = transformers.GPT2LMHeadModel.from_pretrained(folders / "trained")
+    skipped, reached = _real_grpo_skips(folders / "trained", kwargs, steps)
+    assert skipped <= predicted, (skipped, predicted)
+    assert reached  # the gradients reached the first block: the loss was not flat
+    # the check can fail: started 2^4 above the answer, the same real run backs off (to the answer, here)
+    higher = dict(kwargs, init_scale=kwargs["init_scale"] * 2**4)
+    assert _real_grpo_skips(folders / "trained", higher, steps)[0] > predicted
+
+
+def _real_grpo_skips(folder, kwargs, steps: int) -> tuple[int, bool]:
+    """Real fp16 GRPO steps (CPU autocast, GradScaler("cpu", **kwargs), SGD): steps skipped, and whether any
+    step's gradient reached the first block."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(folder)
     scaler = torch.amp.GradScaler("cpu", **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(11)
-    skipped, gradients_zeroed = 0, []
+    skipped, reached = 0, False
     for _ in range(steps):
         ids, adv, old = _rollout(model, gen)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -109,15 +121,14 @@ def test_real_fp16_grpo_steps_at_the_answer_skip_no_more_than_predicted(folders)
         opt.zero_grad()
         before = scaler.get_scale()
         scaler.scale(loss).backward()
-        g = model.transformer.h[0].mlp.c_fc.weight.grad
-        gradients_zeroed.append(bool(torch.all(g == 0)))
+        reached = reached or bool(torch.any(model.transformer.h[0].mlp.c_fc.weight.grad != 0))
         scaler.step(opt)
         scaler.update()
         skipped += scaler.get_scale() < before
-    assert skipped <= predicted, (skipped, predicted)
-    assert not all(gradients_zeroed)  # the gradients reached the first block: the loss was not flat
+    return skipped, reached
 
 
+@pytest.mark.slow
 def test_the_printed_fix_makes_the_planted_models_real_fp16_rl_loss_finite(folders):
     report = _profile(folders / "planted")
     ev = report.recommendation.evidence
@@ -180,6 +191,7 @@ def test_the_sampled_completions_follow_the_models_distribution():
     assert prompt == 5 and bool((ids[:, prompt:] == 7).all())
 
 
+@pytest.mark.slow
 def test_command_line_objective_and_its_refusals(folders, tmp_path, monkeypatch):
     prepare_cli_env(monkeypatch, tmp_path)
     out = tmp_path / "r.json"
