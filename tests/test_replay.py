@@ -123,7 +123,8 @@ def deepspeed_rule(pattern, init_scale, scale_factor, scale_window, min_scale, d
         else:
             if consecutive_hysteresis:
                 cur_hysteresis = delayed_shift
-            if (cur_iter - last_overflow_iter) % scale_window == 0:
+            stable_interval = (cur_iter - last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % scale_window == 0:
                 if not consecutive_hysteresis:
                     cur_hysteresis = delayed_shift
                 cur_scale *= scale_factor
@@ -160,7 +161,7 @@ def test_hysteresis_and_floor_match_deepspeed(consecutive):
         window, hyst, floor = rng.randint(1, 10), rng.randint(1, 4), rng.choice([1.0, 2.0**-4, 0.0])
         want, want_final = deepspeed_rule(pattern, init, 2.0, window, floor, hyst, consecutive)
         got = replay_scaler(pattern, init_scale=init, growth_interval=window, hysteresis=hyst,
-                            min_scale=floor, consecutive_hysteresis=consecutive)
+                            min_scale=floor, consecutive_hysteresis=consecutive, deepspeed_window=True)
         assert list(got.scales) == want and got.final_scale == want_final
         assert got.skipped == tuple(pattern)  # every overflow skips its step, hysteresis or not
 

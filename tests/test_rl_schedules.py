@@ -106,13 +106,13 @@ def test_framework_forms_use_the_documented_names_and_parse():
         assert set(fp16) <= DEEPSPEED_FP16_KEYS and fp16["loss_scale"] == 0
         assert 2.0 ** fp16["initial_scale_power"] == rule.init_scale
         assert (fp16["loss_scale_window"], fp16["hysteresis"], fp16["min_loss_scale"]) == (
-            rule.growth_interval, rule.hysteresis, rule.min_scale)
+            rule.growth_interval, rule.hysteresis, rule.min_scale or 1)  # DeepSpeed needs a floor above 0
         words = shlex.split(megatron_flags(r) or "")
         flags = [w for w in words if w.startswith("--")]
         assert set(flags) <= MEGATRON_FLAGS and "--fp16" in flags
         values = dict(zip(words[1::2], map(float, words[2::2])))
         assert values == {"--initial-loss-scale": rule.init_scale, "--loss-scale-window": rule.growth_interval,
-                          "--hysteresis": rule.hysteresis, "--min-loss-scale": rule.min_scale}
+                          "--hysteresis": rule.hysteresis, "--min-loss-scale": rule.min_scale or 1}
     # hysteresis and a floor cannot be written for GradScaler or ShardedGradScaler; other factors not for DeepSpeed
     megatron = dict(FRAMEWORK_RULES)["Megatron (hysteresis 2)"].to_dict()
     assert sharded_grad_scaler_call(megatron) is None and framework_settings(megatron, "torch") is None

@@ -56,7 +56,11 @@ class ScalerRule:
     """A dynamic loss-scaling rule in GradScaler's vocabulary, plus hysteresis and a floor.
 
     ``consecutive_hysteresis`` (DeepSpeed's option) refills the hysteresis budget on every
-    clean step instead of only at growth.
+    clean step instead of only at growth. ``deepspeed_window`` counts the growth interval as
+    DeepSpeed's ``DynamicLossScaler.update_scale`` does (0.19.8, and its fused and ZeRO
+    optimizers): it grows at a clean step that follows a positive multiple of the window of clean
+    steps since the last overflow (or the start), so the first growth after an overflow comes
+    one clean step later than GradScaler's and the next ones every window.
     """
 
     init_scale: float = GRADSCALER_DEFAULTS["init_scale"]
@@ -66,6 +70,7 @@ class ScalerRule:
     hysteresis: int = 1
     min_scale: float = 0.0
     consecutive_hysteresis: bool = False
+    deepspeed_window: bool = False
 
     def __post_init__(self) -> None:
         ok = (self.growth_factor > 1.0, 0.0 <= self.backoff_factor < 1.0,
@@ -176,13 +181,14 @@ class _ScalerState:
         self.scale = _f32(rule.init_scale)
         self.min_scale = _f32(rule.min_scale)
         self.tracker = 0
+        self.clean_run = 0  # clean steps since the last overflow (DeepSpeed's window counts these)
         self.hysteresis_left = int(rule.hysteresis)
         self.backoffs = self.growths = self.floor_hits = 0
 
     def update(self, found_inf: bool) -> None:
         rule = self.rule
         if found_inf:
-            self.tracker = 0
+            self.tracker = self.clean_run = 0
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left == 0:
                 backed = _f32(self.scale * rule.backoff_factor)
@@ -194,8 +200,13 @@ class _ScalerState:
             return
         if rule.consecutive_hysteresis:
             self.hysteresis_left = int(rule.hysteresis)
-        self.tracker += 1
-        if self.tracker == rule.growth_interval:
+        if rule.deepspeed_window:
+            grow = self.clean_run > 0 and self.clean_run % rule.growth_interval == 0
+            self.clean_run += 1
+        else:
+            self.tracker += 1
+            grow = self.tracker == rule.growth_interval
+        if grow:
             grown = _f32(self.scale * rule.growth_factor)
             if math.isfinite(grown):  # GradScaler never grows the scale to inf
                 self.scale = grown
@@ -214,6 +225,7 @@ def replay_scaler(
     hysteresis: int = 1,
     min_scale: float = 0.0,
     consecutive_hysteresis: bool = False,
+    deepspeed_window: bool = False,
 ) -> ReplayResult:
     """Replay a scaling rule over a fixed sequence of overflowing (True) and clean steps.
 
@@ -221,7 +233,7 @@ def replay_scaler(
     each step equals ``scaler.get_scale()`` after ``scaler.update()``.
     """
     rule = ScalerRule(init_scale, growth_factor, backoff_factor, int(growth_interval), int(hysteresis),
-                      min_scale, consecutive_hysteresis)
+                      min_scale, consecutive_hysteresis, deepspeed_window)
     state = _ScalerState(rule)
     scales: list[float] = []
     skipped: list[bool] = []

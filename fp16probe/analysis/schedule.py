@@ -57,7 +57,7 @@ OWN = "own"
 GRID_INTERVALS = (100, 500, 2000)  # beside the run's own interval, a quarter and four times it
 GRID_FACTORS = ((2.0, 0.25), (4.0, 0.5))  # beside x2/x0.5, at the run's own interval (else 2000)
 # DeepSpeed's and Megatron's dynamic loss scalers (their defaults: REFERENCE.md, from their sources).
-DEEPSPEED = ScalerRule(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
+DEEPSPEED = ScalerRule(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0, deepspeed_window=True)
 MEGATRON = ScalerRule(init_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0)
 # The RL frameworks' shipped settings (REFERENCE.md): verl builds ShardedGradScaler(growth_interval=400)
 # with GradScaler's other defaults; Relax passes Megatron initial_loss_scale=32768, min_loss_scale=1 and

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence, Union
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import AUTOCAST_TARGETS, SCALER_DEVICES, check_grad_scaler_kwargs
 
-__all__ = ["FRAMEWORKS", "Arg", "call_text", "deepspeed_fp16_block", "framework_settings", "grad_scaler_args",
+__all__ = ["FRAMEWORKS", "Arg", "call_text", "deepspeed_fp16_block", "form_notes", "framework_settings", "grad_scaler_args",
            "grad_scaler_call", "keep_in_fp32_call", "megatron_flags", "sharded_grad_scaler_call", "string_literal"]
 
 Arg = Union[str, tuple[str, ...]]
@@ -181,7 +181,7 @@ def sharded_grad_scaler_call(rule: Mapping[str, Any], width: int | None = None) 
     cannot be written in it (None).
     """
     r = _rule(rule)
-    if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0:
+    if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0 or rule.get("deepspeed_window"):
         return None
     kwargs = {"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
               "backoff_factor": float(r["backoff_factor"]), "growth_interval": int(r["growth_interval"])}
@@ -197,21 +197,52 @@ def _power_of_two(x: float) -> int | None:
     return int(e) if e.is_integer() else None
 
 
+def _floor(r: Mapping[str, Any]) -> float:
+    """The floor a DeepSpeed or Megatron form writes: theirs must be above 0, so a rule with none gets their
+    default, 1, which acts only when the scale would fall below 1 (:data:`FLOOR_NOTE`)."""
+    return float(r["min_scale"]) or 1.0
+
+
+FLOOR_NOTE = ("written with min loss scale 1 (DeepSpeed and Megatron require a floor above 0; the rule has none): "
+              "the same steps unless the scale would fall below 1")
+# DeepSpeed counts its window from the last overflow (analysis.replay.ScalerRule.deepspeed_window), the
+# other frameworks count clean steps since the last overflow or growth.
+DEEPSPEED_WINDOW_NOTE = ("DeepSpeed counts loss_scale_window from the last overflow: its first growth after each "
+                         "overflow comes one clean step later than the rule's, the next ones every window")
+MEGATRON_WINDOW_NOTE = ("Megatron counts loss-scale-window from the last overflow or growth: its first growth "
+                        "after each overflow comes one clean step sooner than DeepSpeed's")
+
+
+def form_notes(rule: Mapping[str, Any], framework: str) -> list[str]:
+    """What a framework's form of ``rule`` does differently from the rule replayed (words, for the schedule)."""
+    r = _rule(rule)
+    if r is None or framework not in ("deepspeed", "megatron"):
+        return []
+    notes = [FLOOR_NOTE] if r["min_scale"] == 0 else []
+    if framework == "deepspeed" and not rule.get("deepspeed_window"):
+        notes.append(DEEPSPEED_WINDOW_NOTE)
+    if framework == "megatron" and rule.get("deepspeed_window"):
+        notes.append(MEGATRON_WINDOW_NOTE)
+    return notes
+
+
 def deepspeed_fp16_block(rule: Mapping[str, Any]) -> str | None:
     """DeepSpeed's ``"fp16"`` config block (dynamic scaling: ``loss_scale`` 0) as JSON; None when it does not fit.
 
-    DeepSpeed's config grows by x2 and backs off by /2 only, and its initial scale is a power of
-    two (``initial_scale_power``): other rules are None.
+    DeepSpeed's config grows by x2 and backs off by /2 only, its initial scale is a power of two
+    (``initial_scale_power``) and its floor a whole number above 0 (``min_loss_scale``; a rule
+    with no floor is written with 1): other rules are None.
     """
     r = _rule(rule)
     if r is None or r["growth_factor"] != 2 or r["backoff_factor"] != 0.5:
         return None
     power = _power_of_two(float(r["init_scale"]))
-    if power is None or power < 0:
+    floor = _floor(r)
+    if power is None or power < 0 or not floor.is_integer():
         return None
     block = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": power,
                       "loss_scale_window": int(r["growth_interval"]), "hysteresis": int(r["hysteresis"]),
-                      "min_loss_scale": _json_number(float(r["min_scale"]))}}
+                      "min_loss_scale": int(floor)}}
     return json.dumps(block, indent=2)
 
 
@@ -223,14 +254,14 @@ def megatron_flags(rule: Mapping[str, Any]) -> str | None:
     """Megatron-LM's command-line flags for a rule; None when it does not fit.
 
     Megatron's dynamic scaler grows by x2 and backs off by /2 (fixed in its training set-up), so
-    other factors are None.
+    other factors are None; its floor must be above 0 (a rule with none is written with 1).
     """
     r = _rule(rule)
     if r is None or r["growth_factor"] != 2 or r["backoff_factor"] != 0.5:
         return None
     return (f"--fp16 --initial-loss-scale {_json_number(float(r['init_scale']))} "
             f"--loss-scale-window {int(r['growth_interval'])} --hysteresis {int(r['hysteresis'])} "
-            f"--min-loss-scale {_json_number(float(r['min_scale']))}")
+            f"--min-loss-scale {_json_number(_floor(r))}")
 
 
 def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "cuda",
@@ -242,7 +273,7 @@ def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "c
     """
     if framework == "torch":
         r = _rule(rule)
-        if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0:
+        if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0 or rule.get("deepspeed_window"):
             return None
         return grad_scaler_call({"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
                                  "backoff_factor": float(r["backoff_factor"]),

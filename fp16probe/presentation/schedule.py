@@ -12,7 +12,7 @@ from typing import Any
 
 from fp16probe.analysis.schedule import DEFAULTS, OWN, ScheduleNote, ScheduleRow, ScheduleTable
 from fp16probe.formatting import count, percent
-from fp16probe.presentation.paste import FRAMEWORKS, framework_settings
+from fp16probe.presentation.paste import FRAMEWORKS, form_notes, framework_settings
 from fp16probe.presentation.verdict import study_words
 
 __all__ = ["RULE_LABELS", "framework_snippets", "framework_sources", "note_text", "rule_label", "schedule_answer", "schedule_dict"]
@@ -119,13 +119,16 @@ def framework_sources() -> list[str]:
 def framework_snippets(table: ScheduleTable, device: str = "cuda", width: int | None = None) -> dict[str, Any]:
     """The best rule written in each framework's own form, or why that form cannot express it.
 
-    Returns ``{"rule": label, "settings": {framework: text or None}, "cannot": {framework: reason}}``
-    over :data:`fp16probe.presentation.paste.FRAMEWORKS`; every text comes from paste.py's checked builders.
+    Returns ``{"rule": label, "settings": {framework: text or None}, "cannot": {framework: reason},
+    "notes": {framework: [what its form does differently]}}`` over
+    :data:`fp16probe.presentation.paste.FRAMEWORKS`; every text comes from paste.py's checked builders.
     """
     rule = table.row(table.best).rule
     settings = {fw: framework_settings(rule, fw, device, width) for fw in FRAMEWORKS}
+    notes = {fw: form_notes(rule, fw) for fw, text in settings.items() if text is not None}
     return {"rule": rule_label(table.best), "settings": settings,
-            "cannot": {fw: _CANNOT[fw] for fw, text in settings.items() if text is None}}
+            "cannot": {fw: _CANNOT[fw] for fw, text in settings.items() if text is None},
+            "notes": {fw: n for fw, n in notes.items() if n}}
 
 
 def schedule_dict(table: ScheduleTable) -> dict[str, Any]:

@@ -432,6 +432,8 @@ def schedule_view(table: Any, width: int = 100) -> Iterator[Any]:
             yield from _para(f"{FRAMEWORK_FORMS[fw]}: cannot be written ({snippets['cannot'][fw]})", width, "dim")
         else:
             yield from _lines([f"{FRAMEWORK_FORMS[fw]}:"] + text.split("\n"))
+            for note in snippets["notes"].get(fw, ()):
+                yield from _para(f"note: {note}", width, "dim", "  ")
     yield from _lines(["", "the frameworks' shipped rules, from:"], "dim")
     for line in framework_sources():
         yield from _para(line, width, "dim", "  ")
