@@ -308,7 +308,7 @@ def rules() -> list[tuple[str, ScalerRule]]:
         for gf, bf in FACTORS:
             label = "never" if gi == NEVER else str(gi)
             out.append((f"{label} x{gf:g} /x{1 / bf:g}", ScalerRule(INIT_SCALE, gf, bf, gi)))
-    out.append(("DeepSpeed", ScalerRule(INIT_SCALE, 2.0, 0.5, 1000, hysteresis=2, min_scale=1.0)))
+    out.append(("DeepSpeed", ScalerRule(INIT_SCALE, 2.0, 0.5, 1000, hysteresis=2, min_scale=1.0, deepspeed_window=True)))
     out.append(("Megatron", ScalerRule(INIT_SCALE, 2.0, 0.5, 1000, hysteresis=2, min_scale=1.0)))
     return out
 
