@@ -97,18 +97,18 @@ def test_real_fp16_grpo_steps_at_the_answer_skip_no_more_than_predicted(folders)
     assert kwargs["init_scale"] > 1
     steps = 40
     predicted = math.ceil(rec.evidence["simulated_skipped_fraction"] * steps)
-    skipped, reached = _real_grpo_skips(folders / "trained", kwargs, steps)
+    trained = transformers.GPT2LMHeadModel.from_pretrained
+    skipped, reached = _real_grpo_skips(trained(folders / "trained"), kwargs, steps)
     assert skipped <= predicted, (skipped, predicted)
     assert reached  # the gradients reached the first block: the loss was not flat
     # the check can fail: started 2^4 above the answer, the same real run backs off (to the answer, here)
     higher = dict(kwargs, init_scale=kwargs["init_scale"] * 2**4)
-    assert _real_grpo_skips(folders / "trained", higher, steps)[0] > predicted
+    assert _real_grpo_skips(trained(folders / "trained"), higher, steps)[0] > predicted
 
 
-def _real_grpo_skips(folder, kwargs, steps: int) -> tuple[int, bool]:
+def _real_grpo_skips(model, kwargs, steps: int) -> tuple[int, bool]:
     """Real fp16 GRPO steps (CPU autocast, GradScaler("cpu", **kwargs), SGD): steps skipped, and whether any
     step's gradient reached the first block."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(folder)
     scaler = torch.amp.GradScaler("cpu", **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(11)
@@ -149,6 +149,22 @@ def test_the_printed_fix_makes_the_planted_models_real_fp16_rl_loss_finite(folde
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     scaler.scale(loss).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+    # with the fix applied, profiled again (from Python, the objective's own batches): real fp16 GRPO steps at
+    # that answer skip no more steps than it predicts
+    fixed = transformers.GPT2LMHeadModel.from_pretrained(folders / "planted")
+    fp16probe.keep_in_fp32(fixed, fix, device_type="cpu")
+    prompts = [_counting(2 * G, PROMPT + NEW, gen) for _ in range(4)]
+    grpo = OBJECTIVES["grpo"]
+    batches, prompt = objective_batches(fixed, prompts, grpo, 4, seed=1)
+    again = fp16probe.profile(fixed, batches, objective_loss(grpo, prompt_tokens=prompt), steps=4, target="cpu")
+    kwargs = dict(again.recommendation.grad_scaler_kwargs)
+    assert not again.recommendation.evidence["forward_overflow"] and kwargs["init_scale"] > 1
+    predicted = math.ceil(again.recommendation.evidence["simulated_skipped_fraction"] * 40)
+    model = transformers.GPT2LMHeadModel.from_pretrained(folders / "planted")
+    fp16probe.keep_in_fp32(model, fix, device_type="cpu")
+    skipped, reached = _real_grpo_skips(model, kwargs, 40)
+    assert skipped <= predicted and reached, (skipped, predicted, kwargs)
 
 
 def test_the_objectives_loss_equals_the_written_out_one_on_its_own_batches():
