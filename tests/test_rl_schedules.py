@@ -166,10 +166,16 @@ def test_every_framework_gets_a_form_or_a_reason():
     assert all(framework_settings(rule, fw) is not None for fw in ("torch", "verl", "deepspeed", "megatron"))
 
 
-def test_the_snippets_follow_the_best_rule(runs):
-    table = judge_schedules(runs["defaults"][0], get_format("fp16"))
+@pytest.mark.parametrize("fine", [False, True])
+def test_the_snippets_follow_the_advised_rule(runs, fine):
+    """The best rule, or GradScaler's defaults where the table finds them already fine (as the answer says):
+    never a rule the answer advises against."""
+    import dataclasses
+
+    table = dataclasses.replace(judge_schedules(runs["defaults"][0], get_format("fp16")), defaults_fine=fine)
     snippets = framework_snippets(table)
-    best = table.row(table.best).rule
+    advised = table.rows[0] if fine else table.row(table.best)
+    assert table.rows[0].name == DEFAULTS and (fine or table.best != DEFAULTS)
     for fw, text in snippets["settings"].items():
-        assert text == framework_settings(best, fw)
+        assert text == framework_settings(advised.rule, fw)
         assert (text is None) == (fw in snippets["cannot"])

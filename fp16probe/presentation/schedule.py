@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fp16probe.analysis.one_answer import schedule_choice
 from fp16probe.analysis.schedule import DEFAULTS, OWN, ScheduleNote, ScheduleRow, ScheduleTable
 from fp16probe.formatting import count, percent
 from fp16probe.presentation.paste import FRAMEWORKS, form_notes, framework_settings
@@ -117,16 +118,18 @@ def framework_sources() -> list[str]:
 
 
 def framework_snippets(table: ScheduleTable, device: str = "cuda", width: int | None = None) -> dict[str, Any]:
-    """The best rule written in each framework's own form, or why that form cannot express it.
+    """The advised rule (the best one, or GradScaler's defaults where they are already fine:
+    :func:`fp16probe.analysis.one_answer.schedule_choice`) in each framework's own form, or why that
+    form cannot express it.
 
     Returns ``{"rule": label, "settings": {framework: text or None}, "cannot": {framework: reason},
     "notes": {framework: [what its form does differently]}}`` over
     :data:`fp16probe.presentation.paste.FRAMEWORKS`; every text comes from paste.py's checked builders.
     """
-    rule = table.row(table.best).rule
+    name, rule = schedule_choice(table)
     settings = {fw: framework_settings(rule, fw, device, width) for fw in FRAMEWORKS}
     notes = {fw: form_notes(rule, fw) for fw, text in settings.items() if text is not None}
-    return {"rule": rule_label(table.best), "settings": settings,
+    return {"rule": rule_label(name), "settings": settings,
             "cannot": {fw: _CANNOT[fw] for fw, text in settings.items() if text is None},
             "notes": {fw: n for fw, n in notes.items() if n}}
 
