@@ -34,7 +34,8 @@ def counting(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     return (start + torch.arange(length)) % VOCAB
 
 
-def planted_model(folder: Path) -> None:
+def counter() -> transformers.GPT2LMHeadModel:
+    """A tiny GPT-2 trained for real (fp32, Adam, 150 steps) to count."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(cfg)
@@ -46,12 +47,23 @@ def planted_model(folder: Path) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    print(f"trained to count: loss {loss.item():.3f} (log 64 = 4.159 untrained)")
+    model.final_loss = loss.item()
+    return model
+
+
+def plant(model: transformers.GPT2LMHeadModel) -> transformers.GPT2LMHeadModel:
+    """Round the weights through bf16 (a bf16-pretrained checkpoint) and plant one MLP output at 1e5."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-        model.transformer.h[0].mlp.c_proj.bias[5] = 1.0e5
-    model.save_pretrained(folder)
+        model.transformer.h[0].mlp.c_proj.bias[5] = 1.0e5  # past fp16's 65504, exact in bf16
+    return model
+
+
+def planted_model(folder: Path) -> None:
+    model = counter()
+    print(f"trained to count: loss {model.final_loss:.3f} (log 64 = 4.159 untrained)")
+    plant(model).save_pretrained(folder)
 
 
 def cli(*args: str) -> str:

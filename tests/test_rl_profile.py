@@ -6,7 +6,9 @@ clipped policy-gradient loss inline (no fp16probe code), under CPU fp16 autocast
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,27 +37,24 @@ def _counting(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     return (start + torch.arange(length)) % VOCAB
 
 
+def _example():
+    """docs/rl_example.py, whose counting model and planting the tests share."""
+    spec = importlib.util.spec_from_file_location("rl_example", Path(__file__).parents[1] / "docs" / "rl_example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """A tiny GPT-2 trained for real (fp32, Adam) to count, and a bf16-rounded one with a planted activation."""
+    """A tiny GPT-2 trained for real (fp32, Adam) to count, and an untrained one, bf16-rounded, with a planted
+    1e5 MLP output."""
     base = tmp_path_factory.mktemp("rl")
-    model = _gpt2()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(150):
-        ids = _counting(16, 12, gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 1.0, loss.item()  # it learned to count (log 64 = 4.16 at the start)
+    example = _example()
+    model = example.counter()
+    assert model.final_loss < 1.0, model.final_loss  # it learned to count (log 64 = 4.16 at the start)
     model.save_pretrained(base / "trained")
-    planted = _gpt2()
-    with torch.no_grad():
-        for p in planted.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-        planted.transformer.h[0].mlp.c_proj.bias[5] = 1.0e5  # past fp16's 65504, exact in bf16
-    planted.save_pretrained(base / "planted")
+    example.plant(_gpt2()).save_pretrained(base / "planted")
     return base
 
 
