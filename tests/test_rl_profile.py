@@ -220,3 +220,41 @@ def test_command_line_objective_and_its_refusals(folders, tmp_path, monkeypatch)
     assert len([ln for ln in demo.output.splitlines() if ln.startswith("error:")]) == 1
     with pytest.raises(InputError, match="group_size=1"):
         Objective("grpo", group=True, group_size=1)
+
+
+def test_your_own_rollouts_are_profiled_as_given():
+    """Completions made elsewhere (here transformers' generate) and their rewards: nothing is sampled, the loss is
+    the written-out one on exactly those rows, and the report says the rewards were given."""
+    import fp16probe
+    from fp16probe.running.objective import rollout_batches
+
+    model = _gpt2().eval()
+    gen = torch.Generator().manual_seed(8)
+    rollouts = []
+    for _ in range(2):
+        ids, adv, old = _rollout(model, gen)
+        rewards = torch.rand(ids.shape[0], generator=gen)
+        rollouts.append((ids, rewards))
+    grpo = OBJECTIVES["grpo"]
+    batches = rollout_batches(model, rollouts, grpo, prompt_tokens=PROMPT)
+    made = list(batches.iterator)
+    assert [torch.equal(b[0], r[0]) for b, r in zip(made, rollouts)] == [True, True]
+    ids, logp_old, ref, adv = made[0]
+    grp = rollouts[0][1].view(-1, G)
+    assert torch.allclose(adv, ((grp - grp.mean(1, keepdim=True)) / (grp.std(1, keepdim=True) + 1e-6)).reshape(-1))
+    loss = objective_loss(grpo, prompt_tokens=PROMPT, rewards_given=True)
+    old = logp_old + 0.2 * torch.randn(logp_old.shape, generator=gen)  # ratios off 1
+    got = loss.fn(model(ids), (ids, old, ref, adv))
+    want = _grpo_loss(model(ids).logits, ids, adv, old) + grpo.beta * _k3(model(ids).logits, ids, ref)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    report = fp16probe.profile(model, iter(made), loss, steps=2, target="cpu")
+    assert "the rewards given" in report.workload.loss and not report.workload.loss_synthetic
+    with pytest.raises(InputError, match="one reward per row"):
+        rollout_batches(model, [(rollouts[0][0], torch.ones(3))], grpo, prompt_tokens=PROMPT)
+
+
+def _k3(logits, ids, ref):
+    """GRPO's KL to the reference, k3, token-mean over the completion, written out."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0][:, PROMPT - 1:]
+    d = ref[:, PROMPT - 1:] - logp
+    return (torch.exp(d) - d - 1).mean()

@@ -19,6 +19,7 @@ weight ``beta``, an entropy bonus, token-mean aggregation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,8 @@ from fp16probe.running.inputs import Batches
 from fp16probe.running.losses import Loss
 from fp16probe.running.rl import AGGREGATIONS, advantages, policy_loss, token_logprobs
 
-__all__ = ["OBJECTIVES", "Objective", "objective_batches", "objective_loss", "sampled_batch"]
+__all__ = ["OBJECTIVES", "Objective", "objective_batches", "objective_loss", "rollout_batch", "rollout_batches",
+           "sampled_batch"]
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,26 @@ def sampled_batch(model: nn.Module, input_ids: torch.Tensor, objective: Objectiv
         probs = torch.softmax(logits[:, -1], dim=-1)
         nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(seqs.device)
         seqs = torch.cat([seqs, nxt], dim=1)
-    full = _logits(model(seqs)).float()
-    logp, _ = token_logprobs(full, seqs)
     completions = seqs[:, prompt:]
     r = rewards(seqs[:, :prompt], completions) if rewards is not None else \
-        _synthetic_rewards(completions, full.shape[-1], seed)
-    adv = advantages(r.to(full.device), objective.group_size, group=objective.group)
-    return seqs, logp, logp.clone(), adv
+        _synthetic_rewards(completions, logits.shape[-1], seed)
+    return rollout_batch(model, seqs, r, objective)
+
+
+@torch.no_grad()
+def rollout_batch(model: nn.Module, sequences: torch.Tensor, rewards: torch.Tensor,
+                  objective: Objective) -> tuple[torch.Tensor, ...]:
+    """One batch of the objective from completions already made: ``sequences`` [B, T] (each a prompt then its
+    completion, ``group_size`` consecutive rows per prompt) and their ``rewards`` [B]; the rollout and
+    reference log-probabilities are the model's, in fp32. Returns ``(sequences, logp_old, ref_logp, advantages)``.
+    """
+    if sequences.dim() != 2 or sequences.is_floating_point() or rewards.shape != sequences.shape[:1]:
+        raise InputError(f"a rollout is token ids [batch, sequence] and one reward per row; got {tuple(sequences.shape)} "
+                         f"{sequences.dtype} and rewards of shape {tuple(rewards.shape)}", parameter="objective")
+    full = _logits(model(sequences)).float()
+    logp, _ = token_logprobs(full, sequences)
+    adv = advantages(rewards.to(full.device), objective.group_size, group=objective.group)
+    return sequences, logp, logp.clone(), adv
 
 
 def objective_batches(model: nn.Module, source: Batches | Iterable[Any], objective: Objective, count: int, *,
@@ -141,10 +156,8 @@ def objective_batches(model: nn.Module, source: Batches | Iterable[Any], objecti
     what = source.description if isinstance(source, Batches) else "the batches given"
     it = source.iterator if isinstance(source, Batches) else iter(source)
     gen = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
     made, prompts = [], set()
-    try:
+    with _eval(model):
         for batch in _take(it, count):
             ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
@@ -152,8 +165,6 @@ def objective_batches(model: nn.Module, source: Batches | Iterable[Any], objecti
                                  "[batch, sequence] (a causal LM)", parameter="objective")
             prompts.add(objective.lengths(ids.shape[1])[0])
             made.append(sampled_batch(model, ids, objective, gen, rewards, seed))
-    finally:
-        model.train(was_training)
     if not made:
         raise InputError("an RL objective takes its prompts from the batches, and they gave none",
                          parameter="objective")
@@ -166,6 +177,32 @@ def objective_batches(model: nn.Module, source: Batches | Iterable[Any], objecti
     return Batches(iter(made), desc, synthetic=True, labels="none: rewards "
                    + ("given" if rewards is not None else "synthetic (a seeded score per token id)"),
                    family=getattr(source, "family", None), notes=getattr(source, "notes", ())), prompt
+
+
+def rollout_batches(model: nn.Module, rollouts: Iterable[tuple[torch.Tensor, torch.Tensor]], objective: Objective,
+                    *, prompt_tokens: int) -> Batches:
+    """The objective's batches from your own rollouts: each ``(sequences, rewards)``, sequences [B, T] whose first
+    ``prompt_tokens`` tokens are the prompt (``group_size`` consecutive rows per prompt), rewards [B]. Nothing is
+    sampled; the loss is :func:`objective_loss` with the same ``prompt_tokens`` and ``rewards_given=True``."""
+    with _eval(model):
+        made = [rollout_batch(model, seqs, rewards, objective) for seqs, rewards in rollouts]
+    if not made:
+        raise InputError("no rollouts were given", parameter="objective")
+    if any(not 1 <= prompt_tokens < b[0].shape[1] for b in made):
+        raise InputError(f"prompt_tokens={prompt_tokens}: expected fewer than every rollout's length",
+                         parameter="objective")
+    return Batches(iter(made), f"{len(made)} rollout batch(es) given, prompts of {prompt_tokens} tokens",
+                   synthetic=False, labels="none: rewards given")
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _take(it: Iterator[Any], count: int) -> Iterator[Any]:
