@@ -447,3 +447,29 @@ def test_a_kind_first_seen_after_a_step_keeps_one_trace_row_per_step(tmp_path):
     assert [h.total for h in report.trace.histograms[WEIGHT_GRAD]] == [0, 16, 16]
     assert report.trace.module_max[WEIGHT_GRAD]["0.weight"][0] == 0.0
     assert Report.load(report.save(tmp_path / "r.json")).trace == report.trace
+
+
+def test_no_grad_forwards_leave_a_training_probes_precision_and_headroom_alone():
+    """An RL loop samples and scores without gradients and without autocast (fp32, values past 65504 are fine
+    there), then trains under fp16 autocast: the Probe reads the run's precision and forward headroom from the
+    training forwards only. A Probe that watches no gradient (forward headroom of inference) reads every forward."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    big = torch.full((2, 4), 3e5)  # the first layer's fp32 output passes 65504
+    small = torch.randn(2, 4)
+    with Probe(model) as probe:
+        for _ in range(2):
+            with torch.no_grad():
+                model(big)  # a rollout's forward, fp32
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(small)
+            out.float().sum().backward()
+            model.zero_grad()
+            probe.step()
+    report = probe.report()
+    assert report.metadata.precision == "fp16-autocast"
+    assert max(report.section("forward").module_max.values()) < 100
+    with Probe(model, activation_grads=False, weight_grads=False) as probe:
+        with torch.no_grad():
+            model(big)
+        probe.step()
+    assert max(probe.report().section("forward").module_max.values()) > 65504

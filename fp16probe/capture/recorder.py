@@ -177,6 +177,7 @@ class Recorder:
     def __init__(self, capture: Mapping[str, bool], *, every: int = 1, scaler: Any = None,
                  precision: str | None = None) -> None:
         self.capture = {k: bool(capture.get(k, False)) for k in KINDS}
+        self._watches_grads = self.capture[ACTIVATION_GRAD] or self.capture[WEIGHT_GRAD]
         self.every = int(every)
         self.scaler = scaler
         self.scale_source = scale_source(scaler)  # ProbeError when no scale can be read from it
@@ -248,7 +249,11 @@ class Recorder:
         if not (self.enabled and self._state.sampling):
             return
         try:
-            if self.precision is None:
+            # A Probe that watches gradients watches training: a forward under no_grad (an RL rollout's
+            # generation, its old log-probabilities, an evaluation) is not the training forward, often runs
+            # without autocast, and says nothing of the run's precision or its fp16 forward headroom.
+            training = torch.is_grad_enabled() or not self._watches_grads
+            if self.precision is None and training:
                 self.precision = detect_precision(output)
             rows = self._output_rows.get(name)
             if rows is None:
@@ -260,7 +265,7 @@ class Recorder:
             act_i, grad_i, first_output_hook = rows
             if type(output) is torch.Tensor:  # the common case, without the generator
                 if output.is_floating_point():
-                    if self.forward:
+                    if self.forward and training:
                         self.note_forward(name, output)
                     if act_i is not None:
                         self.record(ACTIVATION, act_i, output)
@@ -280,7 +285,7 @@ class Recorder:
                 if not t.is_floating_point() or id(t) in seen:
                     continue
                 seen.add(id(t))
-                if self.forward:
+                if self.forward and training:
                     self.note_forward(name, t)
                 if act_i is not None:
                     self.record(ACTIVATION, act_i, t)
