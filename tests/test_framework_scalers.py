@@ -39,8 +39,8 @@ def _patterns(rule: ScalerRule, n: int = 40) -> list[list[bool]]:
 
 
 def _expected(rule: ScalerRule, pattern: list[bool]) -> list[float]:
-    d = rule.to_dict()
-    return list(replay_scaler(pattern, **d).scales) + [replay_scaler(pattern, **d).final_scale]
+    replay = replay_scaler(pattern, **rule.to_dict())
+    return list(replay.scales) + [replay.final_scale]
 
 
 def _as_written(rule: ScalerRule, deepspeed: bool) -> ScalerRule:

@@ -174,18 +174,24 @@ def _rule(rule: Mapping[str, Any]) -> dict[str, Any] | None:
     return r
 
 
+def _grad_scaler_kwargs(rule: Mapping[str, Any]) -> dict[str, Any] | None:
+    """GradScaler's four scale arguments for a rule (ShardedGradScaler takes the same); None for a rule with
+    hysteresis, a floor or DeepSpeed's window counting, which GradScaler cannot follow."""
+    r = _rule(rule)
+    if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0 or rule.get("deepspeed_window"):
+        return None
+    return {"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
+            "backoff_factor": float(r["backoff_factor"]), "growth_interval": int(r["growth_interval"])}
+
+
 def sharded_grad_scaler_call(rule: Mapping[str, Any], width: int | None = None) -> str | None:
     """FSDP's ``ShardedGradScaler(...)`` line (verl's scaler) for a rule, with its import; None when it does not fit.
 
     ShardedGradScaler takes GradScaler's four scale arguments; a rule with hysteresis or a floor
     cannot be written in it (None).
     """
-    r = _rule(rule)
-    if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0 or rule.get("deepspeed_window"):
-        return None
-    kwargs = {"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
-              "backoff_factor": float(r["backoff_factor"]), "growth_interval": int(r["growth_interval"])}
-    args = grad_scaler_args(kwargs)
+    kwargs = _grad_scaler_kwargs(rule)
+    args = None if kwargs is None else grad_scaler_args(kwargs)
     if args is None:
         return None
     return ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
@@ -272,12 +278,8 @@ def framework_settings(rule: Mapping[str, Any], framework: str, device: str = "c
     ``deepspeed``: the ``"fp16"`` config block; ``megatron``: command-line flags.
     """
     if framework == "torch":
-        r = _rule(rule)
-        if r is None or r["hysteresis"] != 1 or r["min_scale"] != 0 or rule.get("deepspeed_window"):
-            return None
-        return grad_scaler_call({"init_scale": float(r["init_scale"]), "growth_factor": float(r["growth_factor"]),
-                                 "backoff_factor": float(r["backoff_factor"]),
-                                 "growth_interval": int(r["growth_interval"])}, device, width)
+        kwargs = _grad_scaler_kwargs(rule)
+        return None if kwargs is None else grad_scaler_call(kwargs, device, width)
     if framework == "verl":
         return sharded_grad_scaler_call(rule, width)
     if framework == "deepspeed":

@@ -20,6 +20,7 @@ weight ``beta``, an entropy bonus, token-mean aggregation.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,7 @@ def objective_batches(model: nn.Module, source: Batches | Iterable[Any], objecti
     gen = torch.Generator().manual_seed(seed)
     made, prompts = [], set()
     with _eval(model):
-        for batch in _take(it, count):
+        for batch in itertools.islice(it, count):
             ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
                 raise InputError("an RL objective samples from token ids: expected batches of input_ids "
@@ -184,13 +185,16 @@ def rollout_batches(model: nn.Module, rollouts: Iterable[tuple[torch.Tensor, tor
     """The objective's batches from your own rollouts: each ``(sequences, rewards)``, sequences [B, T] whose first
     ``prompt_tokens`` tokens are the prompt (``group_size`` consecutive rows per prompt), rewards [B]. Nothing is
     sampled; the loss is :func:`objective_loss` with the same ``prompt_tokens`` and ``rewards_given=True``."""
-    with _eval(model):
-        made = [rollout_batch(model, seqs, rewards, objective) for seqs, rewards in rollouts]
-    if not made:
+    rollouts = list(rollouts)
+    if not rollouts:
         raise InputError("no rollouts were given", parameter="objective")
-    if any(not 1 <= prompt_tokens < b[0].shape[1] for b in made):
+    # refused before any forward runs (a rollout that is not [batch, sequence] ids: rollout_batch says so)
+    if any(isinstance(seqs, torch.Tensor) and seqs.dim() == 2 and not 1 <= prompt_tokens < seqs.shape[1]
+           for seqs, _ in rollouts):
         raise InputError(f"prompt_tokens={prompt_tokens}: expected fewer than every rollout's length",
                          parameter="objective")
+    with _eval(model):
+        made = [rollout_batch(model, seqs, rewards, objective) for seqs, rewards in rollouts]
     return Batches(iter(made), f"{len(made)} rollout batch(es) given, prompts of {prompt_tokens} tokens",
                    synthetic=False, labels="none: rewards given")
 
@@ -203,14 +207,6 @@ def _eval(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
-
-
-def _take(it: Iterator[Any], count: int) -> Iterator[Any]:
-    for _ in range(count):
-        try:
-            yield next(it)
-        except StopIteration:
-            return
 
 
 def objective_loss(objective: Objective, *, prompt_tokens: int, rewards_given: bool = False) -> Loss:
