@@ -148,6 +148,7 @@ class Evidence(TypedDict, total=False):
     simulated_meets_threshold: bool
     simulated_candidates_tied: bool  # the replay could not tell the growth_interval candidates apart on underflow
     interval_study: dict[str, Any]  # the run's drift against the growth-interval study's families (analysis.interval_study)
+    growth_interval_from_study: bool  # the replay was tied and the run's drift lies inside the study's range: its interval pasted
     # the breakdown by kind and the judgement of weak evidence (issue 11)
     by_kind: dict[str, dict[str, Any]]  # per gradient kind: nonzero values, flushed fractions, max |g|
     scale_induced_overflow_steps: list[int]  # steps that overflowed at the scale in force, not at S = 1

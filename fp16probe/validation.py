@@ -443,7 +443,7 @@ _EVIDENCE_INTS = {"largest_safe_log2_scale": (-1100, 1100), "backward_log2_scale
                   "forward_overflow_count": (0, MAX_COUNT), "forward_flushing_count": (0, MAX_COUNT),
                   "forward_tensors": (0, MAX_COUNT), "simulated_growth_interval": (1, MAX_COUNT)}
 _EVIDENCE_STRINGS = ("backward_verdict", "insufficient_reason", "ceiling_source", "forward_source", "fix_code")
-_EVIDENCE_BOOLS = ("simulated_candidates_tied", "loss_fp16", "simulated_meets_threshold")
+_EVIDENCE_BOOLS = ("simulated_candidates_tied", "loss_fp16", "simulated_meets_threshold", "growth_interval_from_study")
 _EVIDENCE_OBJECTS = ("emulated", "by_kind", "insufficient_data", "before_loss_cap")
 _EVIDENCE_STRING_LISTS = ("fix_modules", "fix_top_level", "custom_functions")
 _EVIDENCE_RECORD_LISTS = ("forward_overflow", "forward_low_headroom", "forward_flushing")

@@ -175,3 +175,45 @@ def test_a_tied_replay_points_to_the_study_only_where_the_runs_drift_lies_inside
         assert ("not a measured optimum" in line) != within
         assert "docs/interval-study.md" in text and wording_problems(text) == []
         assert (f"nearest family ({f.family})" in line) == within
+
+
+def test_a_tied_replay_pastes_the_studys_interval_where_the_runs_drift_lies_inside_it(monkeypatch):
+    """The run's own replay cannot choose (tied): the pasted growth_interval is the study's for the nearest family
+    inside the families' range, and the longest candidate outside it."""
+    import torch.nn.functional as F
+
+    from fp16probe import Probe
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.presentation.answer import short_answer
+    from fp16probe.presentation.answer import grad_scaler_code
+    from fp16probe.presentation.verdict import verdict_text
+    from tests.test_first_hour import _labelled, _mlp
+
+    model = _mlp()
+    with Probe(model) as probe:
+        for x, y in _labelled(120):
+            (F.cross_entropy(model(x), y) * 1e-6).backward()
+            model.zero_grad()
+            probe.step()
+    report = probe.report()
+    drift = interval_study.drift_per_1000(range(len(report.history)), report.history.grad_max)
+    assert drift is not None
+    near = StudyFamily("near", 5000, round(drift, 3) + 0.1, 400, 2.0, 0.5, 3, 5, 0.0, 0.0)
+    far = StudyFamily("far", 5000, round(drift, 3) - 3.0, 2000, 2.0, 0.5, 5, 5, 0.0, 0.0)
+    monkeypatch.setattr(interval_study, "FAMILIES", (near, far))
+    rec = analyze(report, "fp16")
+    assert rec.evidence["simulated_candidates_tied"] and rec.evidence["interval_study"]["family"] == "near"
+    assert rec.evidence["growth_interval_from_study"] and rec.grad_scaler_kwargs["growth_interval"] == 400
+    assert "growth_interval=400" in grad_scaler_code(rec, "cuda", 80)
+    line = next(x.text for x in short_answer(report, rec) if x.kind == "schedule")
+    assert "growth_interval=400" in line and "study" in line and "(near)" in line
+    text = verdict_text(rec)
+    assert "the growth_interval to paste is 400" in text and wording_problems(text) == []
+
+    # outside the families' range the study does not speak for the run: the replay's longest candidate
+    monkeypatch.setattr(interval_study, "FAMILIES", (
+        StudyFamily("a", 5000, round(drift, 3) + 3.0, 400, 2.0, 0.5, 3, 5, 0.0, 0.0),
+        StudyFamily("b", 5000, round(drift, 3) + 6.0, 400, 2.0, 0.5, 3, 5, 0.0, 0.0)))
+    rec = analyze(report, "fp16")
+    assert not rec.evidence["interval_study"]["within_range"] and "growth_interval_from_study" not in rec.evidence
+    assert rec.grad_scaler_kwargs["growth_interval"] == max(r["growth_interval"] for r in rec.growth_interval_table["rows"])

@@ -434,6 +434,10 @@ def _scaled(report: Report, m: _Measured, fmt: Format, ev: Evidence, th: Thresho
         study = interval_study.evidence(report, m.ceiling.per_step_max())
         if study:
             ev["interval_study"] = study
+            if ev["simulated_candidates_tied"] and study["within_range"]:
+                # the run's own replay cannot choose an interval; the study measured one on runs that drift as it does
+                growth_interval = int(study["growth_interval"])
+                ev["growth_interval_from_study"] = True
     else:
         growth_interval = GRADSCALER_DEFAULTS["growth_interval"]
     kwargs = {"init_scale": math.ldexp(1.0, k), "growth_factor": float(th["growth_factor"]),

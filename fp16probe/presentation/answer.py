@@ -176,9 +176,16 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
                  if not isinstance(study, dict) or not study.get("within_range") else
                  f"the growth-interval study's finding for the nearest family ({escape.text(str(study.get('family')))}) "
                  "and the table are in --explain")
-        lines.append(Line("schedule", f"growth_interval={rec.grad_scaler_kwargs['growth_interval']}: the replay "
-                                      "cannot tell the candidates apart on underflow, so it is the longest "
-                                      f"(fewest growth probes): in effect hold S; {where}"))
+        gi = rec.grad_scaler_kwargs["growth_interval"]
+        if rec.evidence.get("growth_interval_from_study") and isinstance(study, dict):
+            lines.append(Line("schedule", f"growth_interval={gi}: the replay cannot tell the candidates apart on "
+                                          "underflow, so it is the growth-interval study's measured interval for the "
+                                          f"family whose drift is nearest this run's ({escape.text(str(study.get('family')))}); "
+                                          "the study and the table are in --explain"))
+        else:
+            lines.append(Line("schedule", f"growth_interval={gi}: the replay cannot tell the candidates apart on "
+                                          "underflow, so it is the longest (fewest growth probes): in effect hold S; "
+                                          f"{where}"))
     todo = _what_to_do(rec)
     if todo:
         lines.append(Line("todo", todo))

@@ -229,6 +229,8 @@ def _schedule_words(kwargs: Mapping[str, Any], ev: Mapping[str, Any], table: Gro
                 "candidate, which probes least often). So the profile says: hold S; the profiled steps do not "
                 "drift enough to choose a schedule (profile more steps of real training to see drift), "
                 + ("and growth_interval is not a measured optimum." if not _study_speaks(ev) else
+                   f"so the growth_interval to paste is {kwargs['growth_interval']}, the one the study below measured "
+                   "for the family whose drift is nearest this run's." if ev.get("growth_interval_from_study") else
                    "and the study below measured what the interval costs on runs that do.")
                 + f"{study_words(ev)} {method_words(table.method)}")
     return (f" growth_interval={c.growth_interval} was chosen by replaying the candidates "
