@@ -459,12 +459,17 @@ def _save_figures(report: Report, path: Path, **options: Any) -> None:
 
 
 def _exit_code(report: Report) -> int:
-    """0 for a whole run; the interruption's code for a partial one; 1 when a verification did not hold."""
+    """0 for a whole run; the interruption's code for a partial one; 1 when a verification did not hold or the
+    training trial left fp32's band at settings the verdict called fine."""
     stopped = None if report.workload is None else report.workload.stopped
     codes = {"interrupted": EXIT_INTERRUPTED, "terminated": EXIT_TERMINATED, "hangup": EXIT_HANGUP}
     if stopped in codes:
         return codes[stopped]
     if report.verification is not None and not report.verification.held:
+        return EXIT_GATE
+    from fp16probe.analysis.trial import HURT_UNSEEN, report_agreement
+
+    if report_agreement(report) == HURT_UNSEEN:
         return EXIT_GATE
     return EXIT_OK
 

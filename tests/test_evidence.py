@@ -91,6 +91,22 @@ def test_the_trial_concludes_as_plain_torch_training_does(name):
     assert [round(v, 3) for v in mine.fp32] == [round(v, 3) for v in real.fp32]
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_with_its_trial_the_answer_says_hurt_exactly_when_training_is(name):
+    """The answer with its trial (profile --trial): an alarm verdict, or under a fine verdict the trial's
+    counterweight below the headline, exactly on the models plain-torch training puts outside fp32's band (the
+    two the one-step verdict misses included); profile exits 1 on the counterweight, as on a failed --verify."""
+    from fp16probe.cli import _exit_code
+    from fp16probe.presentation.answer import short_answer
+
+    report, real = _runs(name)
+    rec = report.recommendation
+    refuted = any(x.text.startswith("but trained for real, this is not fine") for x in short_answer(report, rec))
+    assert (str(rec.verdict) in ALARMS or refuted) == (not real.inside)
+    assert _exit_code(report) == (1 if refuted else 0)
+    assert refuted == (name in MISSED)
+
+
 LATE = 200  # fp32 steps before the late profile: docs/evidence.md's "after fp32 training" column
 
 

@@ -11,7 +11,7 @@ import torch
 
 import fp16probe
 from bench.evidence import order, train
-from fp16probe.analysis.trial import (AGREES_ALARM, ALARM_NOT_FELT, HURT_UNSEEN, agreement, judge_curves,
+from fp16probe.analysis.trial import (AGREES_ALARM, ALARM_NOT_FELT, ALARMS, HURT_UNSEEN, agreement, judge_curves,
                                       last_mean)
 from fp16probe.errors import InputError, ReportFieldError
 from fp16probe.presentation.answer import section_lines
@@ -178,3 +178,58 @@ def test_off_its_device_the_trial_runs_the_emulated_target_step():
     assert t.run == "emulated" and t.target == "cuda" and t.device == "cpu"
     assert len(t.low) == TRIAL_SEEDS and all(len(c) == 3 for c in t.low)
     assert t.low[0][0] != t.fp32[0][0]  # the cancelling variance: fp16 arithmetic changes the very first loss
+
+
+@pytest.fixture(scope="module")
+def fine_report():
+    case = CASES["mlp"]
+    return fp16probe.profile(case.build(), case.data()[:2], case.loss, steps=2, target="cpu", trial=2)
+
+
+def _with_curves(report: Report, low: tuple[tuple[float, ...], ...]) -> Report:
+    d = json.loads(report.to_json())
+    d["sections"]["trial"].update(fp32=[[1.0, 0.5], [1.0, 0.52], [1.0, 0.51]], low=[list(c) for c in low])
+    return Report.from_dict(d)
+
+
+@pytest.mark.parametrize("low, hurt", [(((1.0, 0.5), (1.0, 0.51), (1.0, 0.49)), False),
+                                       (((1.0, 0.9), (1.0, 0.5), (1.0, 0.5)), True),
+                                       (((1.0, math.nan), (1.0, 0.5), (1.0, 0.5)), True)])
+def test_a_trial_that_leaves_the_band_under_a_fine_verdict_is_an_alarm(fine_report, low, hurt):
+    """A verdict that raised no alarm, whose trial trained outside fp32's band: the answer says so under its
+    headline, profile exits 1 (as a verification that did not hold) and the CI gate's trial check fails."""
+    from fp16probe.analysis.gate import compare, snapshot
+    from fp16probe.cli import _exit_code
+    from fp16probe.presentation.answer import brief_answer
+    from fp16probe.presentation.gate import check_message
+
+    assert str(fine_report.recommendation.verdict) not in ALARMS
+    report = _with_curves(fine_report, low)
+    lines = brief_answer(report, report.recommendation)
+    said = [x.text for x in lines if x.text.startswith("but trained for real, this is not fine")]
+    assert bool(said) == hurt and lines[0].kind == "verdict"
+    if hurt:
+        assert lines[1].text == said[0] and "OUTSIDE fp32's seed band over 2 steps x 3 data orders" in said[0]
+    assert _exit_code(report) == (1 if hurt else 0)
+    snap = snapshot(report, report.recommendation)
+    check = next(c for c in compare(snap, snap).checks if c.name == "trial")
+    assert check.passed != hurt
+    assert ("although the verdict called the settings fine" in check_message(check)) == hurt
+    old = Report.from_dict({**json.loads(report.to_json()), "sections": {}})  # no trial: no check, exit 0
+    assert "trial" not in {c.name for c in compare(snapshot(old, old.recommendation), snapshot(old, old.recommendation)).checks}
+    assert _exit_code(old) == 0
+
+
+def test_a_trial_that_bears_out_an_alarm_is_no_failure(fine_report):
+    import dataclasses
+
+    from fp16probe.cli import _exit_code
+    from fp16probe.presentation.answer import short_answer
+    from fp16probe.recommendation import Verdict
+
+    report = _with_curves(fine_report, ((1.0, 0.9), (1.0, 0.9), (1.0, 0.9)))
+    alarm = dataclasses.replace(report.recommendation, verdict=Verdict.GRADIENT_ERROR)
+    assert not [x for x in short_answer(report, alarm) if x.text.startswith("but trained for real")]
+    d = json.loads(report.to_json())
+    d["recommendation"]["verdict"] = "gradient_error"
+    assert _exit_code(Report.from_dict(d)) == 0

@@ -29,6 +29,7 @@ from fp16probe.analysis.whatif import flushed_fraction
 from fp16probe.analysis.whatif import worst_modules as rank_worst_modules
 from fp16probe.recommendation import Recommendation, Verdict
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Histogram, Report
+from fp16probe.analysis.trial import HURT_UNSEEN, report_agreement
 from fp16probe.verification import Verification
 from fp16probe.sections import Workload
 
@@ -96,6 +97,8 @@ class Snapshot:
     reports profiled different things. ``verification`` is ``(held, summary)`` when the
     report carries a measured verification of its recommendation (``held`` re-judged from its
     numbers); ``verification_edited`` says the report claims it held though its numbers say not.
+    ``trial`` is how the report's training trial stands to its verdict
+    (:func:`fp16probe.analysis.trial.report_agreement`, judged again from the stored curves).
     """
 
     source: str
@@ -113,6 +116,7 @@ class Snapshot:
     verification: tuple[bool, str] | None = None
     stored_recommendation: tuple[str, int | None] | None = None
     verification_edited: bool = False
+    trial: str | None = None  # how the report's training trial stands to its verdict (analysis.trial's codes)
 
     @property
     def overflow_values(self) -> Histogram:
@@ -167,6 +171,7 @@ class Snapshot:
             "workload": dict(self.workload),
             "verification": None if self.verification is None else
             {"held": self.verification[0], "summary": self.verification[1]},
+            "trial": self.trial,
         }
         # fp16probe.presentation.gate.result_dict words the summary of an edited verification.
 
@@ -305,6 +310,7 @@ def snapshot(report: Report, recommendation: Recommendation | None, *, fmt: str 
         verification=verification,
         stored_recommendation=None if stored is None else (str(stored.verdict), stored.log2_scale),
         verification_edited=edited,
+        trial=report_agreement(report),
     )
 
 
@@ -343,7 +349,7 @@ def compare(baseline: Snapshot, current: Snapshot, thresholds: GateThresholds = 
     """Check ``current`` against ``baseline``; every check reports both values and the limit."""
     checks = []
     for check in (_at_baseline_scale, _at_recommended_scale, _at_one, _verdict, _new_overflow, _scale_shift,
-                  _module_regressions, _verified):
+                  _module_regressions, _verified, _trial):
         start = time.perf_counter()
         c = check(baseline, current, thresholds)
         if c is not None:
@@ -423,6 +429,12 @@ def _verified(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check | None:
     held, summary = c.verification
     return Check("verification", held, None if b.verification is None else b.verification[0], held, "held",
                  {"summary": summary, "edited": c.verification_edited})
+
+
+def _trial(b: Snapshot, c: Snapshot, t: GateThresholds) -> Check | None:
+    if c.trial is None:
+        return None
+    return Check("trial", c.trial != HURT_UNSEEN, b.trial, c.trial, "not " + HURT_UNSEEN, {})
 
 
 # -- what the two reports profiled --------------------------------------------------------------

@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["AGREES_ALARM", "AGREES_FINE", "ALARMS", "ALARM_NOT_FELT", "BAND_FLOOR", "Band", "HURT_UNSEEN", "agreement",
-           "judge_curves", "last_mean", "window"]
+           "judge_curves", "last_mean", "report_agreement", "window"]
 
 BAND_FLOOR = 0.02  # the band is at least +-2% of fp32's mean last-k loss wide
 
@@ -92,3 +93,13 @@ def agreement(verdict: str, band: Band) -> str:
     if band.inside:
         return ALARM_NOT_FELT if alarm else AGREES_FINE
     return AGREES_ALARM if alarm else HURT_UNSEEN
+
+
+def report_agreement(report: Any) -> str | None:
+    """How a report's training trial (its ``trial`` section) stands to its verdict: one of the four codes above;
+    None when the report has no verdict or no trial that ran. Judged again from the stored curves."""
+    t = report.section("trial")
+    rec = report.recommendation
+    if rec is None or t is None or getattr(t, "off", None) is not None or not getattr(t, "fp32", ()):
+        return None
+    return agreement(str(rec.verdict), judge_curves(t.fp32, t.low))

@@ -10,6 +10,7 @@ figure's labels, :func:`shorten_name`, and a part longer than a table's column a
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
 from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
+from fp16probe.analysis.trial import HURT_UNSEEN, agreement, judge_curves
 from fp16probe.presentation.trial import trial_line
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
@@ -164,6 +166,9 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
     """Return the answer in a few lines: verdict, S or schedule, flushed before and after,
     overflow margin, the code to paste and for which device, then what qualifies it."""
     lines = [Line("verdict", _verdict_sentence(rec))]
+    refuted = _trial_refutes(report, rec)
+    if refuted:
+        lines.append(Line("todo", refuted))
     flushed = _flushed_sentence(rec, f" of nonzero {KIND_WORDS.get(rec.kind, rec.kind)}")
     if flushed:
         lines.append(Line("flushed", flushed))
@@ -233,6 +238,23 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
             lines.append(Line("verification", _verification_sentence(verification)))
     lines += [Line("caveat", f"caveat: {c}") for c in rec.caveats]
     return lines
+
+
+def _trial_refutes(report: Report | None, rec: Recommendation) -> str:
+    """The headline's counterweight: the report's training trial, in this answer's format, left fp32's band
+    although the verdict raised no alarm (empty otherwise)."""
+    t = None if report is None else report.section("trial")
+    if not isinstance(t, Trial) or t.off is not None or not t.fp32 or t.format != rec.format:
+        return ""
+    band = judge_curves(t.fp32, t.low)
+    if agreement(str(rec.verdict), band) != HURT_UNSEEN:
+        return ""
+    ends = ", ".join(f"{v:.4g}" if math.isfinite(v) else "not finite" for v in band.target)
+    return (f"but trained for real, this is not fine: {escape.text(t.format)} at these settings ended OUTSIDE fp32's "
+            f"seed band over {num.count(t.steps)} steps x {len(t.seeds)} data orders (last-{band.last}-step loss "
+            f"{ends}; band top {band.high:.4g}). The harm is outside what one step measures (a loss or statistic "
+            "computed in low precision, or an effect that builds up over steps): keep fp32 where it arises, "
+            "or train in fp32; the trial line below has the figures")
 
 
 # What `recommend` keeps of the short answer: the verdict, the numbers it rests on, what to do and the code.

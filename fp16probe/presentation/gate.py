@@ -13,6 +13,7 @@ from typing import Any
 
 from fp16probe import formatting as num
 from fp16probe.analysis.gate import Check, GateResult, GateWarning, Snapshot
+from fp16probe.analysis.trial import AGREES_ALARM, AGREES_FINE, ALARM_NOT_FELT, HURT_UNSEEN
 
 __all__ = ["check_message", "result_dict", "snapshot_dict", "warning_text", "warning_texts"]
 
@@ -91,6 +92,15 @@ def _verified(c: Check) -> str:
     return f"the current report's measured verification {'held' if c.current else 'did not hold'}: {summary}"
 
 
+def _trialled(c: Check) -> str:
+    said = {AGREES_FINE: "stayed inside fp32's seed band, as the verdict says",
+            AGREES_ALARM: "left fp32's seed band, as the verdict's alarm says",
+            ALARM_NOT_FELT: "stayed inside fp32's seed band although the verdict raised an alarm",
+            HURT_UNSEEN: "left fp32's seed band although the verdict called the settings fine"}
+    before = "" if c.baseline is None else f" (baseline: {said.get(str(c.baseline), 'unknown')})"
+    return f"the current report's training trial {said.get(str(c.current), 'unknown')}{before}"
+
+
 _MESSAGES: dict[str, Callable[[Check], str]] = {
     "flushed_at_baseline_scale": lambda c: _rise(c, f"flushed at the baseline's recommended {_scale(c.facts['log2_scale'])}"),
     "flushed_at_recommended_scale": lambda c: _rise(
@@ -101,6 +111,7 @@ _MESSAGES: dict[str, Callable[[Check], str]] = {
     "scale_shift": _scale_shift,
     "module_regressions": _module_regressions,
     "verification": _verified,
+    "trial": _trialled,
 }
 
 
