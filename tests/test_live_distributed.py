@@ -3,8 +3,9 @@
 DDP: each rank reruns its own micro-batch in fp32 through the wrapped module, running no collective, and
 each rank's report and the merged one give S within one power of two of an fp32 profile of the same
 model and batches; training is bit-identical with and without the Probe, ``no_sync`` accumulation too.
-FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.float16)``): no rerun can run on one
-rank (the forward all-gathers the parameters in fp16), and the report says so, naming FSDP2.
+FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.float16)``): each rank reruns on an
+unsharded fp32 copy of the model (its weights gathered at each rerun), with and without accumulation; a
+``probe.shadow(fn)`` loop, whose ``fn`` would call the sharded model, is told why it gets no rerun.
 """
 
 from __future__ import annotations
@@ -95,14 +96,41 @@ def test_ddp_no_sync_accumulation_gives_the_fp32_verdict_of_the_divided_loss_and
         assert rec.evidence["scale_check"]["carried"], (rank, rec.evidence["scale_check"])
 
 
-def test_fsdp2_says_why_no_rerun_runs_and_what_to_run_instead(tmp_path):
+def _has_fsdp2() -> None:
     pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(torch.distributed.fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (fully_shard)")
-    reports = _torchrun("fsdp2", 1, tmp_path)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_fsdp2_reruns_on_an_unsharded_copy_give_the_fp32_verdict_and_leave_training_as_it_was(tmp_path, micro):
+    """FSDP2 computing in its policy's fp16: each rank reruns its micro-batches on an unsharded fp32 copy, and its
+    verdict is within one power of two of a plain fp32 run of those micro-batches (each loss / micro)."""
+    _has_fsdp2()
+    reports = _torchrun("fsdp2", micro, tmp_path)
+    for name, report in reports.items():
+        runs = report.shadow_runs
+        assert runs.steps == (0, 1, 2) and runs.off is None and not runs.discarded, (name, runs)
+        assert runs.accumulation == micro and runs.loss_divisors == (float(micro),), (name, runs)
+        assert report.capture.weight_grads_sharded
+        # the live weight gradients are reduce-scattered shards: the rank-local reruns record none
+        assert report.shadow.histogram("weight_grad").total == 0
+        assert report.shadow.histogram("activation_grad").total > 0
+        assert analyze(report).evidence["scale_check"]["carried"], name
+    for rank in (0, 1):
+        rec, reference = analyze(reports[f"rank{rank}"]), _fp32_reference(micro, rank)
+        assert rec.verdict in ("constant", "dynamic") and rec.evidence["reference"] == "fp32_shadow_reruns", rec
+        assert abs(rec.log2_scale - reference) <= 1, (rank, rec.log2_scale, reference)
+    assert reports["merged"].shadow.histogram("activation_grad").total == \
+        2 * reports["rank0"].shadow.histogram("activation_grad").total
+
+
+def test_fsdp2_says_why_probe_shadow_fn_cannot_rerun(tmp_path):
+    """probe.shadow(fn) would call the sharded model, which computes in fp16: no rerun, and the words say what to do."""
+    _has_fsdp2()
+    reports = _torchrun("fsdp2-fn", 1, tmp_path)
     for name, report in reports.items():
         runs = report.shadow_runs
         assert runs.steps == () and report.shadow is None, name
-        assert "FSDP2" in runs.off and "DDP" not in runs.off and "fp16probe profile" in runs.off, runs.off
-        assert report.capture.weight_grads_sharded
+        assert "FSDP2" in runs.off and "probe.shadow" in runs.off and "loss" in runs.off, runs.off
         assert analyze(report).verdict in ("constant", "dynamic")  # from the live histograms alone

@@ -58,6 +58,7 @@ from fp16probe.capture.collector import Collected, Collector
 from fp16probe.capture.compiled import eager, runs_compiled, tracing
 from fp16probe.capture.recorder import iter_tensors
 from fp16probe.capture.state import kept_training_state
+from fp16probe.capture.unsharded import UnshardedCopy, fsdp2_low_precision, is_fsdp2
 from fp16probe.report import WEIGHT_GRAD
 from fp16probe.sections import PrecisionCost, ShadowRuns
 
@@ -255,6 +256,18 @@ class Shadow:
         self._handle: Any = None
         # the live gradients against the reruns' (PrecisionCostMeter); off under DDP (ShadowReruns.start)
         self.precision_cost: PrecisionCostMeter | None = PrecisionCostMeter(live)
+        self.copy: UnshardedCopy | None = None  # under FSDP2: the unsharded fp32 copy the reruns run on
+
+    def rerun_on_copy(self, copy: UnshardedCopy, probe: Any) -> None:
+        """Under FSDP2: rerun on ``copy`` (its forward replayed with the model's arguments), recorded by ``probe``."""
+        self.copy = copy
+        self.probe = probe
+        self._rerun_grads = RerunGradients(copy.module)
+
+    @property
+    def rerun_model(self) -> nn.Module:
+        """The module a rerun's gradients land on: the model, or under FSDP2 its unsharded copy."""
+        return self.model if self.copy is None else self.copy.module
 
     # -- lifecycle ----------------------------------------------------------------------
     def attach(self) -> None:
@@ -286,7 +299,7 @@ class Shadow:
     def _close_rerun_step(self) -> None:
         """Close the fp32 Probe's step over the micro-batches rerun, with their gradients in ``.grad``."""
         try:
-            with kept_training_state(self.model):
+            with kept_training_state(self.model), self._kept_copy():
                 self._rerun_grads.resume()
                 self.probe.step()
         finally:
@@ -307,6 +320,10 @@ class Shadow:
         i = next_due(self._sampled + (1 if self._done_this_step else 0), self.every)
         return None if i is None else i * self.live.every
 
+    def _kept_copy(self) -> contextlib.AbstractContextManager[None]:
+        """The unsharded copy's state kept as training's is (its ``.grad`` None again after a rerun step)."""
+        return contextlib.nullcontext() if self.copy is None else kept_training_state(self.copy.module)
+
     # -- the rerun ------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if tracing():  # a module inside torch.compile: its compiled caller is replayed, or probe.shadow(fn)
@@ -317,7 +334,7 @@ class Shadow:
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
-        target = _replayed(module)
+        target = _replayed(module) if self.copy is None else self.copy.module
         try:
             self.run(lambda: target(*args, **kwargs), device, replayed=True, kwargs=kwargs)
         except Exception as e:  # a rerun must never break training
@@ -334,6 +351,8 @@ class Shadow:
         param = next(module.parameters(), None)
         if param is not None and param.dtype in LOW_PRECISION:
             return False  # a .half() model: no fp32 weights to rerun with
+        if self.copy is not None and fsdp2_low_precision(module):
+            return True  # FSDP2 computes in its policy's param_dtype
         if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in LOW_PRECISION:
             return True
         if forward_autocast(module.forward) is not None:
@@ -348,6 +367,11 @@ class Shadow:
         Returns whether a rerun was recorded. Everything training sees is restored after.
         """
         if self._running or not self.due:
+            return False
+        if self.copy is not None and not replayed:  # fn() would call the sharded model, in its policy's dtype
+            self.skipped = ("under FSDP2 the reruns replay the model's own forward on an unsharded fp32 copy; "
+                            "probe.shadow(fn) calls the sharded model, which computes in the policy's param_dtype: "
+                            "let the model return its loss (a 0-d tensor, .loss or ['loss']) and drop probe.shadow")
             return False
         device = device or _device_of((), {}, self.model)
         live_enabled = self.live.enabled
@@ -365,8 +389,10 @@ class Shadow:
             # kept_training_state is left last: the fp32 Probe's step reads the rerun's .grad first
             # eager(): compiled code the rerun calls runs uncompiled, so the rerun's autocast state makes
             # dynamo neither recompile nor fall back to eager for the live steps (compiled.py)
-            with (kept_training_state(self.model), eager(), _quiet_compile_wrapper(), autocast_off(),
-                  torch.autocast(device.type, enabled=False), check.watching(self.model)):
+            with (kept_training_state(self.model), self._kept_copy(), eager(), _quiet_compile_wrapper(),
+                  autocast_off(), torch.autocast(device.type, enabled=False), check.watching(self.rerun_model)):
+                if self.copy is not None:
+                    self.copy.refresh()  # training's weights, whole and in fp32 (every rank: an all-gather)
                 self._rerun_grads.resume()  # the step's earlier micro-batches' rerun gradients
                 self.probe.start()
                 try:
@@ -382,7 +408,7 @@ class Shadow:
                         divided_loss(loss, divisor).backward()
                         recorded = True
                         if self.precision_cost is not None:  # each micro-batch's: the last one's is compared
-                            self.precision_cost.keep_reference(self.model,
+                            self.precision_cost.keep_reference(self.rerun_model,
                                                                last=self._micro + 1 >= self.accumulation)
                 finally:
                     self.probe.stop()
@@ -484,10 +510,11 @@ def _device_of(args: Any, kwargs: Any, model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _reference_probe(probe: Any, *, weight_grads: bool) -> Any:
-    """The fp32 Probe the reruns record into: the live Probe's modules and kinds, no scaler, no reruns of its own."""
+def _reference_probe(probe: Any, *, weight_grads: bool, model: nn.Module | None = None) -> Any:
+    """The fp32 Probe the reruns record into: the live Probe's modules and kinds, no scaler, no reruns of its own
+    (on ``model``, the unsharded copy under FSDP2; default the live Probe's model)."""
     o = probe.options
-    reference = type(probe)(probe.model, modules=o["modules"], types=o["types"],
+    reference = type(probe)(probe.model if model is None else model, modules=o["modules"], types=o["types"],
                             activation_grads=o["activation_grads"], weight_grads=weight_grads,
                             activations=False, scaler=None, precision="fp32", granularity=probe.granularity,
                             target=probe.target, shadow_every=0, history=False)
@@ -501,21 +528,20 @@ def rank_local_rerun_off(model: nn.Module) -> str | None:
 
     DDP: it can. Its collectives run in ``DistributedDataParallel.forward`` around the wrapped
     module's call and in the reducer's hooks, which act only on a backward that forward prepared;
-    a rerun of the wrapped module (``ddp.module``) runs neither. FSDP2 (``fully_shard``) and FSDP:
-    it cannot. The module's own forward hooks all-gather the sharded parameters (a collective),
-    in ``MixedPrecisionPolicy.param_dtype`` (fp16: no fp32 weights to rerun with), and its backward
-    reduce-scatters them.
+    a rerun of the wrapped module (``ddp.module``) runs neither. FSDP2 (``fully_shard``): on an
+    unsharded fp32 copy (:mod:`fp16probe.capture.unsharded`), whose weights each rerun gathers on every
+    rank at once. FSDP (the first one, ``FullyShardedDataParallel``): it cannot. Its forward all-gathers
+    the flattened parameters in the mixed-precision policy's dtype and its backward reduce-scatters them.
     """
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # a torch without torch.distributed: nothing is sharded
         return None
-    for m in model.modules():
-        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
-            name = "FSDP2 (fully_shard)" if isinstance(m, FSDPModule) else "FSDP"
-            return (f"not under {name}: a rerun would all-gather the sharded parameters, in the mixed-precision "
-                    "policy's dtype, and reduce-scatter their gradients; for the fp32 reference run fp16probe "
-                    "profile on one process with the unsharded model and the same batches")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return ("not under FSDP (FullyShardedDataParallel): a rerun would all-gather the flattened parameters, in "
+                "the mixed-precision policy's dtype, and reduce-scatter their gradients; FSDP2 (fully_shard) gets "
+                "reruns, or for the fp32 reference run fp16probe profile on one process with the unsharded model "
+                "and the same batches")
     return None
 
 
@@ -642,6 +668,9 @@ class ShadowReruns(Collector):
         gradients are this rank's in both, and carry the reference.
         """
         self.off = rank_local_rerun_off(self.shadow.model) if self.live.defer_to_ddp else None
+        if self.off is None and self.shadow.copy is None and is_fsdp2(self.shadow.model):
+            copy = UnshardedCopy(self.shadow.model)
+            self.shadow.rerun_on_copy(copy, _reference_probe(self.probe, weight_grads=False, model=copy.module))
         if self.live.defer_to_ddp and not self.shadow.steps and self.shadow.probe.capture[WEIGHT_GRAD]:
             self.shadow.probe = _reference_probe(self.probe, weight_grads=False)
         if self.live.defer_to_ddp:  # the live weight gradients are all-reduced: not this rank's to compare
