@@ -207,3 +207,38 @@ def test_a_bf16_autocast_run_is_rerun_too():
     assert report.metadata.precision == "bf16-autocast"
     assert report.shadow is not None and report.shadow.metadata.precision == "fp32"
     assert analyze(report, "bf16").evidence["shadow_steps"] == [0, 1]
+
+
+def test_a_bf16_loop_gets_the_fp32_references_verdict_and_trains_as_without_the_probe():
+    """A bf16 autocast loop (no scaler): the live verdict equals that of a plain fp32 run of the same batches,
+    judged for bf16 (no loss scale invented), and the weights end bit-identical with and without the Probe."""
+    batches = [(torch.randn(32, 16, generator=torch.Generator().manual_seed(s)),
+                torch.randint(0, 8, (32,), generator=torch.Generator().manual_seed(100 + s))) for s in range(4)]
+
+    def run(probed: bool, low: bool):
+        torch.manual_seed(0)
+        model = _Net().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        probe = Probe(model, shadow_every=1 if low else 0).start() if probed else None
+        for x, y in batches:
+            if probe is not None and low:
+                probe.shadow(lambda x=x, y=y: nn.functional.cross_entropy(model(x), y))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if probe is not None:
+                probe.step()
+        if probe is not None:
+            probe.stop()
+        return [p.detach().clone() for p in model.parameters()], probe
+
+    plain, _ = run(False, True)
+    weights, probe = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, weights))
+    live = analyze(probe.report(), "bf16")
+    _, fp32 = run(True, False)
+    reference = analyze(fp32.report(), "bf16")
+    assert live.evidence["reference"] == "fp32_shadow_reruns" and len(live.evidence["shadow_steps"]) == 4
+    assert live.verdict == reference.verdict == "none_needed", (live.verdict, reference.verdict)
+    assert live.log2_scale == reference.log2_scale == 0 and not live.grad_scaler_kwargs.get("init_scale")
