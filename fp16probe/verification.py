@@ -68,6 +68,9 @@ class Verification:
     by_kind: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per kind: nonzero, zeroed, fraction
     scales: tuple[float, ...] = ()  # the loss scale in force at each step of the run
     notes: tuple[str, ...] = ()
+    # the modules whose output gradients the run zeroed, in its backward order: (name, fp32 nonzero values, of those
+    # zeroed, of those above the format's flush threshold at the scale in force in fp32: computed zero, not flushed)
+    zeroed_by_module: tuple[tuple[str, int, int, int], ...] = ()
 
     @staticmethod
     def judge(predicted_overflow_steps: int, measured_overflow_steps: int, predicted_zeroed_fraction: float,
@@ -94,6 +97,7 @@ class Verification:
         d["by_kind"] = {k: dict(v) for k, v in self.by_kind.items()}
         d["scales"] = list(self.scales)
         d["notes"] = list(self.notes)
+        d["zeroed_by_module"] = [list(r) for r in self.zeroed_by_module]
         return d
 
     @classmethod
@@ -129,6 +133,12 @@ class Verification:
         notes = kw.get("notes", [])
         _expect(isinstance(notes, list) and all(isinstance(n, str) for n in notes), path, "notes",
                 "a list of strings", notes)
+        rows = kw.get("zeroed_by_module", [])
+        _expect(isinstance(rows, list) and all(
+            isinstance(r, list) and len(r) == 4 and isinstance(r[0], str)
+            and all(type(c) is int and 0 <= c < 2**63 for c in r[1:]) and r[1] >= r[2] >= r[3] for r in rows),
+            path, "zeroed_by_module", "a list of [module, nonzero, zeroed, computed zero] with counts that nest", rows)
+        kw["zeroed_by_module"] = tuple((str(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows)
         kw["scaler_kwargs"] = dict(kw.get("scaler_kwargs", {}))
         kw["by_kind"] = {str(k): dict(v) for k, v in kw.get("by_kind", {}).items()}
         kw["scales"] = tuple(float(s) for s in scales)

@@ -169,3 +169,73 @@ def test_verify_with_an_optimizer_starts_from_the_weights_before_the_profile():
     # weights before the profile, not from the trained ones
     again = fp16probe.verify(DemoNet(depth=16, width=32), report, small_batches(), mse)
     assert again.by_kind == v.by_kind
+
+
+def test_a_verification_that_fails_on_computed_zeros_names_the_cause_and_where():
+    """GELU-tanh written out (autograd saves tanh's output): the real fp16 run saves t = -1 in saturation and
+    zeroes gradients that fp32 puts far above the flush threshold at S. The prediction (each fp32 value times S,
+    rounded once) keeps them, so it does not hold, and the answer says why and where, counted as plain torch
+    counts them."""
+    import torch.nn.functional as F
+
+    from fp16probe.presentation.answer import short_answer, verification_cause
+    from tests.test_emulate import _ExplicitTanhGELU
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), _ExplicitTanhGELU(), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(4)  # pre-activations reach -4 and below: tanh rounds to -1 in fp16
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(256, 16, generator=g), torch.randn(256, 4, generator=g))
+    report = fp16probe.profile(model, [batch], lambda out, b: F.mse_loss(out, b[1]), steps=1, target="cpu",
+                               verify=True)
+    v = report.verification
+    assert not v.held and v.measured_overflow_steps == 0
+    scale = v.scales[0]
+
+    def fc_out_grad(low: bool) -> torch.Tensor:  # plain torch: module 0's output gradient, fp32 or fp16 x S
+        got = []
+
+        def keep(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda gr: got.append(gr.float()))
+
+        h = model[0].register_forward_hook(keep)
+        try:
+            with torch.autocast("cpu", dtype=torch.float16, enabled=low):
+                loss = F.mse_loss(model(batch[0]), batch[1])
+            (loss.float() * (scale if low else 1.0)).backward()
+        finally:
+            h.remove()
+            model.zero_grad(set_to_none=True)
+        return got[0]
+
+    ref, real = fc_out_grad(False), fc_out_grad(True)
+    zeroed = (ref != 0) & (real == 0)
+    computed = zeroed & (ref.abs() * scale > 2.0**-25)
+    assert int(computed.sum()) > 0.01 * int((ref != 0).sum())  # saturation zeroes a few percent for real
+    row = dict((r[0], r[1:]) for r in v.zeroed_by_module)["0"]
+    assert row == (int((ref != 0).sum()), int(zeroed.sum()), int(computed.sum()))
+    cause = verification_cause(v)
+    assert "first in backward order at 0" in cause and "computed them as zero" in cause
+    line = next(x.text for x in short_answer(report, report.recommendation) if x.kind == "verification")
+    assert "did NOT hold" in line and cause in line
+    back = Report.from_dict(json.loads(report.to_json()))
+    assert back.verification.zeroed_by_module == v.zeroed_by_module
+
+
+def test_the_cause_tells_flushed_small_values_from_computed_zeros(verified):
+    from fp16probe.presentation.answer import verification_cause
+
+    v = verified.verification
+    base = dataclasses.replace(v, predicted_zeroed_fraction=0.0, measured_zeroed_fraction=0.5, tolerance=1e-4)
+    small = dataclasses.replace(base, zeroed_by_module=(("a", 100, 10, 0), ("b", 100, 40, 5)))
+    assert "45 of the 50 values the run zeroed are small ones" in verification_cause(small)
+    assert "most at b, 35 of 100" in verification_cause(small)
+    computed = dataclasses.replace(base, zeroed_by_module=(("a", 100, 10, 0), ("b", 100, 40, 30), ("c", 90, 50, 40)))
+    words = verification_cause(computed)
+    assert "70 of the 100 values the run zeroed were not small" in words
+    assert "first in backward order at b (30 of its 100), most at c (40 of 90)" in words
+    assert verification_cause(dataclasses.replace(computed, measured_zeroed_fraction=0.0)) == ""  # it held
+    assert verification_cause(dataclasses.replace(base, zeroed_by_module=())) == ""  # an older report: no counts
+    with pytest.raises(ReportError):
+        Verification.from_dict({**v.to_dict(), "zeroed_by_module": [["a", 1, 2, 0]]})  # zeroed above nonzero

@@ -759,10 +759,40 @@ def numerically_zero_sentence(cancelled: Mapping[str, int]) -> str:
 
 
 def _verification_sentence(v: Verification) -> str:
+    cause = verification_cause(v)
     return (f"verification ({v.precision} autocast on {v.device}, {v.steps} steps): prediction "
             f"{'held' if v.held else 'did NOT hold'}; overflowing steps {v.predicted_overflow_steps} "
             f"predicted, {v.measured_overflow_steps} measured; zeroed {num.percent(v.predicted_zeroed_fraction)} "
-            f"predicted, {num.percent(v.measured_zeroed_fraction)} measured")
+            f"predicted, {num.percent(v.measured_zeroed_fraction)} measured" + (f". {cause}" if cause else ""))
+
+
+def verification_cause(v: Verification) -> str:
+    """Why the run zeroed more than predicted, from its per-module counts (empty when it did not, or no counts).
+
+    The prediction rounds each fp32 value times S once. A zeroed value fp32 puts above the flush threshold at S
+    cannot be a flush of that value: the low-precision run computed it as zero."""
+    if v.measured_zeroed_fraction - v.predicted_zeroed_fraction <= v.tolerance or not v.zeroed_by_module:
+        return ""
+    rows = v.zeroed_by_module
+    zeroed, computed = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    first = next((r for r in rows if r[3]), None)
+    most = max(rows, key=lambda r: (r[3], r[2]))
+    if first is not None and 2 * computed >= zeroed:
+        where = f"first in backward order at {escape.text(first[0])} ({num.count(first[3])} of its {num.count(first[1])})"
+        if most[0] != first[0]:
+            where += f", most at {escape.text(most[0])} ({num.count(most[3])} of {num.count(most[1])})"
+        return (f"Cause: {num.count(computed)} of the {num.count(zeroed)} values the run zeroed were not small: fp32 "
+                f"puts them above {escape.text(v.precision)}'s flush threshold at the scale in force, so rounding "
+                f"them once (the prediction) keeps them, and the low-precision run computed them as zero, {where}: a "
+                "derivative that rounds to zero in low precision (a saturating tanh, sigmoid or GELU-tanh whose saved "
+                "output rounds to +-1) or a zero passed on from upstream. No loss scale changes that; the emulated "
+                "step rounds what autograd saves and counts them")
+    small = max(rows, key=lambda r: (r[2] - r[3], r[2]))
+    return (f"Cause: {num.count(zeroed - computed)} of the {num.count(zeroed)} values the run zeroed are small ones "
+            f"(at or below {escape.text(v.precision)}'s flush threshold at the scale in force in fp32 too; most at "
+            f"{escape.text(small[0])}, {num.count(small[2] - small[3])} of {num.count(small[1])}): the run flushed "
+            "more of them than one rounding of the fp32 values predicts, its own low-precision gradients lying lower "
+            "there; a larger S lifts them above it")
 
 
 # -- the printed summary (str / repr) --------------------------------------------------------

@@ -27,6 +27,7 @@ from fp16probe.presentation.schedule import FRAMEWORK_FORMS, framework_snippets,
 from fp16probe.presentation.cite import cite
 from fp16probe.presentation.verdict import replay_table
 from fp16probe.presentation.answer import (
+    verification_cause,
     section_lines,
     brief_answer,
     evidence_rows,
@@ -343,6 +344,9 @@ def _verification(v: Verification, width: int) -> Iterator[Any]:
                      f"same batches, the {num.count(v.zeroed_values)} that came out exactly 0 in the "
                      f"{v.precision} run; tolerance ±{num.percent(v.tolerance)}; this proves these {v.steps} "
                      "steps on these batches, not a whole training run", width)
+    cause = verification_cause(v)
+    if cause:
+        yield from _para(cause, width, indent="  ")
     for note in v.notes:
         yield from _para(f"note: {note}", width, indent="  ")
 

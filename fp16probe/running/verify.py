@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, message_of
+from fp16probe.formats import get_format
 from fp16probe.report import ACTIVATION_GRAD, WEIGHT_GRAD, Report
 from fp16probe.running.effect import loss_generators
 from fp16probe.running.inputs import call_model, map_tensors, move_to
@@ -103,6 +104,9 @@ class _Tally:
     watch: "_FirstNonfinite"
     overflow_steps: int = 0
     scales: list[float] = dataclasses.field(default_factory=list)
+    # module -> [fp32 nonzero, of those zero in target, of those above the flush threshold at S in fp32], the
+    # modules in the target run's backward order (its first step's)
+    module_zeros: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def _checked(report: Report, tolerance: float | None) -> tuple[Any, torch.dtype]:
@@ -195,12 +199,14 @@ def _run(reference: nn.Module, target: nn.Module, report: Report, plan: _Plan, b
                               pure_scale=pure_scale, watch=watch, emulate=plan.emulate)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             tally.overflow_steps += int(overflowed)
+            ref_out, tgt_out = ref_grads.take(), tgt_grads.take()
             pairs = {
-                ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), plan.notes, "module output gradients"),
+                ACTIVATION_GRAD: _pair(ref_out, tgt_out, plan.notes, "module output gradients"),
                 WEIGHT_GRAD: _pair(ref_w, tgt_w, plan.notes, "weight gradients"),
             }
             if not overflowed:  # zeros and errors are counted on finite steps only
                 _add_step(tally, pairs, scaler is not None)
+                _add_module_zeros(tally, ref_out, tgt_out, get_format(plan.rec.format).flush_threshold)
             if ref_opt is not None:
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
@@ -219,6 +225,34 @@ def _add_step(tally: _Tally, pairs: Mapping[str, Any], scaled_step: bool) -> Non
         diff, size = _error(tensors, 1.0 if unscaled else 1.0 / tally.scales[-1])
         tally.errors[kind][0] += diff
         tally.errors[kind][1] += size
+
+
+def _add_module_zeros(tally: _Tally, ref: Mapping[str, list[torch.Tensor]], tgt: Mapping[str, list[torch.Tensor]],
+                      flush_threshold: float) -> None:
+    """Per module (the target's backward order): its output gradients' fp32 nonzero values, those the target run
+    zeroed, and of those the ones fp32 puts above the format's flush threshold at the scale in force: rounding
+    the value once at S keeps them, so the low-precision run computed them as zero."""
+    scale = tally.scales[-1]
+    names, rows = [], []
+    for name, ts in tgt.items():
+        rs = ref.get(name)
+        if rs is None or len(rs) != len(ts) or any(a.shape != b.shape for a, b in zip(rs, ts)):
+            continue  # _pair noted it
+        row = torch.zeros(3, dtype=torch.int64, device=rs[0].device)
+        for r, t in zip(rs, ts):
+            nz = (r != 0) & torch.isfinite(r)
+            zeroed = nz & (t.to(r.device) == 0)
+            row += torch.stack([torch.count_nonzero(nz), torch.count_nonzero(zeroed),
+                                torch.count_nonzero(zeroed & (r.abs() * scale > flush_threshold))])
+        names.append(name)
+        rows.append(row)
+    if not rows:
+        return
+    for name, (nz, zeroed, unforeseen) in zip(names, torch.stack(rows).tolist()):  # one host read per step
+        acc = tally.module_zeros.setdefault(name, [0, 0, 0])
+        acc[0] += nz
+        acc[1] += zeroed
+        acc[2] += unforeseen
 
 
 def _verification(plan: _Plan, tally: _Tally, dev: torch.device, steps: int) -> Verification:
@@ -250,6 +284,7 @@ def _verification(plan: _Plan, tally: _Tally, dev: torch.device, steps: int) -> 
         predicted_zeroed_fraction=float(plan.predicted_zeroed), measured_zeroed_fraction=measured["zeroed_fraction"],
         tolerance=float(plan.tolerance), held=held, nonzero_values=measured["nonzero_values"],
         zeroed_values=measured["zeroed_values"], by_kind=by_kind, scales=tuple(tally.scales), notes=tuple(notes),
+        zeroed_by_module=tuple((n, *c) for n, c in tally.module_zeros.items() if c[1]),
     )
 
 
