@@ -2,8 +2,9 @@
 
 Usage: torchrun --nproc-per-node 2 tests/callback_rank_worker.py {hf,lightning} OUT_DIR [FAIL_AT]
 The model's forward raises on rank 1 at training forward FAIL_AT (1-based; 0: never), after
-noting the time in OUT_DIR/fault_time; with FAIL_IN=loss, backward or step (the Trainer only), the
-Trainer's compute_loss, the backward of that forward's output or the optimizer's step raises there instead. Each rank writes OUT_DIR/exit.RANK (its exit code and
+noting the time in OUT_DIR/fault_time; with FAIL_IN=loss, backward, clip, step or scheduler (the Trainer only),
+the Trainer's compute_loss, the backward of that forward's output, its gradient clipping (max_grad_norm), the
+optimizer's step or the LR scheduler's step raises there instead. Each rank writes OUT_DIR/exit.RANK (its exit code and
 the time it ended), OUT_DIR/error.RANK (the first line of what training raised) and trace.RANK; rank 0's
 callback writes its report into OUT_DIR.
 """
@@ -71,6 +72,12 @@ def run_hf(out: Path, fail_at: int, timeout: int) -> None:
                 raise fault(out)
             return loss
 
+        def _clip_grad_norm(self, model):  # type: ignore[no-untyped-def]
+            """Gradient clipping (max_grad_norm) raises on rank 1 at training step ``fail_at`` with FAIL_IN=clip."""
+            if RANK == 1 and FAIL_IN == "clip" and self.state.global_step + 1 == fail_at:
+                raise fault(out)
+            return super()._clip_grad_norm(model)
+
     class FailingSGD(torch.optim.SGD):
         """The optimizer's step raises on rank 1 at step ``fail_at`` with FAIL_IN=step."""
 
@@ -82,6 +89,17 @@ def run_hf(out: Path, fail_at: int, timeout: int) -> None:
                 raise fault(out)
             return super().step(closure)
 
+    class FailingSchedule(torch.optim.lr_scheduler.LambdaLR):
+        """The LR scheduler's step raises on rank 1 after optimizer step ``fail_at`` with FAIL_IN=scheduler."""
+
+        calls = -1  # LambdaLR's __init__ steps it once
+
+        def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if RANK == 1 and FAIL_IN == "scheduler" and self.calls == fail_at:
+                raise fault(out)
+            return super().step(*args, **kwargs)
+
     # TrainingArguments(use_cpu=True) does not hand ddp_timeout to the process group it makes (transformers
     # 5.25; on a GPU it does): make it here, with that timeout, as a GPU run would have it
     from datetime import timedelta
@@ -89,10 +107,12 @@ def run_hf(out: Path, fail_at: int, timeout: int) -> None:
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, use_cpu=True,
                              report_to="none", ddp_backend="gloo", ddp_timeout=timeout, save_strategy="no",
-                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, learning_rate=0.1)
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, learning_rate=0.1,
+                             max_grad_norm=1.0)
     model = Net(out, fail_at)
+    opt = FailingSGD(model.parameters(), lr=0.1)
     FailingTrainer(model=model, args=args, train_dataset=rows(BATCH * STEPS * 2),
-                   optimizers=(FailingSGD(model.parameters(), lr=0.1), None),
+                   optimizers=(opt, FailingSchedule(opt, lambda step: 1.0 / (1 + step))),
                    callbacks=[Fp16ProbeCallback(output_dir=out)]).train()
 
 

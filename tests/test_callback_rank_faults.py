@@ -5,9 +5,10 @@ A rank that raises in its forward or loss is caught by the ranks' agreement befo
 rank ends at once (well under ``FP16PROBE_DIST_TIMEOUT``). One that raises before its DDP forward
 (Lightning's fp32 rerun) leaves the others waiting in DDP's own collective: that ends when the
 framework's process-group timeout (set to the same bound) runs out, and the report is still written.
-Under the Trainer a rank that raises outside the forward (compute_loss, backward, the optimizer's
-step) joins the agreement from the callback's wrappers of ``training_step`` and ``optimizer.step``:
-the others wait out DDP's all-reduce (loss, backward) or stop at their next forward (step), and rank 0
+Under the Trainer a rank that raises outside the forward (compute_loss, backward, gradient clipping, the
+optimizer's or the LR scheduler's step) joins the agreement from the callback's wrappers of
+``training_step``, ``_clip_grad_norm``, ``optimizer.step`` and ``lr_scheduler.step``: the others wait out
+DDP's all-reduce (loss, backward) or stop at their next forward (clipping and the steps), and rank 0
 writes the steps every rank finished, or its own (marked) when rank 1 had not closed the step.
 """
 
@@ -53,6 +54,9 @@ JOBS = {
     "hf_backward": Job("hf", 3, "", 2, False, "backward"),
     # after the all-reduce: rank 0 finished step 3, rank 1 did not; rank 0 writes its own 3 steps
     "hf_step": Job("hf", 3, "", 3, True, "step", (3, 2)),
+    # after the all-reduce too: gradient clipping (max_grad_norm) and the LR scheduler's step
+    "hf_clip": Job("hf", 3, "", 3, True, "clip", (3, 2)),
+    "hf_scheduler": Job("hf", 3, "", 3, True, "scheduler", (3, 2)),
     "lightning_ok": Job("lightning", 0, "0", 5, True),
     "lightning_forward": Job("lightning", 3, "0", 2, True),
     # forwards 1, 2: step 1's rerun and real one; forward 3 is step 2's rerun, outside DDP

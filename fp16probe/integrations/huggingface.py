@@ -17,8 +17,9 @@ TrainingArguments that decide precision and steps (``report.workload.training_ar
 
 Under torchrun the ranks agree before each backward (a forward hook on the model); the Trainer
 tells a callback of no failure, so for the run the callback also wraps the Trainer's
-``training_step`` and its optimizer's ``step``: a rank that raises in ``compute_loss``, backward or
-the optimizer's step stops every rank, and rank 0 writes the partial report (see docs/distributed.md).
+``training_step``, its gradient clipping, its optimizer's and LR scheduler's ``step`` and its logging and
+saving: a rank that raises in ``compute_loss``, backward, clipping, either step or a save stops every rank,
+and rank 0 writes the partial report (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -152,14 +153,17 @@ class Fp16ProbeCallback(ProbeCallback, transformers.TrainerCallback):
             # The Trainer tells a callback of no failure: torch runs this hook even when the forward
             # raises, so the failing rank joins the agreement from there (see fp16probe.integrations.guard).
             self.guard.hook_forward(model, self._after_forward)
-            # Outside the forward (compute_loss, backward, the optimizer step) nothing of the Trainer's
-            # runs on the way out; the Trainer's training_step and its optimizer's step do, when wrapped.
-            self._watch(self.trainer or _calling_trainer(self), kwargs.get("optimizer"))
+            # Outside the forward (compute_loss, backward, clipping, the optimizer and LR scheduler steps,
+            # logging and saving) nothing of the Trainer's runs on the way out; what runs them does, wrapped.
+            self._watch(self.trainer or _calling_trainer(self), kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
 
-    def _watch(self, trainer: Any, optimizer: Any) -> None:
-        """Wrap ``trainer.training_step`` and ``optimizer.step`` (instance attributes, put back at the
-        end) so that what they raise stops every rank as a failing forward does."""
-        for owner, name in ((trainer, "training_step"), (optimizer, "step")):
+    def _watch(self, trainer: Any, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """Wrap the Trainer's ``training_step`` (compute_loss and backward), ``_clip_grad_norm`` (max_grad_norm)
+        and ``_maybe_log_save_evaluate``, the optimizer's and the LR scheduler's ``step`` (instance attributes,
+        put back at the end; one this Trainer lacks is left out) so that what they raise stops every rank as a
+        failing forward does."""
+        for owner, name in ((trainer, "training_step"), (trainer, "_clip_grad_norm"), (optimizer, "step"),
+                            (lr_scheduler, "step"), (trainer, "_maybe_log_save_evaluate")):
             call = getattr(owner, name, None) if owner is not None else None
             if call is None:
                 continue
