@@ -19,6 +19,7 @@ from fp16probe.analysis import interval_study
 from fp16probe.analysis.interval_study import StudyFamily, drift_per_1000, nearest, summarise
 from fp16probe.analysis.schedule import judge_schedules
 from fp16probe.presentation.schedule import note_text
+from fp16probe.report import Report
 from fp16probe.presentation.verdict import study_words
 from tests.fixtures.wording import wording_problems
 
@@ -141,24 +142,32 @@ def test_schedule_sets_the_runs_drift_against_the_study():
     assert not [n for n in judge_schedules(short).notes if n.code == "interval_study"]
 
 
-def test_a_tied_replay_points_to_the_study_only_where_the_runs_drift_lies_inside_it():
-    import dataclasses
-
+def _tiny_loss_run(steps: int) -> Report:
+    """A live fp32 Probe over ``steps`` steps of a small MLP whose loss is x1e-6: a scaled verdict whose replay
+    cannot tell the growth intervals apart (tied)."""
     import torch.nn.functional as F
 
     from fp16probe import Probe
-    from fp16probe.analysis.recommend import analyze
-    from fp16probe.presentation.answer import short_answer
-    from fp16probe.presentation.verdict import verdict_text
     from tests.test_first_hour import _labelled, _mlp
 
     model = _mlp()
     with Probe(model) as probe:
-        for x, y in _labelled(4):
+        for x, y in _labelled(steps):
             (F.cross_entropy(model(x), y) * 1e-6).backward()
             model.zero_grad()
             probe.step()
-    rec = analyze(probe.report(), "fp16")
+    return probe.report()
+
+
+def test_a_tied_replay_points_to_the_study_only_where_the_runs_drift_lies_inside_it():
+    import dataclasses
+
+
+    from fp16probe.analysis.recommend import analyze
+    from fp16probe.presentation.answer import short_answer
+    from fp16probe.presentation.verdict import verdict_text
+
+    rec = analyze(_tiny_loss_run(4), "fp16")
     assert rec.evidence["simulated_candidates_tied"] and "interval_study" not in rec.evidence  # 4 steps: no drift
     f = interval_study.FAMILIES[-1]
     study = {"drift_log2_per_1000": f.drift_log2_per_1000, "family": f.family,
@@ -180,22 +189,13 @@ def test_a_tied_replay_points_to_the_study_only_where_the_runs_drift_lies_inside
 def test_a_tied_replay_pastes_the_studys_interval_where_the_runs_drift_lies_inside_it(monkeypatch):
     """The run's own replay cannot choose (tied): the pasted growth_interval is the study's for the nearest family
     inside the families' range, and the longest candidate outside it."""
-    import torch.nn.functional as F
 
-    from fp16probe import Probe
     from fp16probe.analysis.recommend import analyze
     from fp16probe.presentation.answer import short_answer
     from fp16probe.presentation.answer import grad_scaler_code
     from fp16probe.presentation.verdict import verdict_text
-    from tests.test_first_hour import _labelled, _mlp
 
-    model = _mlp()
-    with Probe(model) as probe:
-        for x, y in _labelled(120):
-            (F.cross_entropy(model(x), y) * 1e-6).backward()
-            model.zero_grad()
-            probe.step()
-    report = probe.report()
+    report = _tiny_loss_run(120)
     drift = interval_study.drift_per_1000(range(len(report.history)), report.history.grad_max)
     assert drift is not None
     near = StudyFamily("near", 5000, round(drift, 3) + 0.1, 400, 2.0, 0.5, 3, 5, 0.0, 0.0)
