@@ -256,13 +256,28 @@ class Shadow:
         self._handle: Any = None
         # the live gradients against the reruns' (PrecisionCostMeter); off under DDP (ShadowReruns.start)
         self.precision_cost: PrecisionCostMeter | None = PrecisionCostMeter(live)
-        self.copy: UnshardedCopy | None = None  # under FSDP2: the unsharded fp32 copy the reruns run on
+        # under FSDP2: what builds the fp32 Probe on an unsharded copy (rerun_on_copy), and that copy, made at the
+        # first rerun (a run that never reruns never holds the model's full weights)
+        self._reference_on: Callable[[nn.Module], Any] | None = None
+        self.copy: UnshardedCopy | None = None
 
-    def rerun_on_copy(self, copy: UnshardedCopy, probe: Any) -> None:
-        """Under FSDP2: rerun on ``copy`` (its forward replayed with the model's arguments), recorded by ``probe``."""
-        self.copy = copy
-        self.probe = probe
-        self._rerun_grads = RerunGradients(copy.module)
+    def rerun_on_copy(self, reference_on: Callable[[nn.Module], Any]) -> None:
+        """Under FSDP2: rerun on an unsharded fp32 copy of the model (its forward replayed with the model's
+        arguments), recorded by ``reference_on(copy)``; the copy is made at the first rerun."""
+        self._reference_on = reference_on
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the reruns run on an unsharded copy (FSDP2)."""
+        return self._reference_on is not None
+
+    def _copy(self) -> UnshardedCopy:
+        if self.copy is None:
+            assert self._reference_on is not None
+            self.copy = UnshardedCopy(self.model)
+            self.probe = self._reference_on(self.copy.module)
+            self._rerun_grads = RerunGradients(self.copy.module)
+        return self.copy
 
     @property
     def rerun_model(self) -> nn.Module:
@@ -334,7 +349,7 @@ class Shadow:
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
-        target = _replayed(module) if self.copy is None else self.copy.module
+        target = self._copy().module if self.sharded else _replayed(module)
         try:
             self.run(lambda: target(*args, **kwargs), device, replayed=True, kwargs=kwargs)
         except Exception as e:  # a rerun must never break training
@@ -351,7 +366,7 @@ class Shadow:
         param = next(module.parameters(), None)
         if param is not None and param.dtype in LOW_PRECISION:
             return False  # a .half() model: no fp32 weights to rerun with
-        if self.copy is not None and fsdp2_low_precision(module):
+        if self.sharded and fsdp2_low_precision(module):
             return True  # FSDP2 computes in its policy's param_dtype
         if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in LOW_PRECISION:
             return True
@@ -368,7 +383,7 @@ class Shadow:
         """
         if self._running or not self.due:
             return False
-        if self.copy is not None and not replayed:  # fn() would call the sharded model, in its policy's dtype
+        if self.sharded and not replayed:  # fn() would call the sharded model, in its policy's dtype
             self.skipped = ("under FSDP2 the reruns replay the model's own forward on an unsharded fp32 copy; "
                             "probe.shadow(fn) calls the sharded model, which computes in the policy's param_dtype: "
                             "let the model return its loss (a 0-d tensor, .loss or ['loss']) and drop probe.shadow")
@@ -668,9 +683,8 @@ class ShadowReruns(Collector):
         gradients are this rank's in both, and carry the reference.
         """
         self.off = rank_local_rerun_off(self.shadow.model) if self.live.defer_to_ddp else None
-        if self.off is None and self.shadow.copy is None and is_fsdp2(self.shadow.model):
-            copy = UnshardedCopy(self.shadow.model)
-            self.shadow.rerun_on_copy(copy, _reference_probe(self.probe, weight_grads=False, model=copy.module))
+        if self.off is None and not self.shadow.sharded and is_fsdp2(self.shadow.model):
+            self.shadow.rerun_on_copy(lambda copy: _reference_probe(self.probe, weight_grads=False, model=copy))
         if self.live.defer_to_ddp and not self.shadow.steps and self.shadow.probe.capture[WEIGHT_GRAD]:
             self.shadow.probe = _reference_probe(self.probe, weight_grads=False)
         if self.live.defer_to_ddp:  # the live weight gradients are all-reduced: not this rank's to compare
