@@ -349,8 +349,8 @@ class Shadow:
         device = _device_of(args, kwargs, module)
         if not self._computes_low_precision(module, device):
             return  # an fp32 run needs no reference; a .half() model has no fp32 weights to rerun with
-        target = self._copy().module if self.sharded else _replayed(module)
-        try:
+        try:  # the unsharded copy too is made here, where nothing it raises can break training
+            target = self._copy().module if self.sharded else _replayed(module)
             self.run(lambda: target(*args, **kwargs), device, replayed=True, kwargs=kwargs)
         except Exception as e:  # a rerun must never break training
             self.live.note_error(e)
