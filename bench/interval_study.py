@@ -15,8 +15,8 @@ scale in force (:func:`fp16probe.capture.emulate.measure_effect`: relative L2 er
 gradients against fp32) at ``error_samples`` evenly spaced steps, not every step (the emulated
 step costs tens of forward passes' worth).
 
-The full tier trains each family for 1000 steps (the 2000 planned did not fit the time on the
-shared machine the published numbers came from; docs/interval-study.md says what that limits).
+The full tier trains each family for 5000 steps: long enough that GradScaler's default interval (2000)
+grows the scale twice after the start's backoffs, and 5000 once.
 Three check runs per family train the same model, data and seed for real at three other growth
 intervals (``checks``): each one's history replayed with its own rule must give its skipped steps
 exactly (``own_equal``), and the replay of the same rule on the main history is the prediction
@@ -27,6 +27,7 @@ weights leave the main run's at its first differing skip, so the two are differe
     python bench/interval_study.py --family gpt2        # one family's row, exactly, on the same torch
     python bench/interval_study.py --quick --out /tmp/q.json   # the CI tier: tiny steps, same code path
     python bench/interval_study.py --merge gpt2.json bert.json --out study.json   # --family outputs as one study
+    python bench/interval_study.py --family vit --seed 1   # the same family from other weights and data order
 
 Torch runs on one thread with fixed seeds; the same command gives the same JSON (all but each
 family's ``cpu_seconds``) on the same torch and Python (the GPT-2, BERT, T5 and LSTM families read the standard library's top-level ``.py``
@@ -79,7 +80,7 @@ class Tier:
     error_log2: tuple[int, ...]  # the loss scales (log2) the emulated step measures
 
 
-FULL = Tier(steps=1000, history_interval=100, checks=(50, 200, 400), every=4, error_samples=4,
+FULL = Tier(steps=5000, history_interval=100, checks=(50, 400, 2000), every=4, error_samples=4,
             error_log2=tuple(range(4, 25, 2)))
 QUICK = Tier(steps=40, history_interval=10, checks=(5, 20, 40), every=1, error_samples=1,
              error_log2=(8, 12, 16, 20, 24))
@@ -244,18 +245,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 # -- one real fp16 run -------------------------------------------------------------------------
 
-def train(fam: Family, tier: Tier, interval: int, *, shadow: bool, keep_at: tuple[int, ...] = ()):
-    """Train ``fam`` for ``tier.steps`` fp16 steps with GradScaler(INIT_SCALE, growth_interval=interval).
+def train(fam: Family, tier: Tier, interval: int, *, shadow: bool, keep_at: tuple[int, ...] = (), seed: int = 0):
+    """Train ``fam`` for ``tier.steps`` fp16 steps with GradScaler(INIT_SCALE, growth_interval=interval), from the
+    weights of ``seed`` over the data order of ``seed`` (the published study: seed 0).
 
     Returns the Probe's report, the real skipped steps (the scaler backed off: found_inf), and the
     weights and batch at the steps in ``keep_at`` (for the emulated step, run afterwards)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = fam.build().train()
     opt = torch.optim.AdamW(model.parameters(), lr=fam.lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=interval)
     probe = Probe(model, scaler=scaler, every=tier.every if shadow else tier.steps, target="cpu",
                   shadow_every=None if shadow else 0).start()
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + seed)
     skipped = 0
     kept: dict[int, tuple[dict[str, torch.Tensor], Any]] = {}
     try:
@@ -351,11 +353,11 @@ def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(choose(rows, defaults_factors=False))
 
 
-def study(fam: Family, tier: Tier) -> dict[str, Any]:
+def study(fam: Family, tier: Tier, seed: int = 0) -> dict[str, Any]:
     t0 = time.process_time()
     samples = tuple(int(i) for i in np.linspace(tier.steps // (tier.error_samples + 1), tier.steps - 1,
                                                  tier.error_samples, dtype=np.int64))
-    report, real_skipped, kept = train(fam, tier, tier.history_interval, shadow=True, keep_at=samples)
+    report, real_skipped, kept = train(fam, tier, tier.history_interval, shadow=True, keep_at=samples, seed=seed)
     errors = emulated_errors(fam, tier, kept)
     rows = replay_grid(report, errors, tier)
     own = next(r for r in rows if r["rule"] == f"{tier.history_interval} x2 /x2") if tier.history_interval in INTERVALS \
@@ -365,7 +367,7 @@ def study(fam: Family, tier: Tier) -> dict[str, Any]:
     checks = []
     for gi in tier.checks:
         rule = ScalerRule(INIT_SCALE, 2.0, 0.5, gi)
-        rep, real, _ = train(fam, tier, gi, shadow=False)
+        rep, real, _ = train(fam, tier, gi, shadow=False, seed=seed)
         own_row, _, _ = _replay(_arrays(rep.history, []), get_format("fp16"), rule, TAU, False)
         pred_row, _, _ = _replay(steps_main, get_format("fp16"), rule, TAU, False)
         checks.append({"growth_interval": gi, "real": int(real), "own_replay": own_row.skipped_steps,
@@ -373,7 +375,7 @@ def study(fam: Family, tier: Tier) -> dict[str, Any]:
     main_own, _, _ = _replay(steps_main, get_format("fp16"), ScalerRule(INIT_SCALE, 2.0, 0.5, tier.history_interval),
                              TAU, False)
     chosen = best(rows)
-    return {"family": fam.name, "kind": fam.kind,
+    return {"family": fam.name, "kind": fam.kind, "seed": seed,
             "parameters": sum(p.numel() for p in fam.build().parameters()),
             "steps": tier.steps, "init_scale": INIT_SCALE, "history_interval": tier.history_interval,
             "history_real_skipped": int(real_skipped), "history_own_replay": main_own.skipped_steps,
@@ -389,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="one family (repeatable); default all")
     ap.add_argument("--quick", action="store_true", help="the CI tier: tiny steps, the same code path")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the weights' and data order's seed (default 0, the published study; 1: its second seed)")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="merge these --family outputs (same tier) into one study, in the study's order; trains nothing")
     args = ap.parse_args(argv)
@@ -405,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     tier = QUICK if args.quick else FULL
     names = args.family or list(FAMILIES)
-    results = [study(FAMILIES[n], tier) for n in names]
+    results = [study(FAMILIES[n], tier, args.seed) for n in names]
     out = {"tier": "quick" if args.quick else "full", "torch": torch.__version__, "python": platform.python_version(),
            "tier_settings": {"steps": tier.steps, "history_interval": tier.history_interval, "checks": list(tier.checks),
                              "every": tier.every, "error_samples": tier.error_samples,

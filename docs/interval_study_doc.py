@@ -6,7 +6,9 @@
 The JSON is what ``bench/interval_study.py --out docs/data/interval-study.json`` writes (or the
 families' ``--family NAME --out`` files merged, in the study's order). A generated block sits
 between ``<!-- study: NAME -->`` and ``<!-- /study -->``: ``summary`` (one row per family) and
-``family-NAME`` (that family's grid). ``tests/test_interval_study.py`` runs the check.
+``family-NAME`` (that family's grid), ``across`` (every rule over the families) and ``seeds`` (each
+family's finding at seed 0 beside seed 1's, from docs/data/interval-study-seed1.json, ``--seed 1``).
+``tests/test_interval_study.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fp16probe.analysis.interval_study import choose, meets  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "interval-study.md"
 DATA = ROOT / "docs" / "data" / "interval-study.json"
+SEED1 = ROOT / "docs" / "data" / "interval-study-seed1.json"  # the same families from other weights and data order
 FIGURE = ROOT / "docs" / "images" / "interval-study.png"
 NEVER = 10**9
 BLOCK = re.compile(r"(<!-- study: ([\w-]+) -->\n)(.*?)(<!-- /study -->)", re.S)
@@ -87,15 +90,37 @@ def across(study: dict[str, Any]) -> str:
     return head + "\n".join(line for *_, line in sorted(lines)) + "\n"
 
 
-def blocks(study: dict[str, Any]) -> dict[str, str]:
-    out = {"summary": summary(study), "across": across(study)}
+def _finding(f: dict[str, Any]) -> str:
+    d, b = f["rows"][0], choose(f["rows"])
+    checks = ", ".join(f"{c['real']}/{c['own_replay']}/{c['predicted']}" for c in f["checks"])
+    return (f"{f['drift_log2_per_1000']:+.2f} | {d['skipped_steps']} ({_pct(d['mean_flushed_fraction'])}) | "
+            f"{_gi(b['growth_interval'])}: {b['skipped_steps']} ({_pct(b['mean_flushed_fraction'])}) | {checks}")
+
+
+def seeds(study: dict[str, Any], other: dict[str, Any] | None) -> str:
+    """Each family's drift, the defaults' and the best interval's skipped steps (mean flushed), at each seed."""
+    head = ("| family | seed | drift | defaults: skipped (mean flushed) | best interval: skipped (mean flushed) | "
+            "checks at " + ", ".join(str(c) for c in study["tier_settings"]["checks"]) + ": real/own replay/predicted |\n"
+            "|---|---:|---:|---:|---:|---|\n")
+    by_name = {f["family"]: f for f in (other or {}).get("families", ())}
+    lines = []
+    for f in study["families"]:
+        lines.append(f"| {f['family']} | {f.get('seed', 0)} | {_finding(f)} |")
+        if f["family"] in by_name:
+            g = by_name[f["family"]]
+            lines.append(f"| {g['family']} | {g.get('seed', 1)} | {_finding(g)} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def blocks(study: dict[str, Any], other: dict[str, Any] | None = None) -> dict[str, str]:
+    out = {"summary": summary(study), "across": across(study), "seeds": seeds(study, other)}
     for f in study["families"]:
         out[f"family-{f['family']}"] = family(f)
     return out
 
 
-def render(page: str, study: dict[str, Any]) -> str:
-    made = blocks(study)
+def render(page: str, study: dict[str, Any], other: dict[str, Any] | None = None) -> str:
+    made = blocks(study, other)
 
     def sub(m: re.Match[str]) -> str:
         return m.group(1) + made.get(m.group(2), m.group(3)) + m.group(4)
@@ -144,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     study = json.loads(DATA.read_text(encoding="utf-8"))
+    other = json.loads(SEED1.read_text(encoding="utf-8")) if SEED1.exists() else None
     page = PAGE.read_text(encoding="utf-8")
-    new = render(page, study)
+    new = render(page, study, other)
     if args.check:
-        stale = [m.group(2) for m in BLOCK.finditer(page) if blocks(study).get(m.group(2)) != m.group(3)]
+        stale = [m.group(2) for m in BLOCK.finditer(page) if blocks(study, other).get(m.group(2)) != m.group(3)]
         for name in stale:
             print(f"stale: docs/interval-study.md block {name!r} differs from docs/data/interval-study.json")
         return 1 if stale else 0

@@ -120,21 +120,27 @@ def test_the_verdicts_words_cite_the_study_and_keep_the_wording_rules():
     assert study_words({"interval_study": {"family": "x"}}) == ""  # a stored report's partial evidence: nothing
 
 
-def test_schedule_sets_the_runs_drift_against_the_study():
+def test_schedule_sets_the_runs_drift_against_the_study(monkeypatch):
+    """The run's drift against the families (stand-ins placed around it, so the test does not move with the study's
+    numbers): inside their range the nearest family's interval is replayed beside the grid; outside, only said."""
     from tests.test_schedule import _drifting_run
 
     report, _ = _drifting_run(120)
+    drift = interval_study.evidence(report)["drift_log2_per_1000"]
+    monkeypatch.setattr(interval_study, "FAMILIES", (
+        StudyFamily("near", 5000, round(drift, 3) - 0.5, 400, 2.0, 0.5, 3, 5, 0.0, 0.0),
+        StudyFamily("far", 5000, round(drift, 3) + 1.0, 2000, 2.0, 0.5, 5, 5, 0.0, 0.0)))
     table = judge_schedules(report)
     note = next(n for n in table.notes if n.code == "interval_study")
-    assert note.data["drift_log2_per_1000"] == pytest.approx(interval_study.evidence(report)["drift_log2_per_1000"])
-    assert note.data["family"] in {f.family for f in interval_study.FAMILIES}
+    assert note.data["drift_log2_per_1000"] == pytest.approx(drift)
+    assert note.data["family"] == "near" and note.data["within_range"]
     assert "docs/interval-study.md" in note_text(note)
     # the study's interval for the nearest family is replayed on the run's own history beside the grid
     row = next(r for r in table.rows if r.name.startswith("study: "))
-    assert row.rule["growth_interval"] == note.data["growth_interval"]
+    assert row.rule["growth_interval"] == note.data["growth_interval"] == 400
     assert row.rule["init_scale"] == report.history.scale[0]
-    assert note.data["within_range"]
     longer, _ = _drifting_run(240)  # drifts faster than any family: the note says so, no study row
+    assert interval_study.evidence(longer)["drift_log2_per_1000"] > drift + 1.0
     far = judge_schedules(longer)
     assert not next(n for n in far.notes if n.code == "interval_study").data["within_range"]
     assert not [r for r in far.rows if r.name.startswith("study: ")]
