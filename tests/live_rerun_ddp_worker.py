@@ -1,7 +1,6 @@
 """fp16 autocast under DDP (2 gloo ranks, ``no_sync`` accumulation) or FSDP2, for tests/test_live_distributed.py.
 
-Usage: LIVE_MICRO=N torchrun --nproc-per-node 2 tests/live_rerun_ddp_worker.py OUT_DIR {ddp,fsdp2,fsdp2-fn}
-(``fsdp2-fn``: the loss computed outside the model, the loop calling ``probe.shadow(fn)``.)
+Usage: LIVE_MICRO=N torchrun --nproc-per-node 2 tests/live_rerun_ddp_worker.py OUT_DIR {ddp,fsdp2}
 Each rank trains without the Probe, then with it, and writes OUT_DIR/identical{r}.txt (whether the final weights
 are bit-identical) and OUT_DIR/rank{r}.json (its report); rank 0 also the merged report, OUT_DIR/merged.json.
 """
@@ -27,12 +26,8 @@ class LossNet(nn.Module):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
 
-    def forward(self, x, y=None):
-        return self.body(x) if y is None else loss_of(self.body(x), y)
-
-
-def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out.float(), y) * 1e-4
+    def forward(self, x, y):
+        return F.mse_loss(self.body(x).float(), y) * 1e-4
 
 
 def make_model() -> nn.Module:
@@ -53,7 +48,7 @@ def train(how: str, probed: bool) -> tuple[list[torch.Tensor], object]:
     from fp16probe.capture.distributed import rank
 
     model = make_model()
-    if how.startswith("fsdp2"):
+    if how == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.float16)
@@ -75,11 +70,9 @@ def train(how: str, probed: bool) -> tuple[list[torch.Tensor], object]:
             x, y = batch(step, micro, rank())
             last = micro == MICRO - 1
             sync = contextlib.nullcontext() if last or how != "ddp" else runner.no_sync()
-            if probe is not None and how == "fsdp2-fn":
-                probe.shadow(lambda x=x, y=y: loss_of(runner(x), y))
             with sync:  # FSDP2 computes in its policy's fp16; DDP under CPU fp16 autocast
                 with torch.autocast("cpu", dtype=torch.float16, enabled=how == "ddp"):
-                    loss = (loss_of(runner(x), y) if how == "fsdp2-fn" else runner(x, y)) / MICRO
+                    loss = runner(x, y) / MICRO
                 scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

@@ -4,8 +4,7 @@ DDP: each rank reruns its own micro-batch in fp32 through the wrapped module, ru
 each rank's report and the merged one give S within one power of two of an fp32 profile of the same
 model and batches; training is bit-identical with and without the Probe, ``no_sync`` accumulation too.
 FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.float16)``): each rank reruns on an
-unsharded fp32 copy of the model (its weights gathered at each rerun), with and without accumulation; a
-``probe.shadow(fn)`` loop, whose ``fn`` would call the sharded model, is told why it gets no rerun.
+unsharded fp32 copy of the model (its weights gathered at each rerun), with accumulation.
 """
 
 from __future__ import annotations
@@ -102,11 +101,12 @@ def _has_fsdp2() -> None:
         pytest.skip("this torch has no FSDP2 (fully_shard)")
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_fsdp2_reruns_on_an_unsharded_copy_give_the_fp32_verdict_and_leave_training_as_it_was(tmp_path, micro):
-    """FSDP2 computing in its policy's fp16: each rank reruns its micro-batches on an unsharded fp32 copy, and its
-    verdict is within one power of two of a plain fp32 run of those micro-batches (each loss / micro)."""
+def test_fsdp2_reruns_on_an_unsharded_copy_give_the_fp32_verdict_and_leave_training_as_it_was(tmp_path):
+    """FSDP2 computing in its policy's fp16, 2 micro-batches a step: each rank reruns them on an unsharded fp32 copy,
+    and its verdict is within one power of two of a plain fp32 run of those micro-batches (each loss / 2). The
+    copy's path without sharding (one micro-batch, probe.shadow refused) is tests/test_unsharded_copy.py's."""
     _has_fsdp2()
+    micro = 2
     reports = _torchrun("fsdp2", micro, tmp_path)
     for name, report in reports.items():
         runs = report.shadow_runs
@@ -123,14 +123,3 @@ def test_fsdp2_reruns_on_an_unsharded_copy_give_the_fp32_verdict_and_leave_train
         assert abs(rec.log2_scale - reference) <= 1, (rank, rec.log2_scale, reference)
     assert reports["merged"].shadow.histogram("activation_grad").total == \
         2 * reports["rank0"].shadow.histogram("activation_grad").total
-
-
-def test_fsdp2_says_why_probe_shadow_fn_cannot_rerun(tmp_path):
-    """probe.shadow(fn) would call the sharded model, which computes in fp16: no rerun, and the words say what to do."""
-    _has_fsdp2()
-    reports = _torchrun("fsdp2-fn", 1, tmp_path)
-    for name, report in reports.items():
-        runs = report.shadow_runs
-        assert runs.steps == () and report.shadow is None, name
-        assert "FSDP2" in runs.off and "probe.shadow" in runs.off and "loss" in runs.off, runs.off
-        assert analyze(report).verdict in ("constant", "dynamic")  # from the live histograms alone

@@ -60,3 +60,73 @@ def test_refresh_follows_training():
     assert torch.equal(copy.module.shared.weight, live.shared.weight)
     assert torch.equal(copy.module.norm.running_mean, live.norm.running_mean)
     assert copy.module.norm.running_mean is not live.norm.running_mean
+
+
+class _LossNet(nn.Module):
+    """Returns its loss, so the Probe replays its forward for the reruns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.body(x) if y is None else _loss(self.body(x), y)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y) * 1e-4
+
+
+def _train(on_copy: bool, probed: bool, explicit: bool = False):
+    """3 fp16 GradScaler steps (CPU autocast); with ``on_copy`` the reruns run on an unsharded copy, as under FSDP2."""
+    from fp16probe import Probe
+    from fp16probe.capture.shadow import _reference_probe
+
+    model = _LossNet().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    probe = Probe(model, scaler=scaler).start() if probed else None
+    if probe is not None and on_copy:
+        probe.collector("shadow").shadow.rerun_on_copy(lambda m: _reference_probe(probe, weight_grads=False, model=m))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        if probe is not None and explicit:  # the loss outside the model: the loop gives it to probe.shadow
+            probe.shadow(lambda x=x, y=y: _loss(model(x), y))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model(x), y) if explicit else model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if probe is not None:
+            probe.step()
+    if probe is not None:
+        probe.stop()
+    return [p.detach().clone() for p in model.parameters()], probe
+
+
+def test_reruns_on_the_copy_record_what_reruns_on_the_model_do_and_leave_training_as_it_was():
+    """The FSDP2 path in one process: the replayed forward reruns on the unsharded copy (made at the first rerun),
+    and its fp32 reference equals the one a rerun on the model itself records; training is bit-identical."""
+    plain, _ = _train(False, False)
+    on_copy, probe = _train(True, True)
+    _, direct = _train(False, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, on_copy))
+    sh = probe.collector("shadow").shadow
+    assert sh.copy is not None and sh.copy.module is not probe.model
+    report, reference = probe.report(), direct.report()
+    assert report.shadow_runs.steps == reference.shadow_runs.steps == (0, 1, 2)
+    mine, theirs = report.shadow.histogram("activation_grad"), reference.shadow.histogram("activation_grad")
+    assert mine.total > 0 and mine == theirs
+
+
+def test_on_the_copy_probe_shadow_fn_is_refused_with_what_to_do():
+    """Under FSDP2 fn() would call the sharded model: a loop whose loss is outside the model gets no rerun, and
+    shadow_runs.off says why and what to do (off the copy the same loop is rerun through probe.shadow)."""
+    _, probe = _train(True, True, explicit=True)
+    runs = probe.report().shadow_runs
+    assert runs.steps == () and "FSDP2" in runs.off and "probe.shadow" in runs.off and "loss" in runs.off, runs
+    _, direct = _train(False, True, explicit=True)
+    assert direct.report().shadow_runs.steps == (0, 1, 2)
