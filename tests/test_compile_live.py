@@ -19,6 +19,7 @@ import fp16probe
 from fp16probe import Probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.presentation.answer import compile_notes
+from tests.fixtures.loops import finish_step
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: several seconds a run on 2 cores
 
@@ -64,12 +65,7 @@ def _train(how: str | None):
                 probe.shadow(lambda: compiled(**batch))
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = compiled(**batch)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            if probe is not None:
-                probe.step()
+            finish_step(loss, opt, scaler, probe)
     report = None
     if probe is not None:
         probe.stop()

@@ -19,6 +19,7 @@ from fp16probe.analysis.recommend import analyze
 from fp16probe.errors import ReportFieldError
 from fp16probe.report import Report
 from fp16probe.sections import PrecisionCost
+from tests.fixtures.loops import finish_step
 
 STEPS = 3  # rerun steps 0, 1, 2
 
@@ -87,16 +88,7 @@ def _train(dtype, probed: bool, scale: float | None):
     for x, y in _batches():
         with torch.autocast("cpu", dtype=dtype):
             loss = model(x, y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad()
-        if probe is not None:
-            probe.step()
+        finish_step(loss, opt, scaler, probe)
     weights = [p.detach().clone() for p in model.parameters()]
     return weights, None if probe is None else probe.report()
 

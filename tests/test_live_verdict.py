@@ -18,6 +18,7 @@ from fp16probe.analysis.recommend import analyze
 from fp16probe.capture.shadow import shadow_due
 from fp16probe.sections import ShadowRuns
 from fp16probe.presentation.verdict import verdict_text
+from tests.fixtures.loops import finish_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,12 +125,7 @@ def _train_net(steps: int, *, probe: bool, explicit: bool):
             p.shadow(lambda: nn.functional.cross_entropy(model(x), y))
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if p is not None:
-            p.step()
+        finish_step(loss, opt, scaler, p)
     return model, p
 
 
@@ -224,11 +220,8 @@ def test_a_bf16_loop_gets_the_fp32_references_verdict_and_trains_as_without_the_
             if probe is not None and low:
                 probe.shadow(lambda x=x, y=y: nn.functional.cross_entropy(model(x), y))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
-                nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if probe is not None:
-                probe.step()
+                loss = nn.functional.cross_entropy(model(x), y)
+            finish_step(loss, opt, probe=probe)
         if probe is not None:
             probe.stop()
         return [p.detach().clone() for p in model.parameters()], probe

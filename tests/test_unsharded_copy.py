@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fp16probe.capture.unsharded import UnshardedCopy, is_fsdp2
+from tests.fixtures.loops import finish_step
 
 
 class Tied(nn.Module):
@@ -96,12 +97,7 @@ def _train(on_copy: bool, probed: bool, explicit: bool = False):
             probe.shadow(lambda x=x, y=y: _loss(model(x), y))
         with torch.autocast("cpu", dtype=torch.float16):
             loss = _loss(model(x), y) if explicit else model(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if probe is not None:
-            probe.step()
+        finish_step(loss, opt, scaler, probe)
     if probe is not None:
         probe.stop()
     return [p.detach().clone() for p in model.parameters()], probe
