@@ -105,7 +105,7 @@ class _Tally:
     overflow_steps: int = 0
     scales: list[float] = dataclasses.field(default_factory=list)
     # module -> [fp32 nonzero, of those zero in target, of those above the flush threshold at S in fp32], the
-    # modules in the target run's backward order (its first step's)
+    # modules in backward order (the first step's; the two runs' graphs are the same)
     module_zeros: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
@@ -199,14 +199,12 @@ def _run(reference: nn.Module, target: nn.Module, report: Report, plan: _Plan, b
                               pure_scale=pure_scale, watch=watch, emulate=plan.emulate)
             overflowed = _finish_target_step(target, scaler, None if pure else tgt_opt)
             tally.overflow_steps += int(overflowed)
-            ref_out, tgt_out = ref_grads.take(), tgt_grads.take()
             pairs = {
-                ACTIVATION_GRAD: _pair(ref_out, tgt_out, plan.notes, "module output gradients"),
+                ACTIVATION_GRAD: _pair(ref_grads.take(), tgt_grads.take(), plan.notes, "module output gradients"),
                 WEIGHT_GRAD: _pair(ref_w, tgt_w, plan.notes, "weight gradients"),
             }
             if not overflowed:  # zeros and errors are counted on finite steps only
-                _add_step(tally, pairs, scaler is not None)
-                _add_module_zeros(tally, ref_out, tgt_out, get_format(plan.rec.format).flush_threshold)
+                _add_step(tally, pairs, scaler is not None, get_format(plan.rec.format).flush_threshold)
             if ref_opt is not None:
                 ref_opt.step()
             reference.zero_grad(set_to_none=True)
@@ -214,45 +212,24 @@ def _run(reference: nn.Module, target: nn.Module, report: Report, plan: _Plan, b
     return tally
 
 
-def _add_step(tally: _Tally, pairs: Mapping[str, Any], scaled_step: bool) -> None:
-    """Add one finite step's lost values and error, by kind."""
-    for kind, tensors in pairs.items():
-        nz, lost = _compare(tensors)
-        tally.counts[kind][0] += nz
-        tally.counts[kind][1] += lost
+def _add_step(tally: _Tally, pairs: Mapping[str, list[tuple[str, torch.Tensor, torch.Tensor]]], scaled_step: bool,
+              flush_threshold: float) -> None:
+    """Add one finite step's lost values and error, by kind, and the output gradients' zeros by module."""
+    for kind, named in pairs.items():
+        # the computed zeros are counted on the output gradients, which the target run holds scaled
+        rows = _compare(named, tally.scales[-1], flush_threshold if kind == ACTIVATION_GRAD else None)
+        tally.counts[kind][0] += sum(r[0] for r in rows.values())
+        tally.counts[kind][1] += sum(r[1] for r in rows.values())
+        if kind == ACTIVATION_GRAD:
+            for name, row in rows.items():
+                acc = tally.module_zeros.setdefault(name, [0, 0, 0])
+                for i, v in enumerate(row):
+                    acc[i] += v
         # GradScaler.step unscaled the weight gradients in place; the rest are still scaled.
         unscaled = kind == WEIGHT_GRAD and scaled_step
-        diff, size = _error(tensors, 1.0 if unscaled else 1.0 / tally.scales[-1])
+        diff, size = _error([(r, t) for _, r, t in named], 1.0 if unscaled else 1.0 / tally.scales[-1])
         tally.errors[kind][0] += diff
         tally.errors[kind][1] += size
-
-
-def _add_module_zeros(tally: _Tally, ref: Mapping[str, list[torch.Tensor]], tgt: Mapping[str, list[torch.Tensor]],
-                      flush_threshold: float) -> None:
-    """Per module (the target's backward order): its output gradients' fp32 nonzero values, those the target run
-    zeroed, and of those the ones fp32 puts above the format's flush threshold at the scale in force: rounding
-    the value once at S keeps them, so the low-precision run computed them as zero."""
-    scale = tally.scales[-1]
-    names, rows = [], []
-    for name, ts in tgt.items():
-        rs = ref.get(name)
-        if rs is None or len(rs) != len(ts) or any(a.shape != b.shape for a, b in zip(rs, ts)):
-            continue  # _pair noted it
-        row = torch.zeros(3, dtype=torch.int64, device=rs[0].device)
-        for r, t in zip(rs, ts):
-            nz = (r != 0) & torch.isfinite(r)
-            zeroed = nz & (t.to(r.device) == 0)
-            row += torch.stack([torch.count_nonzero(nz), torch.count_nonzero(zeroed),
-                                torch.count_nonzero(zeroed & (r.abs() * scale > flush_threshold))])
-        names.append(name)
-        rows.append(row)
-    if not rows:
-        return
-    for name, (nz, zeroed, unforeseen) in zip(names, torch.stack(rows).tolist()):  # one host read per step
-        acc = tally.module_zeros.setdefault(name, [0, 0, 0])
-        acc[0] += nz
-        acc[1] += zeroed
-        acc[2] += unforeseen
 
 
 def _verification(plan: _Plan, tally: _Tally, dev: torch.device, steps: int) -> Verification:
@@ -418,8 +395,8 @@ class _FirstNonfinite:
         return out
 
 
-def _pair(ref: Mapping[str, Any], tgt: Mapping[str, Any], notes: list[str], what: str) -> list[tuple[Any, Any]]:
-    """Match the two runs' gradients by name (and call order); note what does not match."""
+def _pair(ref: Mapping[str, Any], tgt: Mapping[str, Any], notes: list[str], what: str) -> list[tuple[str, Any, Any]]:
+    """Match the two runs' gradients by name (and call order), each pair with its name; note what does not match."""
     pairs = []
     for name, r in ref.items():
         t = tgt.get(name)
@@ -430,21 +407,26 @@ def _pair(ref: Mapping[str, Any], tgt: Mapping[str, Any], notes: list[str], what
             if note not in notes:
                 notes.append(note)
             continue
-        pairs.extend(zip(rs, ts))
+        pairs.extend((name, a, b) for a, b in zip(rs, ts))
     return pairs
 
 
-def _compare(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
-    """Count the fp32 nonzero values and, of those, the ones the target run made exactly zero."""
-    if not pairs:
-        return 0, 0
-    nonzero = torch.zeros((), dtype=torch.int64, device=pairs[0][0].device)
-    lost = torch.zeros_like(nonzero)
-    for r, t in pairs:
+def _compare(named: list[tuple[str, torch.Tensor, torch.Tensor]], scale: float,
+             flush_threshold: float | None) -> dict[str, list[int]]:
+    """Per name, in order: the fp32 nonzero values, of those the ones the target run made exactly zero, and of
+    those the ones fp32 puts above ``flush_threshold`` at ``scale`` (rounding the value once at S keeps them: the
+    low-precision run computed them as zero; 0 without a threshold). One host read per step."""
+    if not named:
+        return {}
+    sums: dict[str, torch.Tensor] = {}
+    for name, r, t in named:
         nz = (r != 0) & torch.isfinite(r)
-        nonzero += nz.sum()
-        lost += (nz & (t.to(r.device) == 0)).sum()
-    return int(nonzero), int(lost)  # one host sync per step
+        zeroed = nz & (t.to(r.device) == 0)
+        computed = (torch.count_nonzero(zeroed & (r.abs() * scale > flush_threshold)) if flush_threshold is not None
+                    else torch.zeros((), dtype=torch.int64, device=r.device))
+        row = torch.stack([torch.count_nonzero(nz), torch.count_nonzero(zeroed), computed])
+        sums[name] = row if name not in sums else sums[name] + row
+    return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
 
 
 class _OutputGrads:
