@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["AGREES_ALARM", "AGREES_FINE", "ALARMS", "ALARM_NOT_FELT", "BAND_FLOOR", "Band", "HURT_UNSEEN", "agreement",
-           "judge_curves", "last_mean", "report_agreement", "window"]
+           "judge_curves", "last_mean", "ran_trial", "report_agreement", "window"]
 
 BAND_FLOOR = 0.02  # the band is at least +-2% of fp32's mean last-k loss wide
 
@@ -95,11 +95,18 @@ def agreement(verdict: str, band: Band) -> str:
     return AGREES_ALARM if alarm else HURT_UNSEEN
 
 
-def report_agreement(report: Any) -> str | None:
-    """How a report's training trial (its ``trial`` section) stands to its verdict: one of the four codes above;
-    None when the report has no verdict or no trial that ran. Judged again from the stored curves."""
+def ran_trial(report: Any) -> tuple[Any, Band] | None:
+    """A report's training trial (its ``trial`` section) and fp32's band over its stored curves; None when the
+    report has none or it did not run."""
     t = report.section("trial")
-    rec = report.recommendation
-    if rec is None or t is None or getattr(t, "off", None) is not None or not getattr(t, "fp32", ()):
+    if t is None or getattr(t, "off", None) is not None or not getattr(t, "fp32", ()):
         return None
-    return agreement(str(rec.verdict), judge_curves(t.fp32, t.low))
+    return t, judge_curves(t.fp32, t.low)
+
+
+def report_agreement(report: Any) -> str | None:
+    """How a report's training trial stands to its verdict: one of the four codes above; None when the report has
+    no verdict or no trial that ran (:func:`ran_trial`). Judged again from the stored curves."""
+    trial = ran_trial(report)
+    rec = report.recommendation
+    return None if rec is None or trial is None else agreement(str(rec.verdict), trial[1])

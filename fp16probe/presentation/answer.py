@@ -23,7 +23,7 @@ from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
 from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
-from fp16probe.analysis.trial import HURT_UNSEEN, agreement, judge_curves
+from fp16probe.analysis.trial import HURT_UNSEEN, agreement, ran_trial
 from fp16probe.presentation.trial import trial_line
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
@@ -177,20 +177,16 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
         lines.append(Line("margin", margin))
     if rec.evidence.get("simulated_candidates_tied") and rec.grad_scaler_kwargs:
         study = rec.evidence.get("interval_study")
-        where = ("not a measured optimum (--explain shows the table)"
-                 if not isinstance(study, dict) or not study.get("within_range") else
-                 f"the growth-interval study's finding for the nearest family ({escape.text(str(study.get('family')))}) "
-                 "and the table are in --explain")
-        gi = rec.grad_scaler_kwargs["growth_interval"]
-        if rec.evidence.get("growth_interval_from_study") and isinstance(study, dict):
-            lines.append(Line("schedule", f"growth_interval={gi}: the replay cannot tell the candidates apart on "
-                                          "underflow, so it is the growth-interval study's measured interval for the "
-                                          f"family whose drift is nearest this run's ({escape.text(str(study.get('family')))}); "
-                                          "the study and the table are in --explain"))
-        else:
-            lines.append(Line("schedule", f"growth_interval={gi}: the replay cannot tell the candidates apart on "
-                                          "underflow, so it is the longest (fewest growth probes): in effect hold S; "
-                                          f"{where}"))
+        speaks = isinstance(study, dict) and study.get("within_range")
+        family = escape.text(str(study.get("family"))) if isinstance(study, dict) else ""
+        which = ("the growth-interval study's measured interval for the family whose drift is nearest this run's "
+                 f"({family}); the study and the table are in --explain"
+                 if rec.evidence.get("growth_interval_from_study") and isinstance(study, dict) else
+                 "the longest (fewest growth probes): in effect hold S; "
+                 + (f"the growth-interval study's finding for the nearest family ({family}) and the table are in "
+                    "--explain" if speaks else "not a measured optimum (--explain shows the table)"))
+        lines.append(Line("schedule", f"growth_interval={rec.grad_scaler_kwargs['growth_interval']}: the replay "
+                                      f"cannot tell the candidates apart on underflow, so it is {which}"))
     todo = _what_to_do(rec)
     if todo:
         lines.append(Line("todo", todo))
@@ -243,10 +239,10 @@ def short_answer(report: Report | None, rec: Recommendation, *, width: int = 80,
 def _trial_refutes(report: Report | None, rec: Recommendation) -> str:
     """The headline's counterweight: the report's training trial, in this answer's format, left fp32's band
     although the verdict raised no alarm (empty otherwise)."""
-    t = None if report is None else report.section("trial")
-    if not isinstance(t, Trial) or t.off is not None or not t.fp32 or t.format != rec.format:
+    trial = None if report is None else ran_trial(report)
+    if trial is None or not isinstance(trial[0], Trial) or trial[0].format != rec.format:
         return ""
-    band = judge_curves(t.fp32, t.low)
+    t, band = trial
     if agreement(str(rec.verdict), band) != HURT_UNSEEN:
         return ""
     ends = ", ".join(f"{v:.4g}" if math.isfinite(v) else "not finite" for v in band.target)
