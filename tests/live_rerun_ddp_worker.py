@@ -46,6 +46,7 @@ def train(how: str, probed: bool) -> tuple[list[torch.Tensor], object]:
 
     from fp16probe import Probe
     from fp16probe.capture.distributed import rank
+    from tests.fixtures.loops import step_optimizer
 
     model = make_model()
     if how == "fsdp2":
@@ -74,11 +75,7 @@ def train(how: str, probed: bool) -> tuple[list[torch.Tensor], object]:
                 with torch.autocast("cpu", dtype=torch.float16, enabled=how == "ddp"):
                     loss = runner(x, y) / MICRO
                 scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if probe is not None:
-            probe.step()
+        step_optimizer(opt, scaler, probe)
     if probe is not None:
         probe.stop()
     weights = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
