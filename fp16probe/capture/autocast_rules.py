@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ __all__ = [
     "CPU_FP32_OPS",
     "REGIMES",
     "TARGETS",
+    "answering_autocast_state",
     "around_autocast",
     "cast_is_low",
     "compare_with_device",
@@ -446,3 +448,99 @@ def around_autocast(enter: Callable[..., Any] | None = None, exit: Callable[...,
                 del stack[i]
                 break
         _PATCH.release()
+
+
+# torch's functions that read the autocast state, and the device each reads (None: its argument, "cuda"
+# when it is given none, as torch reads it).
+_STATE_READERS = {
+    "is_autocast_enabled": (None, "enabled"), "get_autocast_dtype": (None, "dtype"),
+    "is_autocast_cpu_enabled": ("cpu", "enabled"), "get_autocast_cpu_dtype": ("cpu", "dtype"),
+    "get_autocast_gpu_dtype": ("cuda", "dtype"),
+}
+
+
+class _StatePatch:
+    """The one patch of torch's autocast-state readers (``torch.is_autocast_enabled`` and kin).
+
+    Replaced when the first :func:`answering_autocast_state` block starts and put back when the last one
+    ends, on any thread, in any order (a count under a lock, as :class:`_AutocastPatch`). The answers are
+    per thread, and only for code outside torch and this package: torch's own readers
+    (``torch.autocast.__enter__`` saving the state it restores, ``torch.utils.checkpoint`` replaying it in
+    backward, ``custom_fwd``) and this package's (the fake-tensor dispatch that switches autocast on and
+    back) get the true state, so nothing real is switched on by an answer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._originals: dict[str, Any] = {}
+        self._answers = threading.local()
+
+    def stack(self) -> list[Callable[[str, str], Any]]:
+        found = getattr(self._answers, "stack", None)
+        if found is None:
+            found = self._answers.stack = []
+        return found
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                for name, (device, what) in _STATE_READERS.items():
+                    original = getattr(torch, name, None)
+                    if original is not None:
+                        self._originals[name] = original
+                        setattr(torch, name, self._reader(original, device, what))
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for name, original in self._originals.items():
+                    setattr(torch, name, original)
+                self._originals = {}
+
+    def _reader(self, original: Callable[..., Any], device: str | None, what: str) -> Callable[..., Any]:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            answers = getattr(self._answers, "stack", None)
+            if answers:
+                caller = str(sys._getframe(1).f_globals.get("__name__", "")).partition(".")[0]
+                if caller not in _TRUTHFUL:
+                    asked = device or str(kwargs.get("device_type", args[0] if args else "cuda"))
+                    got = answers[-1](asked, what)
+                    if got is not None:
+                        return got
+            return original(*args, **kwargs)
+
+        read.__wrapped__ = original  # type: ignore[attr-defined]
+        read.__doc__ = original.__doc__
+        return read
+
+
+# Code in these packages reads the true state: torch's own, and this package's (which saves and restores it).
+_TRUTHFUL = frozenset({"torch", "fp16probe"})
+
+_STATE = _StatePatch()
+
+
+@contextlib.contextmanager
+def answering_autocast_state(answer: Callable[[str, str], Any]) -> Iterator[None]:
+    """Answer code outside torch that reads the autocast state, in this thread, with ``answer(device, what)``.
+
+    ``what`` is ``"enabled"`` or ``"dtype"``; ``answer`` returns the value, or None for the true state.
+    The emulated step computes in fp32 with autocast off and says what the target run would: a model or
+    a loss that reads the state to choose its own precision (a distillation loss cast to the autocast
+    dtype, a HF attention casting to ``torch.get_autocast_dtype``) then takes the target run's branch.
+    Code that read the state through ``torch._C`` or a name imported before the block is not answered.
+    """
+    _STATE.acquire()
+    stack = _STATE.stack()
+    stack.append(answer)
+    try:
+        yield
+    finally:
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is answer:
+                del stack[i]
+                break
+        _STATE.release()

@@ -23,7 +23,11 @@ that format where the target rounds it:
   gradients are fp16 and rounded once more at the end;
 - inside ``torch.autocast(target, enabled=False)`` (:func:`fp16probe.keep_in_fp32`, or the
   model's own fp32 islands) ops follow type promotion and nothing is cast; a module named in
-  ``keep_fp32`` runs unrounded, as that fix would run it, without the fix applied.
+  ``keep_fp32`` runs unrounded, as that fix would run it, without the fix applied;
+- code that reads the autocast state (``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``:
+  a loss written to compute in the run's precision, an attention casting to the autocast dtype)
+  reads the target run's (:func:`~fp16probe.capture.autocast_rules.answering_autocast_state`), and
+  what it then casts to the low format is rounded like any explicit cast.
 
 What it does not model: the order in which a fused kernel or a GEMM accumulates (fp32 in
 both, but not the same order), gradients summed in fp16 across a tensor's uses (summed here
@@ -47,7 +51,15 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp16probe.capture.autocast_rules import CAST_OPS, REGIMES, TARGETS, cast_is_low, op_name, output_is_low
+from fp16probe.capture.autocast_rules import (
+    CAST_OPS,
+    REGIMES,
+    TARGETS,
+    answering_autocast_state,
+    cast_is_low,
+    op_name,
+    output_is_low,
+)
 from fp16probe.capture.ops import LAYOUT_OPS
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 from fp16probe.capture.state import kept_training_state
@@ -179,6 +191,15 @@ class _Emulator:
                 with torch.no_grad(), torch._C.DisableTorchFunction():
                     d = out.detach().double() - ref.double()
                     self.outputs[name] = torch.stack([d.square().sum(), ref.double().square().sum()])
+
+    def autocast_state(self, device: str, what: str) -> Any:
+        """What code reading the autocast state of ``device`` reads in the target run: on the target, the
+        low dtype, and autocast on except where the model switched it off or a module is kept in fp32."""
+        if device.split(":")[0] != self.target:
+            return None
+        if what == "dtype":
+            return self.dtype
+        return not (self.kept or self.dtypes.autocast_off(self.target))
 
     # -- dtypes ---------------------------------------------------------------------------
     def is_low(self, t: torch.Tensor) -> bool:
@@ -380,7 +401,8 @@ def emulating(model: nn.Module, *, format: str = "fp16", target: str = "cuda", r
     if target not in TARGETS or regime not in REGIMES:
         raise ValueError(f"target must be one of {TARGETS} and regime one of {REGIMES}, got {target!r}, {regime!r}")
     em = _Emulator(model, _LOW_DTYPES[format], target, regime, set(keep_fp32), reference_outputs)
-    with watched_forward(em.push, em.pop, _Mode(em), em.dtypes):
+    state = answering_autocast_state(em.autocast_state) if regime == "autocast" else contextlib.nullcontext()
+    with state, watched_forward(em.push, em.pop, _Mode(em), em.dtypes):
         yield em
 
 
