@@ -14,7 +14,11 @@ from typing import Any, Mapping
 from fp16probe.errors import ReportFieldError
 from fp16probe.validation import AUTOCAST_TARGETS, REGIMES
 
-__all__ = ["Emulation", "EmulatedSetting", "GradientNoise"]
+__all__ = ["LOSS", "Emulation", "EmulatedSetting", "GradientNoise"]
+
+# In a setting's ``keep_fp32``: the ops outside the model (the loss) run unrounded and read autocast off, as a
+# loss computed in fp32 on the model's output (``loss_fn(output.float(), ...)`` outside autocast) runs.
+LOSS = "(loss)"
 
 
 def _number(v: Any, path: str, *, allow_none: bool = False) -> float | None:
@@ -48,11 +52,13 @@ class EmulatedSetting:
     outputs: tuple[tuple[str, float | None, float | None], ...] = ()
     ops: int = 0
     rounded: int = 0
+    rounded_outside: int = 0  # of ``rounded``, those rounded outside the model (in the loss)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (the analysis reads this form)."""
         return {"log2_scale": self.log2_scale, "keep_fp32": list(self.keep_fp32), "loss_low": self.loss_low,
                 "batches": self.batches, "ops": self.ops, "rounded": self.rounded,
+                "rounded_outside": self.rounded_outside,
                 "params": [[_finite(a), _finite(b), z, n, f] for a, b, z, n, f in self.params],
                 "outputs": [[name, [_finite(a), _finite(b)]] for name, a, b in self.outputs]}
 
@@ -85,7 +91,8 @@ class EmulatedSetting:
                    batches=int(_number(d.get("batches", 1), f"{path}.batches") or 0),
                    params=tuple(rows), outputs=tuple(outputs),  # type: ignore[arg-type]
                    ops=int(_number(d.get("ops", 0), f"{path}.ops") or 0),
-                   rounded=int(_number(d.get("rounded", 0), f"{path}.rounded") or 0))
+                   rounded=int(_number(d.get("rounded", 0), f"{path}.rounded") or 0),
+                   rounded_outside=int(_number(d.get("rounded_outside", 0), f"{path}.rounded_outside") or 0))
 
 
 @dataclass(frozen=True)

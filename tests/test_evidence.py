@@ -143,7 +143,7 @@ def test_profiled_near_convergence_the_bf16_kl_loss_is_an_alarm():
     rec = _late("kl_distillation_bf16").recommendation
     assert str(rec.verdict) == "gradient_error"
     name, error, noise = rec.evidence["emulated"]["worst_parameters"][0]
-    assert error > NOISE_SHARE * noise  # body.0.weight 72.7% against 92.4% when written
+    assert error > NOISE_SHARE * noise  # body.0.weight 69.2% against 84.4% when written
 
 
 @pytest.mark.parametrize("name", ["offset_regression_fp16", "bn_resnet_raw_pixels"])

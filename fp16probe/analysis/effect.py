@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fp16probe.analysis.whatif import CANCELLED_BITS, numerically_zero
+from fp16probe.emulation import LOSS
 from fp16probe.formats import Format, get_format
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
@@ -346,7 +347,8 @@ def fixes_to_try(rec: Recommendation, data: Mapping[str, Any]) -> list[list[str]
     """Module lists whose kept-in-fp32 step should be measured at the verdict's S before judging.
 
     A forward verdict's own fix, and for gradients more than TOLERANCE off the first module
-    (forward order) where the error appears.
+    (forward order) where the error appears, and the loss computed in fp32 (``[LOSS]``) when the
+    step rounded values outside the model (a loss that computes in the low format).
     """
     k = _checked_log2(rec) if rec.format != "bf16" else 0
     if k is None:
@@ -360,6 +362,9 @@ def fixes_to_try(rec: Recommendation, data: Mapping[str, Any]) -> list[list[str]
         culprit = eff.culprit
         if culprit is not None and culprit != ROOT and [culprit] not in out:
             out.append([culprit])
+        at_k = _setting(data, k, (), None)
+        if at_k is not None and int(at_k.get("rounded_outside") or 0) > 0:
+            out.append([LOSS])
     return [f for f in out if effect_at(data, k, f) is None]
 
 
@@ -471,7 +476,9 @@ def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k
     """The verdict ``gradient_error``: where the error starts, its kept-in-fp32 step, and the modules to keep.
 
     The fix (``fix_modules``, ``fix_device``) is given only when that step holds (every judged parameter within TOLERANCE): a fix
-    the measurement refutes is reported as measured (``emulated["fix_holds"]``), never offered.
+    the measurement refutes is reported as measured (``emulated["fix_holds"]``), never offered. Where the
+    step also ran with the loss computed in fp32 (``emulated["loss_fix"]``, ``["loss_fix_holds"]``), that
+    fix is offered in words when it holds (``fix_loss``): it is the user's code, not a module to keep.
     """
     over = eff.first_felt
     culprit = eff.culprit or ROOT
@@ -481,6 +488,10 @@ def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k
     if fixed is not None:
         emulated["fix"] = fixed.to_dict()
         emulated["fix_holds"] = holds
+    loss_fixed = effect_at(data, k, [LOSS])
+    if loss_fixed is not None:
+        emulated["loss_fix"] = loss_fixed.to_dict()
+        emulated["loss_fix_holds"] = loss_fixed.harmless
     emulated["module"] = culprit
     out_error = dict(eff.outputs).get(culprit)  # kept where the error starts in the forward, else made in backward
     emulated["module_output_error"] = out_error if out_error is not None and out_error > TOLERANCE else None
@@ -492,6 +503,7 @@ def _gradient_error(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k
     ev["backward_verdict"] = rec.verdict.value
     ev["backward_log2_scale"] = rec.log2_scale
     ev["fix_modules"] = [culprit] if holds else []
+    ev["fix_loss"] = loss_fixed is not None and loss_fixed.harmless
     ev["fix_device"] = data.get("target") or "cuda"  # the code is presentation's, from these checked tokens
     return dataclasses.replace(out, verdict=Verdict.GRADIENT_ERROR, evidence=ev)  # type: ignore[arg-type]
 

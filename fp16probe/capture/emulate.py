@@ -24,6 +24,9 @@ that format where the target rounds it:
 - inside ``torch.autocast(target, enabled=False)`` (:func:`fp16probe.keep_in_fp32`, or the
   model's own fp32 islands) ops follow type promotion and nothing is cast; a module named in
   ``keep_fp32`` runs unrounded, as that fix would run it, without the fix applied;
+- the ops outside the model (the loss) are emulated too; with :data:`fp16probe.emulation.LOSS` in
+  ``keep_fp32`` they run unrounded, reading autocast off, as a loss computed in fp32 on the
+  model's output runs;
 - code that reads the autocast state (``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``:
   a loss written to compute in the run's precision, an attention casting to the autocast dtype)
   reads the target run's (:func:`~fp16probe.capture.autocast_rules.answering_autocast_state`), and
@@ -63,6 +66,7 @@ from fp16probe.capture.autocast_rules import (
 from fp16probe.capture.ops import LAYOUT_OPS
 from fp16probe.capture.recorder import ROOT_NAME, iter_tensors
 from fp16probe.capture.state import kept_training_state
+from fp16probe.emulation import LOSS
 from fp16probe.capture.tracking import DtypeTracker, ModuleStack, watched_forward
 
 __all__ = ["EmulatedStep", "RoundTo", "emulated_step", "emulating", "measure_effect", "merged_setting", "reference_step"]
@@ -130,6 +134,7 @@ class EmulatedStep:
     scale: float
     ops: int
     rounded: int
+    rounded_outside: int
     # module name -> its first floating output (the reference step, with keep_outputs), or
     # [||out_emulated - out_fp32||^2, ||out_fp32||^2] (the emulated step given those), in the order
     # the modules' forwards finished
@@ -158,17 +163,20 @@ class _Emulator:
         self.params = {id(p): n for n, p in model.named_parameters()}
         self.dtypes = DtypeTracker((target,), self._initial_low)
         self.stack = ModuleStack()  # a frame is selected inside a module kept in fp32
-        self.stack.reset("", False)  # outside the model (the loss): not kept; the model's root is pushed like any module
+        self.stack.reset("", False)  # outside the model (the loss); the model's root is pushed like any module
+        self.loss_kept = LOSS in keep  # the root's frame runs unrounded, the model's modules in it do not
         self.order: dict[str, None] = {}
         self.module_order: dict[str, None] = {}
         self.ops = 0
         self.rounded = 0
+        self.rounded_outside = 0
 
     # -- module stack ---------------------------------------------------------------------
     @property
     def kept(self) -> bool:
-        """Whether the op running now is inside a module kept in fp32."""
-        return self.stack.top.selected
+        """Whether the op running now is inside a module kept in fp32 (or outside the model, the loss kept)."""
+        top = self.stack.top
+        return top.selected or (self.loss_kept and not top.name)
 
     def push(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -223,6 +231,8 @@ class _Emulator:
         """``t`` as the target holds it in the low format (rounded, with a rounding gradient)."""
         r = _round(t, self.dtype)
         self.rounded += 1
+        if not self.stack.top.name:  # the root's frame: outside the model's forward
+            self.rounded_outside += 1
         self.mark(r, True)
         return r
 
@@ -382,7 +392,7 @@ def reference_step(model: nn.Module, run: Callable[[], torch.Tensor], *, keep_ou
             hook.remove()
     names = tuple(grads)
     return EmulatedStep(grads=grads, order=names, module_order=(), loss=float(loss.detach()), loss_low=False,
-                        scale=1.0, ops=0, rounded=0, outputs=outputs)
+                        scale=1.0, ops=0, rounded=0, rounded_outside=0, outputs=outputs)
 
 
 @contextlib.contextmanager
@@ -449,7 +459,8 @@ def emulated_step(model: nn.Module, run: Callable[[], torch.Tensor], *, format: 
             grads[n] = g * inv  # GradScaler.unscale_: fp32 multiplication by 1/S
     order = tuple(em.order) + tuple(n for n in grads if n not in em.order)
     return EmulatedStep(grads=grads, order=order, module_order=tuple(em.module_order), loss=float(loss.detach()),
-                        loss_low=loss_low, scale=float(scale), ops=em.ops, rounded=em.rounded, outputs=em.outputs)
+                        loss_low=loss_low, scale=float(scale), ops=em.ops, rounded=em.rounded,
+                        rounded_outside=em.rounded_outside, outputs=em.outputs)
 
 
 def _compare(emulated: EmulatedStep, reference: EmulatedStep, names: Sequence[str]) -> torch.Tensor:
@@ -482,7 +493,8 @@ def merged_setting(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     rows = [[add(p[0], q[0]), add(p[1], q[1]), p[2] + q[2], p[3] + q[3], p[4] + q[4]]
             for p, q in zip(a["params"], b["params"])]
     return {**a, "batches": a["batches"] + b["batches"], "loss_low": a["loss_low"] or b["loss_low"],
-            "ops": a["ops"] + b["ops"], "rounded": a["rounded"] + b["rounded"], "params": rows}
+            "ops": a["ops"] + b["ops"], "rounded": a["rounded"] + b["rounded"],
+            "rounded_outside": a.get("rounded_outside", 0) + b.get("rounded_outside", 0), "params": rows}
 
 
 def _finite(x: float) -> float | None:
@@ -507,7 +519,7 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
     for log2_scale, keep in settings:
         total: torch.Tensor | None = None
         loss_low = False
-        ops = rounded = 0
+        ops = rounded = outside = 0
         outputs: list[Any] = []
         for run, ref in zip(runs, refs):
             em = emulated_step(model, run, format=format, target=target, regime=regime,
@@ -520,10 +532,10 @@ def measure_effect(model: nn.Module, runs: Sequence[Callable[[], torch.Tensor]],
             rows = _compare(em, ref, order)
             total = rows if total is None else total + rows
             loss_low = loss_low or em.loss_low
-            ops, rounded = ops + em.ops, rounded + em.rounded
+            ops, rounded, outside = ops + em.ops, rounded + em.rounded, outside + em.rounded_outside
         rows_host = total.tolist() if total is not None else []
         out.append({"log2_scale": int(log2_scale), "keep_fp32": list(keep), "loss_low": loss_low, "batches": len(runs),
-                    "ops": ops, "rounded": rounded,
+                    "ops": ops, "rounded": rounded, "rounded_outside": outside,
                     # the first batch's module outputs, in the order their forwards finished:
                     # [name, [||out - out_fp32||^2, ||out_fp32||^2]]
                     "outputs": [[n, [_finite(a), _finite(b)]] for n, (a, b) in outputs],

@@ -435,7 +435,9 @@ def _verdict_sentence(rec: Recommendation) -> str:
     if rec.verdict is Verdict.GRADIENT_ERROR:
         em = rec.evidence.get("emulated") or {}
         start = (f"; it starts at {em.get('module')} (output {num.percent(em.get('module_output_error'))} off)"
-                 if em.get("module_output_error") is not None else f"; made in backward at or just after {em.get('module')}")
+                 if em.get("module_output_error") is not None else
+                 "; made in the loss, outside the model" if em.get("loss_fix_holds") is True else
+                 f"; made in backward at or just after {em.get('module')}")
         k = em.get("log2_scale")
         return (f"{head}: {em.get('first_parameter')} is {_error_words(em.get('first_parameter_error'), 0)}"
                 f"{_against_noise(em.get('first_parameter_noise') if em.get('first_parameter_error') is not None else None)} "
@@ -477,6 +479,9 @@ def emulated_sentence(rec: Recommendation) -> str:
     fix = em.get("fix")
     fixed = (f"; with {', '.join(fix['keep_fp32'])} in fp32: {_error_words(fix.get('error'), fix.get('nonfinite'))}"
              if fix else "")
+    loss = em.get("loss_fix")
+    if isinstance(loss, Mapping):
+        fixed += f"; with the loss in fp32: {_error_words(loss.get('error'), loss.get('nonfinite'))}"
     run = _target_run(rec.format, em)
     noise = (f"; batch-to-batch noise {num.percent(em.get('noise'))} ({em.get('noise_batches')} fp32 batches)"
              if em.get("noise") is not None else "; batch-to-batch noise not measured (fewer than two batches, or a "
@@ -521,18 +526,43 @@ def weight_update_words(wul: Mapping[str, Any]) -> str:
             f"{WEIGHT_UPDATE_RULE}")
 
 
-def _fix_refuted(rec: Recommendation) -> str:
-    """For ``gradient_error``, the kept-in-fp32 step that did not bring the gradients within tolerance ('' otherwise)."""
-    em = rec.evidence.get("emulated") or {}
-    fix = em.get("fix")
-    if rec.verdict is not Verdict.GRADIENT_ERROR or not fix or em.get("fix_holds") is not False:
-        return ""
+def _still(fix: Mapping[str, Any]) -> str:
+    """", body.2.weight still 69.9% off fp32": the worst parameter of a measured fix ('' without one)."""
     worst = fix.get("worst_parameters") or []
-    still = (f", {worst[0][0]} still {_error_words(worst[0][1], 0)}"
-             if worst and worst[0][1] is not None else "")
-    return (f"no fix found: with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
-            f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{still} (tolerance "
-            f"{num.percent(em.get('tolerance'))}); the error is not one module's to keep in fp32")
+    return f", {worst[0][0]} still {_error_words(worst[0][1], 0)}" if worst and worst[0][1] is not None else ""
+
+
+def _loss_fix_code(device: str) -> str:
+    return (f"with torch.autocast({device!r}, enabled=False): loss = loss_fn(output.float(), ...)")
+
+
+def _fix_refuted(rec: Recommendation) -> str:
+    """For ``gradient_error``, the fixes the emulated step measured that are not offered as code: the loss
+    computed in fp32 when that holds, else each measured fix that did not bring the gradients within tolerance
+    ('' when there is none of either)."""
+    em = rec.evidence.get("emulated") or {}
+    if rec.verdict is not Verdict.GRADIENT_ERROR:
+        return ""
+    fix, loss = em.get("fix"), em.get("loss_fix")
+    loss = loss if isinstance(loss, Mapping) else None
+    tolerance = num.percent(em.get("tolerance"))
+    if loss is not None and em.get("loss_fix_holds") is True and em.get("fix_holds") is not True:
+        device = str(rec.evidence.get("fix_device") or em.get("target") or "cuda")
+        device = device if device in ("cuda", "cpu") else "cuda"
+        return (f"fix: compute the loss in fp32 ({_loss_fix_code(device)}): the loss rounds in {rec.format} "
+                f"(it reads the autocast state or casts itself), and with it in fp32 the emulated gradients are "
+                f"{_error_words(loss.get('error'), loss.get('nonfinite'))}, every parameter within {tolerance}")
+    tried = []
+    if fix and em.get("fix_holds") is False:
+        tried.append(f"with {', '.join(fix.get('keep_fp32') or [])} in fp32 the emulated gradients are "
+                     f"{_error_words(fix.get('error'), fix.get('nonfinite'))}{_still(fix)}")
+    if loss is not None and em.get("loss_fix_holds") is False:
+        tried.append(f"with the loss computed in fp32 {_error_words(loss.get('error'), loss.get('nonfinite'))}"
+                     f"{_still(loss)}")
+    if not tried:
+        return ""
+    alone = "one module's to keep in fp32" + (" nor the loss's alone" if loss is not None else "")
+    return f"no fix found: {'; '.join(tried)} (tolerance {tolerance}); the error is not {alone}"
 
 
 def _fp16_holds(rec: Recommendation) -> str:
@@ -566,15 +596,23 @@ def explanation_text(rec: Recommendation, fmt: Format | None = None) -> str:
     where = (f"the first module whose output is more than {num.percent(em.get('tolerance'))} off fp32's is "
              f"{em.get('module')} ({num.percent(em.get('module_output_error'))} off)"
              if em.get("module_output_error") is not None else
+             "the error is made in the loss, outside the model (in fp32 it is gone)"
+             if em.get("loss_fix_holds") is True else
              f"the error is made in backward, at or just after {em.get('module')}")
     fixed = (f" Keeping {', '.join(fix.get('keep_fp32') or [])} in fp32 (fp16probe.keep_in_fp32) brings the "
              f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}"
              + (": not every parameter within the tolerance, so it is not offered as a fix." if em.get("fix_holds") is False
                 else ".") if fix else "")
+    loss = em.get("loss_fix")
+    if isinstance(loss, Mapping):
+        fixed += (f" Computing the loss in fp32 (the step rounded values outside the model) brings them to "
+                  f"{_error_words(loss.get('error'), loss.get('nonfinite'))}"
+                  + (": every parameter within the tolerance, the fix." if em.get("loss_fix_holds") is True
+                     else ": not every parameter within the tolerance."))
     return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
             f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
             f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
-            f"{'Apart from that error' if em.get('fix_holds') is False else 'Once that is fixed'}, the gradients "
+            f"{'Apart from that error' if em.get('fix_holds') is False and em.get('loss_fix_holds') is not True else 'Once that is fixed'}, the gradients "
             f"alone give: {rec.evidence.get('backward_verdict')}. {verdict_text(rec, fmt)}")
 
 

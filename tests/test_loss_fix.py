@@ -1,0 +1,151 @@
+"""A loss computed in the low format: the emulated step measures the loss computed in fp32 as a fix.
+
+A distillation loss written to compute in the run's precision rounds in bf16 outside the model, where no
+module kept in fp32 helps. The emulated step then also runs with the loss in fp32 (the ops outside the
+model unrounded, reading autocast off: ``fp16probe.emulation.LOSS``), and the answer offers that in words
+when it brings every parameter within tolerance, or says what it measured when it does not. Checked
+against real CPU bf16 autocast written in plain torch, with the loss computed both ways.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp16probe
+from fp16probe.capture.emulate import emulated_step
+from fp16probe.emulation import LOSS
+from fp16probe.presentation.answer import short_answer
+
+
+def _reads_state(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """KL(teacher || student) in the run's precision: the autocast dtype when autocast is on."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+    s = F.log_softmax(out.to(dtype), -1)
+    t = F.log_softmax(batch[1].to(dtype), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def _student() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(64, 16, generator=g)
+    with torch.no_grad():
+        teacher = model(x) + 0.05 * torch.randn(64, 32, generator=g)  # close to the student: the KL is small
+    return model, (x, teacher)
+
+
+def _real(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
+    """Plain torch: fp32, bf16 autocast with the loss as written, or bf16 with the loss as the answer's fix."""
+    m = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how != "fp32"):
+        out = m(batch[0])
+        if how == "loss_in_fp32":
+            with torch.autocast("cpu", enabled=False):
+                loss = _reads_state(out.float(), batch)
+        else:
+            loss = _reads_state(out, batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _error(g: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> float:
+    num = sum(float((g[n] - ref[n]).square().sum()) for n in ref)  # type: ignore[operator]
+    return (num / sum(float(r.square().sum()) for r in ref.values())) ** 0.5
+
+
+def _worst(g: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((g[n] - ref[n]).norm() / ref[n].norm()) for n in ref)
+
+
+def test_the_loss_kept_in_fp32_is_emulated_as_the_real_run_with_the_loss_in_fp32():
+    model, batch = _student()
+    fp32 = _real(model, batch, "fp32")
+    real_low, real_fixed = _error(_real(model, batch, "bf16"), fp32), _error(_real(model, batch, "loss_in_fp32"), fp32)
+    m = copy.deepcopy(model)
+    low = emulated_step(m, lambda: _reads_state(m(batch[0]), batch), format="bf16", target="cpu")
+    fixed = emulated_step(m, lambda: _reads_state(m(batch[0]), batch), format="bf16", target="cpu", keep_fp32=[LOSS])
+    e_low, e_fixed = _error(low.grads, fp32), _error(fixed.grads, fp32)
+    # written: real 21.0% as written, 12.9% with the loss in fp32; emulated 18.7% and 12.9%. What stays with the
+    # loss in fp32 is the model's own bf16 rounding (the student is close to its teacher: a small gradient), in
+    # the emulated step as in the real one: keeping the loss does not keep the model's modules.
+    assert real_fixed < 0.75 * real_low and e_fixed < 0.75 * e_low, (real_low, real_fixed, e_low, e_fixed)
+    assert 0.8 * real_fixed < e_fixed < 1.25 * real_fixed, (real_fixed, e_fixed)
+    assert 0.5 * real_low < e_low < 2 * real_low, (real_low, e_low)
+    assert low.loss_low and not fixed.loss_low
+
+
+class _Island(nn.Module):
+    """The student run in fp32 inside the bf16 run (its own autocast-off island): only the loss rounds."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.body(x)
+
+
+def test_the_answer_offers_the_loss_in_fp32_when_it_holds_and_the_real_run_bears_it_out():
+    student, batch = _student()
+    model = _Island(student)
+    # one batch: no batch-to-batch noise to judge against, so the 5% tolerance alone decides (the answer says so)
+    report = fp16probe.profile(copy.deepcopy(model), [batch], _reads_state, steps=1, format="bf16", target="cpu")
+    rec = report.recommendation
+    assert str(rec.verdict) == "gradient_error"
+    em = rec.evidence["emulated"]
+    assert em["loss_fix_holds"] is True and rec.evidence["fix_loss"] is True and LOSS not in rec.evidence["fix_modules"]
+    text = [x.text for x in short_answer(report, rec)]
+    line = next(t for t in text if t.startswith("fix: compute the loss in fp32"))
+    assert "torch.autocast('cpu', enabled=False)" in line and "output.float()" in line
+    assert not any(t.startswith("no fix found") for t in text)
+    assert "made in the loss, outside the model" in text[0]
+    fp32 = _real(model, batch, "fp32")
+    assert _worst(_real(model, batch, "loss_in_fp32"), fp32) < em["tolerance"] < _worst(_real(model, batch, "bf16"),
+                                                                                            fp32)
+
+
+@pytest.mark.slow
+def test_on_the_distilled_student_near_convergence_the_loss_in_fp32_is_measured_and_not_enough():
+    """The evidence model (tests/fixtures/evidence_models.py) after 200 fp32 steps: the loss in fp32 leaves the
+    model's own bf16 rounding, still over tolerance; the answer says both fixes it measured."""
+    from bench.evidence import trained_fp32
+    from tests.fixtures.evidence_models import CASES
+
+    case = CASES["kl_distillation_bf16"]
+    data = case.data()[:4]
+    model = trained_fp32(case, 200)
+    report = fp16probe.profile(copy.deepcopy(model), data, case.loss, steps=len(data), format="bf16", target="cpu")
+    rec = report.recommendation
+    em = rec.evidence["emulated"]
+    assert str(rec.verdict) == "gradient_error" and em["loss_fix_holds"] is False
+    assert em["loss_fix"]["error"] < 0.5 * em["error"]  # 15.6% against 68.9% when written
+    line = next(x.text for x in short_answer(report, rec) if x.text.startswith("no fix found"))
+    assert "with the loss computed in fp32" in line and "nor the loss's alone" in line
+    # real bf16 on the first batch, the loss as written and in fp32: the same order as the emulated step's
+    batch = data[0]
+    ref = _real_case(model, case, batch, "fp32")
+    real_low = _error(_real_case(model, case, batch, "bf16"), ref)
+    real_fixed = _error(_real_case(model, case, batch, "loss_in_fp32"), ref)
+    assert real_fixed < 0.5 * real_low and real_fixed > 0.05, (real_low, real_fixed)
+
+
+def _real_case(model: nn.Module, case, batch, how: str) -> dict[str, torch.Tensor]:
+    m = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how != "fp32"):
+        out = m(batch[0])
+        if how == "loss_in_fp32":
+            with torch.autocast("cpu", enabled=False):
+                loss = case.loss(out.float(), batch)
+        else:
+            loss = case.loss(out, batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
