@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,7 +239,9 @@ def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():
     rec = report.recommendation
     assert error > TOLERANCE and rec.verdict == "gradient_error"
     assert rec.evidence["emulated"]["first_parameter_noise"] < 1e-6  # the same batch: roundoff only
-    assert "7.08% off fp32, against batch-to-batch noise of 1.45e-06%" in short_answer(report, rec)[0].text
+    # the noise is the fp32 kernels' roundoff: 1.45e-06% on one machine, exactly 0% on another (summation order)
+    assert re.search(r"7\.08% off fp32, against batch-to-batch noise of (0%|[0-9.]+e-0[6-9]%)",
+                     short_answer(report, rec)[0].text)
     assert rec.evidence["fix_modules"] == ["norm"] and rec.evidence["emulated"]["module"] == "norm"
     assert rec.evidence["emulated"]["fix"]["error"] < TOLERANCE  # the fix, proved by a second emulated step
     assert rec.explanation(200).startswith("The emulated fp16 step") and "Keeping norm in fp32" in rec.explanation(200)
