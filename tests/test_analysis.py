@@ -470,6 +470,6 @@ def test_gradient_error_offers_the_kept_in_fp32_fix_only_when_its_step_holds():
     text = "\n".join(line.text for line in short_answer(None, refuted))
     assert "no fix found: with m in fp32 the emulated gradients are 9% off fp32" in text
     assert "keep_in_fp32" not in text and "train in bf16" not in text
-    assert "not offered as a fix" in refuted.explanation(200)
+    assert "not offered as a fix" in " ".join(refuted.explanation(200).split())  # as words, wherever it wraps
     # the 'why' of show --explain and of the notebook view leads with the emulated step too
     assert "not offered as a fix" in refuted._repr_html_() and "Apart from that error" in refuted._repr_html_()

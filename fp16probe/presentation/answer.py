@@ -532,6 +532,13 @@ def _still(fix: Mapping[str, Any]) -> str:
     return f", {worst[0][0]} still {_error_words(worst[0][1], 0)}" if worst and worst[0][1] is not None else ""
 
 
+def _fix_line(em: Mapping[str, Any]) -> str:
+    """What a fix must reach: "within 5%", and "or under 50% of its batch-to-batch noise" where that was measured."""
+    line = num.percent(em.get("tolerance"))
+    return (f"{line} or under {num.percent(em.get('noise_share'))} of its batch-to-batch noise"
+            if em.get("noise") is not None and em.get("noise_share") is not None else line)
+
+
 def _loss_fix_code(device: str) -> str:
     return (f"with torch.autocast({device!r}, enabled=False): loss = loss_fn(output.float(), ...)")
 
@@ -545,7 +552,7 @@ def _fix_refuted(rec: Recommendation) -> str:
         return ""
     fix, loss = em.get("fix"), em.get("loss_fix")
     loss = loss if isinstance(loss, Mapping) else None
-    tolerance = num.percent(em.get("tolerance"))
+    tolerance = _fix_line(em)
     if loss is not None and em.get("loss_fix_holds") is True and em.get("fix_holds") is not True:
         device = str(rec.evidence.get("fix_device") or em.get("target") or "cuda")
         device = device if device in ("cuda", "cpu") else "cuda"
@@ -562,7 +569,7 @@ def _fix_refuted(rec: Recommendation) -> str:
     if not tried:
         return ""
     alone = "one module's to keep in fp32" + (" nor the loss's alone" if loss is not None else "")
-    return f"no fix found: {'; '.join(tried)} (tolerance {tolerance}); the error is not {alone}"
+    return f"no fix found: {'; '.join(tried)} (a fix brings every parameter within {tolerance}); the error is not {alone}"
 
 
 def _fp16_holds(rec: Recommendation) -> str:
@@ -601,14 +608,14 @@ def explanation_text(rec: Recommendation, fmt: Format | None = None) -> str:
              f"the error is made in backward, at or just after {em.get('module')}")
     fixed = (f" Keeping {', '.join(fix.get('keep_fp32') or [])} in fp32 (fp16probe.keep_in_fp32) brings the "
              f"emulated gradients to {_error_words(fix.get('error'), fix.get('nonfinite'))}"
-             + (": not every parameter within the tolerance, so it is not offered as a fix." if em.get("fix_holds") is False
+             + (f": not every parameter within {_fix_line(em)}, so it is not offered as a fix." if em.get("fix_holds") is False
                 else ".") if fix else "")
     loss = em.get("loss_fix")
     if isinstance(loss, Mapping):
         fixed += (f" Computing the loss in fp32 (the step rounded values outside the model) brings them to "
                   f"{_error_words(loss.get('error'), loss.get('nonfinite'))}"
-                  + (": every parameter within the tolerance, the fix." if em.get("loss_fix_holds") is True
-                     else ": not every parameter within the tolerance."))
+                  + (f": every parameter within {_fix_line(em)}, the fix." if em.get("loss_fix_holds") is True
+                     else f": not every parameter within {_fix_line(em)}."))
     return (f"The emulated {rec.format} step (every value the target run holds in {rec.format} rounded to it) puts "
             f"{em.get('first_parameter')}'s gradient {_error_words(em.get('first_parameter_error'), 0)} at {at}, "
             f"with no overflow and no flush: rounding, not range, so no loss scale fixes it; {where}.{fixed} "
