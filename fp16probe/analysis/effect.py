@@ -377,7 +377,10 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
            gradients_only: Recommendation | None = None, any_flush: Recommendation | None = None) -> Recommendation:
     """``rec`` judged by the emulated step in ``data`` (the ``emulation`` section's JSON form, :func:`effect_of`).
 
-    ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
+    ``no_single_scale`` whose least bad S the step finds within TOLERANCE, its weight gradients zeroed no
+    more than the threshold allows, becomes ``constant`` at that S, with the caveat ``flush_no_effect`` (the flush the histograms count does not reach the gradients
+    it is judged by: a tiny Llama with a massive BOS activation, 0.12% flushed at S = 2^19, its real
+    fp16 gradients 0.06% off fp32). ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
     forward_verdicts=False)``): it leads when a forward verdict's effect is within TOLERANCE.
     Adds ``evidence["emulated"]``; a forward finding without effect becomes the caveat
     ``forward_no_effect``. Gradients more than TOLERANCE off with no overflow: where the
@@ -401,6 +404,9 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
     overflow = _emulated_overflow(data, eff, k)
     if overflow is not None:
         return _with(rec, emulated, (overflow,))
+    if rec.verdict is Verdict.NO_SINGLE_SCALE and _flush_unfelt(rec, eff):
+        constant = dataclasses.replace(rec, verdict=Verdict.CONSTANT)
+        return _with(constant, emulated, extra + (_flush_no_effect(rec, data, eff, k),))
     if not eff.harmless and rec.verdict is not Verdict.INSUFFICIENT_EVIDENCE:
         if any_flush is not None and any_flush.verdict in FORWARD:
             return judged(any_flush, data, gradients_only)
@@ -451,6 +457,27 @@ def _forward_no_effect(rec: Recommendation, data: Mapping[str, Any], eff: Effect
         "flushed_fraction": first.get("flushed_fraction"), "max_abs": first.get("max_abs"),
         "error": eff.error, "log2_scale": k, "target": data.get("target"), "regime": data.get("regime"),
         "tolerance": TOLERANCE})
+
+
+def _flush_unfelt(rec: Recommendation, eff: Effect) -> bool:
+    """Whether the flush the histograms count at S reaches the weights: every parameter within TOLERANCE and
+    no more of the weight gradients' nonzero values zeroed than the verdict's threshold allows (under Adam a
+    zeroed value is a lost update however small: an output weighted 2^-18 in the loss keeps its share of the L2
+    norm under 0.1% while its row of the last layer never updates)."""
+    tau = float(rec.thresholds.get("max_flushed_fraction", 0.0))
+    return eff.harmless and eff.zeroed <= tau * eff.nonzero
+
+
+def _flush_no_effect(rec: Recommendation, data: Mapping[str, Any], eff: Effect, k: int) -> Caveat:
+    """The caveat for ``no_single_scale`` whose least bad S the emulated step finds within TOLERANCE: the
+    histograms' flush at S, the modules it is in, and the measured error (the verdict becomes ``constant``)."""
+    ev: Mapping[str, Any] = rec.evidence
+    return Caveat("flush_no_effect", {
+        "flushed_fraction": ev.get("flushed_fraction_at_scale"),
+        "threshold": rec.thresholds.get("max_flushed_fraction"),
+        "modules": [str(row[0]) for row in ev.get("flushing_modules_at_scale") or ()][:3],
+        "error": eff.error, "zeroed": eff.zeroed, "nonzero": eff.nonzero, "log2_scale": k, "tolerance": TOLERANCE,
+        "target": data.get("target"), "regime": data.get("regime")})
 
 
 def _within_noise(data: Mapping[str, Any], eff: Effect, k: int) -> Caveat:

@@ -361,6 +361,16 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{': ' + num.percent(d['flushed_fraction']) + ' of its values' if d.get('flushed_fraction') else ''}), but "
         f"the emulated step's gradients are {num.percent(d['error'])} off fp32 at S = {num.power_of_two(d['log2_scale'])}"
         f", within {num.percent(d['tolerance'])}: no effect on training seen, so the loss-scale verdict leads."),
+    "flush_no_effect": lambda d: (f"At S = {num.power_of_two(d['log2_scale'])}, {num.percent(d['flushed_fraction'])} "
+        f"of the nonzero gradient values still flush, above the {num.percent(d['threshold'])} threshold (no single "
+        "scale keeps all of them in fp16's range"
+        + (f"; most flush in {', '.join(escape.text(str(m)) for m in d['modules'])}" if d.get("modules") else "")
+        + f"), but the emulated step under {_run(d)} puts the gradients {num.percent(d['error'])} off fp32 there, "
+        f"every parameter within {num.percent(d['tolerance'])}"
+        + (f" and {num.count(d['zeroed'])} of {num.count(d['nonzero'])} weight-gradient values zeroed"
+           if d.get("nonzero") else "")
+        + ": the flush costs nothing measurable, so that S is the "
+        "answer, not \"no single scale\"."),
     "error_within_noise": lambda d: (f"{d['format']} error {num.percent(d['error'])} of the gradient "
         f"({escape.text(str(d['parameter']))}), against batch-to-batch noise of {num.percent(d['noise'])} (fp32 gradients of "
         f"{d['noise_batches']} batches): training will not feel it. An error within {num.percent(d['noise_share'])} "
