@@ -13,30 +13,20 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp16probe.capture.autocast_rules import answering_autocast_state
 from fp16probe.capture.emulate import emulated_step, emulating
+from tests.fixtures.evidence_models import close_student, kl_in_run_precision
 
 
 def _reads_state(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """KL(target || out) computed in the run's precision: the autocast dtype when autocast is on."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
-    s = F.log_softmax(out.to(dtype), -1)
-    t = F.log_softmax(target.to(dtype), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
+    return kl_in_run_precision(out, (out, target))
 
 
 def _student() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(64, 16, generator=g)
-    with torch.no_grad():
-        target = model(x) + 0.05 * torch.randn(64, 32, generator=g)  # close to the student: the KL is small
+    model, (x, target) = close_student()
     return model, x, target
 
 

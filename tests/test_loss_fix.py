@@ -14,33 +14,17 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fp16probe
 from fp16probe.capture.emulate import emulated_step
 from fp16probe.emulation import LOSS
 from fp16probe.presentation.answer import short_answer
+from tests.fixtures.evidence_models import close_student, kl_in_run_precision
 
 
-def _reads_state(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """KL(teacher || student) in the run's precision: the autocast dtype when autocast is on."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
-    s = F.log_softmax(out.to(dtype), -1)
-    t = F.log_softmax(batch[1].to(dtype), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
-
-
-def _student() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(64, 16, generator=g)
-    with torch.no_grad():
-        teacher = model(x) + 0.05 * torch.randn(64, 32, generator=g)  # close to the student: the KL is small
-    return model, (x, teacher)
+_reads_state = kl_in_run_precision  # KL(teacher || student) in the run's precision: the autocast dtype when on
+_student = close_student
 
 
 def _real(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], how: str) -> dict[str, torch.Tensor]:

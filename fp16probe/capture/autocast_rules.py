@@ -367,49 +367,78 @@ def _check_case(name: str, run: Callable[[Callable[..., torch.Tensor]], Any], de
     return {"op": name, "real_fp16": got, "predicted_fp16": predicted, "agree": predicted is got}
 
 
-class _AutocastPatch:
-    """The one patch of ``torch.autocast``'s ``__enter__``/``__exit__``, shared by every block that wraps them.
+class _SharedPatch:
+    """A patch of torch shared by every block that needs it, with a per-thread stack of the blocks' entries.
 
-    The class's methods are replaced once, when the first block starts, and put back when the
-    last one ends (on any thread, in any order); a count kept under a lock decides. The wrappers
-    themselves are kept per thread: a block wraps the contexts entered on the thread that runs it
-    (the profile, the fp32 rerun), so a training loop on another thread enters its autocast as
-    written while they run. A block that saved and restored the methods itself would, when two
-    threads' blocks overlap without nesting, put back the other's wrapper for good.
+    Installed once, when the first block starts, and removed when the last one ends (on any thread, in
+    any order); a count kept under a lock decides. The entries are kept per thread: a block acts on the
+    thread that runs it (the profile, the fp32 rerun), so a training loop on another thread runs as
+    written meanwhile. A block that saved and restored torch's functions itself would, when two threads'
+    blocks overlap without nesting, put back the other's patch for good.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
-        self._originals: tuple[Any, Any] | None = None
-        self._wrappers = threading.local()
+        self._local = threading.local()
 
-    def stack(self) -> list[tuple[Callable[..., Any] | None, Callable[..., Any] | None]]:
-        """This thread's wrappers, outermost block first."""
-        found = getattr(self._wrappers, "stack", None)
+    def stack(self) -> list[Any]:
+        """This thread's entries, outermost block first."""
+        found = getattr(self._local, "stack", None)
         if found is None:
-            found = self._wrappers.stack = []
+            found = self._local.stack = []
         return found
 
-    def acquire(self) -> None:
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _remove(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def block(self, entry: Any) -> Iterator[None]:
+        """Patched while the block runs, with ``entry`` on this thread's stack."""
         with self._lock:
             if self._users == 0:
-                cls = torch.amp.autocast_mode.autocast
-                enter, leave = self._originals = (cls.__enter__, cls.__exit__)
-                # Plain functions, so the class binds them to the context as it did its own. They close
-                # over the originals: a ``with`` looks ``__exit__`` up as it starts, so a context entered
-                # while patched leaves through the patch even after the last block has ended.
-                cls.__enter__ = lambda ctx: self._chain(enter, 0)(ctx)  # type: ignore[method-assign]
-                cls.__exit__ = lambda ctx, *exc: self._chain(leave, 1)(ctx, *exc)  # type: ignore[method-assign]
+                self._install()
             self._users += 1
+        stack = self.stack()
+        stack.append(entry)
+        try:
+            yield
+        finally:
+            # by identity: a generator closed out of order (a signal) still takes off its own entry
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is entry:
+                    del stack[i]
+                    break
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._remove()
 
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._originals is not None:
-                cls = torch.amp.autocast_mode.autocast
-                cls.__enter__, cls.__exit__ = self._originals  # type: ignore[method-assign]
-                self._originals = None
+
+class _AutocastPatch(_SharedPatch):
+    """``torch.autocast``'s ``__enter__``/``__exit__``, wrapped by this thread's (enter, exit) entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._originals: tuple[Any, Any] | None = None
+
+    def _install(self) -> None:
+        cls = torch.amp.autocast_mode.autocast
+        enter, leave = self._originals = (cls.__enter__, cls.__exit__)
+        # Plain functions, so the class binds them to the context as it did its own. They close
+        # over the originals: a ``with`` looks ``__exit__`` up as it starts, so a context entered
+        # while patched leaves through the patch even after the last block has ended.
+        cls.__enter__ = lambda ctx: self._chain(enter, 0)(ctx)  # type: ignore[method-assign]
+        cls.__exit__ = lambda ctx, *exc: self._chain(leave, 1)(ctx, *exc)  # type: ignore[method-assign]
+
+    def _remove(self) -> None:
+        if self._originals is not None:
+            cls = torch.amp.autocast_mode.autocast
+            cls.__enter__, cls.__exit__ = self._originals  # type: ignore[method-assign]
+            self._originals = None
 
     def _chain(self, original: Callable[..., Any], index: int) -> Callable[..., Any]:
         """``original`` (``__enter__`` for index 0, ``__exit__`` for 1) under this thread's wrappers, the latest outermost."""
@@ -435,19 +464,8 @@ def around_autocast(enter: Callable[..., Any] | None = None, exit: Callable[...,
     patched while any block runs and are the originals again when the last one ends
     (:class:`_AutocastPatch`); other threads' autocast is left as written.
     """
-    _PATCH.acquire()
-    stack = _PATCH.stack()
-    wrappers = (enter, exit)
-    stack.append(wrappers)
-    try:
+    with _PATCH.block((enter, exit)):
         yield
-    finally:
-        # by identity: a generator closed out of order (a signal) still takes off its own entry
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is wrappers:
-                del stack[i]
-                break
-        _PATCH.release()
 
 
 # torch's functions that read the autocast state, and the device each reads (None: its argument, "cuda"
@@ -459,50 +477,33 @@ _STATE_READERS = {
 }
 
 
-class _StatePatch:
-    """The one patch of torch's autocast-state readers (``torch.is_autocast_enabled`` and kin).
-
-    Replaced when the first :func:`answering_autocast_state` block starts and put back when the last one
-    ends, on any thread, in any order (a count under a lock, as :class:`_AutocastPatch`). The answers are
-    per thread, and only for code outside torch and this package: torch's own readers
+class _StatePatch(_SharedPatch):
+    """torch's autocast-state readers (``torch.is_autocast_enabled`` and kin), answered by this thread's latest
+    entry, ``answer(device, what)``, and only for code outside torch and this package: torch's own readers
     (``torch.autocast.__enter__`` saving the state it restores, ``torch.utils.checkpoint`` replaying it in
     backward, ``custom_fwd``) and this package's (the fake-tensor dispatch that switches autocast on and
     back) get the true state, so nothing real is switched on by an answer.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
+        super().__init__()
         self._originals: dict[str, Any] = {}
-        self._answers = threading.local()
 
-    def stack(self) -> list[Callable[[str, str], Any]]:
-        found = getattr(self._answers, "stack", None)
-        if found is None:
-            found = self._answers.stack = []
-        return found
+    def _install(self) -> None:
+        for name, (device, what) in _STATE_READERS.items():
+            original = getattr(torch, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(torch, name, self._reader(original, device, what))
 
-    def acquire(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                for name, (device, what) in _STATE_READERS.items():
-                    original = getattr(torch, name, None)
-                    if original is not None:
-                        self._originals[name] = original
-                        setattr(torch, name, self._reader(original, device, what))
-            self._users += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for name, original in self._originals.items():
-                    setattr(torch, name, original)
-                self._originals = {}
+    def _remove(self) -> None:
+        for name, original in self._originals.items():
+            setattr(torch, name, original)
+        self._originals = {}
 
     def _reader(self, original: Callable[..., Any], device: str | None, what: str) -> Callable[..., Any]:
         def read(*args: Any, **kwargs: Any) -> Any:
-            answers = getattr(self._answers, "stack", None)
+            answers = getattr(self._local, "stack", None)
             if answers:
                 caller = str(sys._getframe(1).f_globals.get("__name__", "")).partition(".")[0]
                 if caller not in _TRUTHFUL:
@@ -533,14 +534,5 @@ def answering_autocast_state(answer: Callable[[str, str], Any]) -> Iterator[None
     dtype, a HF attention casting to ``torch.get_autocast_dtype``) then takes the target run's branch.
     Code that read the state through ``torch._C`` or a name imported before the block is not answered.
     """
-    _STATE.acquire()
-    stack = _STATE.stack()
-    stack.append(answer)
-    try:
+    with _STATE.block(answer):
         yield
-    finally:
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is answer:
-                del stack[i]
-                break
-        _STATE.release()
