@@ -20,7 +20,7 @@ from fp16probe.errors import ReportFieldError
 from fp16probe.validation import check_extra
 
 __all__ = ["SECTIONS", "TRIAL_RUNS", "WORKLOAD_KEYS", "CaptureNotes", "ForwardSection", "PrecisionCost", "SectionType",
-           "ShadowRuns", "SkipLedger", "SkippedStep", "Trial", "Workload", "register_section", "split_legacy_extra",
+           "ShadowRuns", "SkipLedger", "SkippedStep", "Trial", "TrialEnd", "Workload", "register_section", "split_legacy_extra",
            "split_workload"]
 
 
@@ -218,6 +218,54 @@ TRIAL_RUNS = ("autocast", "emulated")  # how the trial's low-precision runs comp
 
 
 @dataclass(frozen=True)
+class TrialEnd:
+    """The emulated step at the weights the trial's first fp32 run ended on, judged as the profile judges its own.
+
+    Measured when the trial left fp32's band under a verdict that raised no alarm: a harm that one step
+    at the profiled weights does not show often shows near convergence (a loss floor, a loss computed in
+    low precision), where the gradient has shrunk and the rounding has not. ``verdict``: that judgement's;
+    ``parameter``, ``error``, ``noise``: its worst parameter (its error and batch-to-batch noise, shares of
+    the gradient; None where not measured); ``fix_modules``: the modules whose kept-in-fp32 step holds
+    there; ``fix_loss``: the loss computed in fp32 holds there; ``fix_error``: that fix's whole-model error;
+    ``loss_error``: the whole-model error with the loss computed in fp32, where the step measured it (a
+    loss that rounds in the low format), whether or not it holds.
+    """
+
+    verdict: str
+    parameter: str | None = None
+    error: float | None = None
+    noise: float | None = None
+    fix_modules: tuple[str, ...] = ()
+    fix_loss: bool = False
+    fix_error: float | None = None
+    loss_error: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON form."""
+        return {"verdict": self.verdict, "parameter": self.parameter, "error": _json_float(self.error),
+                "noise": _json_float(self.noise), "fix_modules": list(self.fix_modules), "fix_loss": self.fix_loss,
+                "fix_error": _json_float(self.fix_error), "loss_error": _json_float(self.loss_error)}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, path: str = "trial.end") -> "TrialEnd":
+        """Build from JSON; a bad field raises ReportFieldError naming it."""
+        d = _mapping(d, path)
+
+        def number(key: str) -> float | None:
+            v = d.get(key)
+            return None if v is None else _float(v, f"{path}.{key}")
+
+        verdict = _typed(d, "verdict", path, (str,), "a verdict")
+        if verdict is None:
+            raise ReportFieldError(f"{path}.verdict", f"{path}: missing field 'verdict'")
+        return cls(verdict=verdict, parameter=_typed(d, "parameter", path, (str,), "a parameter name"),
+                   error=number("error"), noise=number("noise"),
+                   fix_modules=_strings(d.get("fix_modules", []), f"{path}.fix_modules"),
+                   fix_loss=_typed(d, "fix_loss", path, (bool,), "true or false", False),
+                   fix_error=number("fix_error"), loss_error=number("loss_error"))
+
+
+@dataclass(frozen=True)
 class Trial:
     """The training trial (``profile(..., trial=STEPS)``): loss curves of fp32 and low-precision training.
 
@@ -229,6 +277,8 @@ class Trial:
     ``skipped``: the steps each low-precision seed's GradScaler skipped (inf/NaN). A curve that
     met a non-finite loss ends there. ``off``: why no trial ran (the curves are then empty). Its cost:
     ``steps x len(seeds) x 2`` training steps. :func:`fp16probe.analysis.trial.judge_curves` judges it.
+    ``end``: the emulated step at the first fp32 run's end weights (:class:`TrialEnd`), when the trial
+    found a harm the verdict did not; None otherwise.
     """
 
     steps: int
@@ -246,6 +296,7 @@ class Trial:
     low: tuple[tuple[float, ...], ...] = ()
     skipped: tuple[int, ...] = ()
     off: str | None = None
+    end: TrialEnd | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form (a non-finite loss as "nan" or "inf")."""
@@ -254,7 +305,8 @@ class Trial:
                 "optimizer": self.optimizer, "lr": self.lr, "batches": self.batches, "fixed": list(self.fixed),
                 "fp32": [[_json_float(v) for v in c] for c in self.fp32],
                 "low": [[_json_float(v) for v in c] for c in self.low], "skipped": list(self.skipped),
-                **({} if self.off is None else {"off": self.off})}
+                **({} if self.off is None else {"off": self.off}),
+                **({} if self.end is None else {"end": self.end.to_dict()})}
 
     @classmethod
     def from_dict(cls, d: Any, *, path: str = "trial") -> "Trial":
@@ -286,7 +338,8 @@ class Trial:
                    lr=float(_typed(d, "lr", path, (int, float), "a learning rate", 1e-3, low=0)),
                    batches=_typed(d, "batches", path, (int,), "a count", 0, low=0),
                    fixed=_strings(d.get("fixed", []), f"{path}.fixed"), fp32=curves("fp32"), low=curves("low"),
-                   skipped=ints("skipped"), off=_typed(d, "off", path, (str,), "a string"))
+                   skipped=ints("skipped"), off=_typed(d, "off", path, (str,), "a string"),
+                   end=None if d.get("end") is None else TrialEnd.from_dict(d["end"], path=f"{path}.end"))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ The two models whose harm the tool does not see today are marked ``xfail(strict=
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import pytest
@@ -106,6 +107,39 @@ def test_with_its_trial_the_answer_says_hurt_exactly_when_training_is(name):
     assert (str(rec.verdict) in ALARMS or refuted) == (not real.inside)
     assert _exit_code(report) == (1 if refuted else 0)
     assert refuted == (name in MISSED)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_where_the_trial_finds_a_harm_the_answer_looks_where_fp32_training_ended(name):
+    """On the two models the one-step verdict misses, the trial's harm comes with the emulated step at the weights
+    its first fp32 run ended on: the bf16 loss floor is gradient_error there with its fix (body.2 in fp32), which
+    trains inside fp32's band for real; the KL loss rounds mostly in the loss (the step with the loss in fp32 is a
+    fraction as far off). The others carry no such judgement: their trial found no unseen harm."""
+    from fp16probe.presentation.answer import short_answer
+
+    report, _ = _runs(name)
+    end = report.section("trial").end
+    assert (end is not None) == (name in MISSED)
+    if end is None:
+        return
+    said = next(x.text for x in short_answer(report, report.recommendation) if x.text.startswith("but trained"))
+    assert f"at the weights fp32 training reached in {STEPS} steps, the emulated step finds" in said
+    jsonschema = pytest.importorskip("jsonschema")
+    from tests.test_report_schema import report_schema
+
+    jsonschema.validate(json.loads(report.to_json()), report_schema())
+    if name == "offset_regression_bf16":
+        # written: body.0.weight 129% against noise 95%; with body.2 in fp32 3.42% off
+        assert end.verdict == "gradient_error" and end.fix_modules == ("body.2",) and end.fix_error < 0.05
+        assert end.error > NOISE_SHARE * end.noise and "fix: keep body.2 in fp32" in said
+        case = CASES[name]
+        kept = fp16probe.keep_in_fp32(case.build(), ["body.2"], device_type="cpu")
+        fp32 = [train(case, "fp32", s, STEPS)[0] for s in range(TRIAL_SEEDS)]
+        assert judge_curves(fp32, [train(case, "bf16", s, STEPS, model=kept)[0] for s in range(TRIAL_SEEDS)]).inside
+    else:
+        # written: no alarm there (body.2.weight 35.4% against 85.4%), 6.48% off with the loss in fp32
+        assert end.loss_error is not None and end.loss_error < 0.5 * end.error
+        assert "with the loss computed in fp32" in said
 
 
 LATE = 200  # fp32 steps before the late profile: docs/evidence.md's "after fp32 training" column

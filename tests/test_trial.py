@@ -3,6 +3,7 @@ conclusion against plain-torch training of the evidence models (tests/fixtures/e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,7 +18,7 @@ from fp16probe.errors import InputError, ReportFieldError
 from fp16probe.presentation.answer import section_lines
 from fp16probe.report import Report
 from fp16probe.running.trial import TRIAL_SEEDS, data_order
-from fp16probe.sections import Trial
+from fp16probe.sections import Trial, TrialEnd
 from tests.fixtures.cli import one_error_line, prepare_cli_env, run
 from tests.fixtures.evidence_models import CASES
 
@@ -67,6 +68,13 @@ def test_the_section_round_trips_and_refuses_a_bad_field():
     assert e.value.field == "trial.low[0][1]"
     with pytest.raises(ReportFieldError):
         Trial.from_dict({**t.to_dict(), "run": "guessed"})
+    end = TrialEnd(verdict="gradient_error", parameter="body.2.bias", error=3.56, noise=1.14, fix_modules=("body.2",),
+                   fix_error=0.034, loss_error=math.inf)
+    back = Trial.from_dict(json.loads(json.dumps(dataclasses.replace(t, end=end).to_dict())))
+    assert back.end == end and Trial.from_dict(t.to_dict()).end is None
+    with pytest.raises(ReportFieldError) as e:
+        Trial.from_dict({**t.to_dict(), "end": {"verdict": "none_needed", "fix_modules": "body.2"}})
+    assert e.value.field == "trial.end.fix_modules"
 
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10", 10**6])

@@ -24,7 +24,7 @@ from fp16probe.presentation import escape
 from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
 from fp16probe.analysis.trial import HURT_UNSEEN, agreement, ran_trial
-from fp16probe.presentation.trial import trial_line
+from fp16probe.presentation.trial import end_words, trial_line
 from fp16probe.presentation.verdict import insufficient_why, verdict_text
 from fp16probe.recommendation import Caveat, Recommendation, Verdict
 from fp16probe.report import Report
@@ -246,11 +246,13 @@ def _trial_refutes(report: Report | None, rec: Recommendation) -> str:
     if agreement(str(rec.verdict), band) != HURT_UNSEEN:
         return ""
     ends = ", ".join(f"{v:.4g}" if math.isfinite(v) else "not finite" for v in band.target)
+    why = ("The harm is outside what one step at the profiled weights measures (a loss or statistic computed in low "
+           "precision, or an effect that builds up over steps): "
+           + (f"{end_words(t.end, t.steps)}" if t.end is not None else
+              "keep fp32 where it arises, or train in fp32; the trial line below has the figures"))
     return (f"but trained for real, this is not fine: {escape.text(t.format)} at these settings ended OUTSIDE fp32's "
             f"seed band over {num.count(t.steps)} steps x {len(t.seeds)} data orders (last-{band.last}-step loss "
-            f"{ends}; band top {band.high:.4g}). The harm is outside what one step measures (a loss or statistic "
-            "computed in low precision, or an effect that builds up over steps): keep fp32 where it arises, "
-            "or train in fp32; the trial line below has the figures")
+            f"{ends}; band top {band.high:.4g}). {why}")
 
 
 # What `recommend` keeps of the short answer: the verdict, the numbers it rests on, what to do and the code.

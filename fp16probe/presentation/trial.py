@@ -13,9 +13,9 @@ from fp16probe import formatting as num
 from fp16probe.analysis.trial import (AGREES_ALARM, AGREES_FINE, ALARM_NOT_FELT, HURT_UNSEEN, agreement,
                                       judge_curves)
 from fp16probe.presentation import escape
-from fp16probe.sections import Trial
+from fp16probe.sections import Trial, TrialEnd
 
-__all__ = ["OFF_WORDS", "trial_line"]
+__all__ = ["OFF_WORDS", "end_words", "trial_line"]
 
 OFF_WORDS = {
     "pure_fp16": "the model came in fp16 (a .half() run), which has no autocast to train under",
@@ -49,6 +49,29 @@ def _scaler(t: Trial) -> str:
     return f"GradScaler init_scale {init}" if init is not None else "GradScaler's defaults"
 
 
+def end_words(end: TrialEnd, steps: int) -> str:
+    """The emulated step at the weights the trial's first fp32 run ended on, in words: its verdict, worst parameter
+    against its noise, and the fix that holds there."""
+    alarm = end.verdict in ("forward_underflow", "forward_overflow", "gradient_error")
+    line = (f"at the weights fp32 training reached in {num.count(steps)} steps, the emulated step finds "
+            + (escape.text(end.verdict) if alarm else f"no alarm ({escape.text(end.verdict)})"))
+    if end.parameter is not None and end.error is not None:
+        line += f": {escape.text(end.parameter)} {num.percent(end.error)} off fp32"
+        if end.noise is not None:
+            line += f", against batch-to-batch noise of {num.percent(end.noise)}"
+    there = f" ({num.percent(end.fix_error)} off there)" if end.fix_error is not None else ""
+    if end.fix_modules:
+        line += (f"; fix: keep {', '.join(escape.text(m) for m in end.fix_modules)} in fp32 "
+                 f"(fp16probe.keep_in_fp32){there}")
+    elif end.fix_loss:
+        line += f"; fix: compute the loss in fp32 (loss_fn(output.float(), ...) with autocast off){there}"
+    elif alarm:
+        line += "; no fix found there"
+    if end.loss_error is not None and not end.fix_loss:
+        line += f"; with the loss computed in fp32, {num.percent(end.loss_error)} off"
+    return line
+
+
 def trial_line(t: Trial, verdict: Any = None) -> str:
     """The trial in one line: where the low-precision curves ended against fp32's band, its cost, and how that
     stands to ``verdict`` (the report's, when given)."""
@@ -67,4 +90,6 @@ def trial_line(t: Trial, verdict: Any = None) -> str:
             f"{num.count(sum(t.skipped))} skipped step(s); cost {num.count(t.steps * len(t.seeds) * 2)} training steps")
     if verdict is not None:
         line += "; " + _AGREEMENT[agreement(str(verdict), band)].format(verdict=escape.text(str(verdict)))
+    if t.end is not None:
+        line += "; " + end_words(t.end, t.steps)
     return line

@@ -23,9 +23,10 @@ from torch import nn
 
 from fp16probe.errors import Fp16ProbeError, InputError, ModelError, first_line, message_of
 from fp16probe.formats import FORMATS, SCALED_FORMATS, Format, get_format
+from fp16probe.recommendation import Verdict
 from fp16probe.report import ALL_GRADS, Report
 from fp16probe.emulation import Emulation
-from fp16probe.sections import Workload
+from fp16probe.sections import TrialEnd, Workload
 from fp16probe.running.inputs import (Batches, call_model, check_inputs_before_load, describe_batch, make_batches,
                                       move_to, pick_device)
 from fp16probe.running.loading import load_model, quiet_transformers
@@ -457,6 +458,7 @@ def _trialled(report: Report, r: ProfileRequest, initial: Any, batches: tuple[An
               dev: torch.device, target: str, regime: str, distributed: bool) -> Report:
     """The report with its training trial (the ``trial`` section); a Ctrl-C or signal during it keeps the report
     with the trial marked as stopped."""
+    from fp16probe.analysis.trial import HURT_UNSEEN, report_agreement
     from fp16probe.running.trial import OFF_DISTRIBUTED, OFF_STOPPED, run_trial
     from fp16probe.sections import Trial
 
@@ -465,11 +467,64 @@ def _trialled(report: Report, r: ProfileRequest, initial: Any, batches: tuple[An
     if distributed:  # every rank would train its own copies: the trial is a one-process check
         return report.with_sections({"trial": Trial(steps=r.trial, format=rec.format, off=OFF_DISTRIBUTED)})
     optimizer = r.optimizer if isinstance(r.optimizer, str) else None
+
+    def trialled() -> Report:
+        ends: list[nn.Module] = []
+        trial = run_trial(initial, rec, batches, loss.outcome(), steps=r.trial, device=dev, target=target,
+                          regime=regime, seed=r.seed, optimizer=optimizer, lr=r.lr, ends=ends)
+        done = report.with_sections({"trial": trial})
+        if ends and report_agreement(done) == HURT_UNSEEN:  # where it hurts, look where training ended
+            end = _judged_at_end(report, ends[0], batches, loss.outcome(), target=target, regime=regime, kind=r.kind)
+            if end is not None:
+                done = report.with_sections({"trial": dataclasses.replace(trial, end=end)})
+        return done
+
     return _unless_stopped(
-        lambda: report.with_sections({"trial": run_trial(initial, rec, batches, loss.outcome(), steps=r.trial,
-                                                         device=dev, target=target, regime=regime, seed=r.seed,
-                                                         optimizer=optimizer, lr=r.lr)}),
+        trialled,
         lambda why: report.with_sections({"trial": Trial(steps=r.trial, format=rec.format, off=OFF_STOPPED)}))
+
+
+def _judged_at_end(report: Report, model: nn.Module, batches: tuple[Any, ...], loss: Loss, *, target: str,
+                   regime: str, kind: str) -> TrialEnd | None:
+    """The emulated step at ``model``'s weights (the trial's first fp32 run as it ended), judged as the profile
+    judges its own: the report's verdict analysed afresh, then :func:`with_effect` on those weights and the
+    profile's batches. None when the emulated step could not run there."""
+    from fp16probe.analysis.recommend import analyze
+
+    rec = report.recommendation
+    assert rec is not None  # the caller checked
+    base = report.with_recommendation(analyze(report, rec.format, kind=kind))
+    late = with_effect(base, model, batches[:KEPT_BATCHES], loss, target=target, regime=regime, kind=kind)
+    judged = late.recommendation
+    em = None if judged is None else judged.evidence.get("emulated")
+    if judged is None or not isinstance(em, Mapping):
+        return None
+    ev = judged.evidence
+    if judged.verdict is Verdict.GRADIENT_ERROR:
+        parameter, error, noise = em.get("first_parameter"), em.get("first_parameter_error"), em.get("first_parameter_noise")
+    else:
+        parameter, error, noise = (list(em.get("worst_parameters") or []) or [[None, None, None]])[0]
+    fix_modules = tuple(str(m) for m in ev.get("fix_modules") or ())
+    fix = em.get("fix") if fix_modules else em.get("loss_fix") if ev.get("fix_loss") else None
+    return TrialEnd(verdict=judged.verdict.value, parameter=None if parameter is None else str(parameter),
+                    error=error, noise=noise, fix_modules=fix_modules, fix_loss=bool(ev.get("fix_loss")),
+                    fix_error=fix.get("error") if isinstance(fix, Mapping) else None,
+                    loss_error=_loss_error(late))
+
+
+def _loss_error(report: Report) -> float | None:
+    """The whole-model error of the emulated step with the loss computed in fp32, where the report's emulation
+    section ran one (:data:`fp16probe.emulation.LOSS`); None otherwise."""
+    from fp16probe.analysis.effect import effect_at
+    from fp16probe.emulation import LOSS
+
+    section = report.section("emulation")
+    if not isinstance(section, Emulation):
+        return None
+    data = section.to_dict()
+    found = next((s for s in section.settings if list(s.keep_fp32) == [LOSS]), None)
+    eff = None if found is None else effect_at(data, found.log2_scale, [LOSS])
+    return None if eff is None else eff.error
 
 
 def _marked(report: Report, why: str) -> Report:

@@ -70,12 +70,13 @@ def data_order(batches: int, steps: int, seed: int) -> list[int]:
 
 def run_trial(model: nn.Module, rec: Recommendation, batches: Sequence[Any], loss: Loss, *, steps: int,
               device: torch.device, target: str, regime: str = "autocast", seed: int = 0,
-              optimizer: str | None = None, lr: float = 1e-3) -> Trial:
+              optimizer: str | None = None, lr: float = 1e-3, ends: list[nn.Module] | None = None) -> Trial:
     """Train copies of ``model`` (as it was before the profile) in fp32 and in ``rec``'s format; return the curves.
 
     ``batches``: the profile's own, on ``device``; ``target``: whose autocast the low-precision
-    runs use (emulated when it is not ``device``'s type). Fails with :class:`ModelError` naming the
-    run and step when the model or loss raises.
+    runs use (emulated when it is not ``device``'s type). ``ends``: given, the first seed's fp32 copy as
+    it ended is appended to it (the weights near convergence, :class:`fp16probe.sections.TrialEnd`).
+    Fails with :class:`ModelError` naming the run and step when the model or loss raises.
     """
     name = optimizer or TRIAL_OPTIMIZER
     fixed = tuple(rec.evidence.get("fix_modules") or ()) if rec.verdict in (
@@ -94,8 +95,11 @@ def run_trial(model: nn.Module, rec: Recommendation, batches: Sequence[Any], los
         start = [g.get_state() for g in gens]
         for s in seeds:
             order = data_order(len(batches), steps, s)
-            fp32.append(_train(model, base, batches, order, loss, s, gens, start, low_precision=False)[0])
-            curve, k = _train(model, base, batches, order, loss, s, gens, start, low_precision=True)
+            curve, _, net = _train(model, base, batches, order, loss, s, gens, start, low_precision=False)
+            fp32.append(curve)
+            if ends is not None and s == seeds[0]:
+                ends.append(net)
+            curve, k, _ = _train(model, base, batches, order, loss, s, gens, start, low_precision=True)
             low.append(curve)
             skipped.append(k)
         for g, st in zip(gens, start):
@@ -104,8 +108,9 @@ def run_trial(model: nn.Module, rec: Recommendation, batches: Sequence[Any], los
 
 
 def _train(model: nn.Module, t: Trial, batches: Sequence[Any], order: list[int], loss: Loss, seed: int,
-           gens: list[torch.Generator], start: list[Any], *, low_precision: bool) -> tuple[tuple[float, ...], int]:
-    """One run of a seed: its loss at each step and the steps its GradScaler skipped."""
+           gens: list[torch.Generator], start: list[Any], *, low_precision: bool
+           ) -> tuple[tuple[float, ...], int, nn.Module]:
+    """One run of a seed: its loss at each step, the steps its GradScaler skipped, and the model it trained."""
     device = torch.device(t.device)
     net = copy.deepcopy(model).to(device).float().train()
     if low_precision and t.fixed:
@@ -140,7 +145,7 @@ def _train(model: nn.Module, t: Trial, batches: Sequence[Any], order: list[int],
         except Exception as e:
             run = f"{t.format} run" if low_precision else "fp32 run"
             raise ModelError(f"trial, seed {seed}, {run}, step {step + 1}: {type(e).__name__}: {message_of(e)}") from e
-    return tuple(losses), skipped
+    return tuple(losses), skipped, net
 
 
 def _forward(net: nn.Module, batch: Any, loss: Loss, t: Trial | None) -> torch.Tensor:
