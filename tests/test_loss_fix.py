@@ -149,3 +149,35 @@ def _real_case(model: nn.Module, case, batch, how: str) -> dict[str, torch.Tenso
         loss = _in_fp32(case.loss)(out, batch) if how == "loss_in_fp32" else case.loss(out, batch)
     loss.backward()
     return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_loss_held_in_fp16_caps_the_scale_and_a_real_fp16_step_bears_it_out():
+    """The forward audit runs the loss in fp32 (it reads autocast off there); the emulated step holds it in fp16.
+    Its seed gradient is then S as an fp16 number, inf from 65520: the verdict's S is capped at 2^15 with the
+    loss_fp16 caveat, and the bf16 answer's fp16 comparison is measured at that S. Real CPU fp16 autocast: finite
+    at 2^15, not finite at 2^16 and at the uncapped S."""
+    from bench.evidence import trained_fp32
+    from fp16probe.analysis.recommend import analyze
+    from tests.fixtures.evidence_models import CASES
+
+    case = CASES["kl_distillation_bf16"]
+    data = case.data()[:4]
+    model = trained_fp32(case, 200)
+    report = fp16probe.profile(copy.deepcopy(model), data, case.loss, steps=len(data), format="fp16", target="cpu")
+    rec = report.recommendation
+    assert report.forward.audit["loss_fp16_seen_by"] == "the emulated step"
+    assert rec.log2_scale == 15 and any(c.code == "loss_fp16" for c in rec.caveats)
+    uncapped = analyze(report, "fp16").evidence["log2_scale_without_loss_cap"]
+    assert uncapped > 15  # 2^19 when written
+    bf16 = fp16probe.profile(copy.deepcopy(model), data, case.loss, steps=len(data), format="bf16", target="cpu")
+    assert bf16.recommendation.evidence["emulated"]["fp16"]["log2_scale"] == 15
+
+    def finite(log2_scale: int) -> bool:
+        m = copy.deepcopy(model)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = case.loss(m(data[0][0]), data[0])
+        (loss * torch.full((1,), 2.0**log2_scale)).backward()
+        return all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+
+    assert finite(15) and not finite(16) and not finite(uncapped)

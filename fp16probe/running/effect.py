@@ -12,14 +12,16 @@ cannot follow) is noted in the report and leaves the histogram verdict as it was
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fp16probe.analysis.effect import UNIT_KEY, fixes_to_try, rejudge, scales_to_check, with_zeros
+from fp16probe.analysis.forward import FP16_LOSS_LOG2_CAP
 from fp16probe.analysis.recommend import analyze
 from fp16probe.emulation import Emulation
 from fp16probe.formats import Format
@@ -71,6 +73,30 @@ def _runs(model: nn.Module, batches: Sequence[Any], loss: Loss) -> list[Callable
     return [run(b) for b in batches]
 
 
+def _loss_fp16_found(report: Report, data: dict[str, Any], target: str) -> Report | None:
+    """``report`` with the forward audit's ``loss_fp16_on`` gaining ``target`` when the emulated step held the loss
+    in the low format (``data``: fp16's, or bf16's for the fp16 comparison beside it) and the audit had not, and
+    that changes the fp16 verdict's S (``report``'s recommendation, above the cap); None otherwise.
+
+    The audit runs the model in fp32 and asks autocast's dispatch what each op would do; a loss that reads
+    the autocast state to pick its own precision (``torch.get_autocast_dtype``) computes in fp32 there, and in
+    fp16 in the emulated step, which answers that state as the target run would. Its seed gradient is then S
+    as an fp16 number: inf from S = 65520, so the verdict's S is capped (``loss_fp16`` caveat).
+    """
+    rec = report.recommendation
+    section = report.forward
+    audit = None if section is None else section.audit
+    if (rec is None or rec.format != "fp16" or rec.log2_scale is None or rec.log2_scale <= FP16_LOSS_LOG2_CAP
+            or not isinstance(audit, Mapping) or not any(st.get("loss_low") for st in data.get("settings") or ())):
+        return None
+    on = [str(t) for t in audit.get("loss_fp16_on") or ()]
+    if target in on:
+        return None
+    assert section is not None
+    found = {**audit, "loss_fp16_on": sorted({*on, target}), "loss_fp16_seen_by": "the emulated step"}
+    return report.with_sections({"forward": dataclasses.replace(section, audit=found)})
+
+
 def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: Loss, *,
                 target: str, regime: str, kind: str, fmt: Format | None = None) -> Report:
     """``report`` with the emulation pass's numbers and its verdict judged by them (see the module docstring).
@@ -94,6 +120,14 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
         # and S over all of them: a third less time than every scale on every batch (GPT-2 small)
         data = measure_effect(model, runs[:1], format=rec.format, target=target, regime=regime,
                               settings=[(j, ()) for j in scales])
+        audited = _loss_fp16_found(report, data, target)
+        if audited is not None:  # the loss is fp16 in the target run, which the audit did not see: S capped
+            report = audited
+            rec = analyze(report, fmt if fmt is not None else rec.format, kind=kind)
+            scales = scales_to_check(rec) or [0]
+            k = scales[len(scales) // 2]
+            data = measure_effect(model, runs[:1], format=rec.format, target=target, regime=regime,
+                                  settings=[(j, ()) for j in scales])
         if len(runs) > 1:
             rest = measure_effect(model, runs[1:], format=rec.format, target=target, regime=regime,
                                   settings=[(k, ())])
@@ -102,6 +136,10 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
             data["batches"] = len(runs)
         if rec.format == "bf16":  # bf16 needs no scale for its range; its precision is set beside fp16's at its S
             fp16 = analyze(report, "fp16", kind=kind, target=target)
+            seen = _loss_fp16_found(report.with_recommendation(fp16), data, target)
+            if seen is not None:  # a loss held in bf16 is held in fp16 in an fp16 run: its S is capped there
+                report = seen.with_recommendation(rec)
+                fp16 = analyze(report, "fp16", kind=kind, target=target)
             k16 = fp16.log2_scale if fp16.verdict in (Verdict.NONE_NEEDED, Verdict.CONSTANT, Verdict.DYNAMIC) else None
             if k16 is not None:
                 data["fp16"] = measure_effect(model, runs, format="fp16", target=target, regime=regime,
