@@ -62,8 +62,9 @@ def test_a_bf16_gradient_error_names_bf16_and_gives_fp16s_error_beside_it():
     assert head.startswith("verdict for bf16:") and "under bf16 autocast on cpu" in head and "fp16" not in head
     assert "The emulated bf16 step" in rec.explanation(200) and "fp16 autocast" not in rec.explanation(200)
     said = fp16probe.formatting.percent(fp16["error"])
-    assert f"fp16 at S = {fp16probe.formatting.power_of_two(fp16['log2_scale'])}: {said} off fp32" in emulated_sentence(rec)
-    assert any(line.kind == "emulated" and "fp16 at S" in line.text for line in lines)
+    at = f"at S = {fp16probe.formatting.power_of_two(fp16['log2_scale'])}" if fp16["log2_scale"] else "unscaled"
+    assert f"fp16 {at}: {said} off fp32" in emulated_sentence(rec)  # unscaled (S = 1) when written
+    assert any(line.kind == "emulated" and f"fp16 {at}" in line.text for line in lines)
     # fp16 at its S holds (every parameter within 5%, as the real fp16 step above): the answer says to use it
     holds = next(line.text for line in lines if line.text.startswith("fp16 holds where bf16 does not"))
     assert fp16["log2_scale"] == 0 and f"unscaled, its emulated gradients are {said}" in holds and "train in fp16" in holds

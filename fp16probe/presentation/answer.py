@@ -499,7 +499,7 @@ def emulated_sentence(rec: Recommendation) -> str:
              if em.get("noise") is not None else "; batch-to-batch noise not measured (fewer than two batches, or a "
              f"report from before it): the error is judged against {num.percent(em.get('tolerance'))} alone" if "noise" in em else "")
     fp16 = em.get("fp16") if rec.format == "bf16" else None
-    beside = (f"; fp16 at S = {num.power_of_two(fp16.get('log2_scale'))}: "
+    beside = (f"; fp16 {'at S = ' + num.power_of_two(fp16.get('log2_scale')) if fp16.get('log2_scale') else 'unscaled'}: "
               f"{_error_words(fp16.get('error'), fp16.get('nonfinite'))}" if isinstance(fp16, Mapping) else "")
     return (f"emulated {rec.format} step ({run}, {em.get('batches')} batch(es)): gradients "
             f"{_error_words(em.get('error'), em.get('nonfinite'))} {at}{tail}{noise}"
