@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -163,11 +164,14 @@ def verdict(case: Case) -> tuple[str, dict[str, Any]]:
 
 def scaler_settings(rec: Any) -> dict[str, Any]:
     """The answer's GradScaler settings; with no scale of its own (a forward or gradient-error verdict), the scale
-    its gradients' verdict stands on, else GradScaler's defaults."""
+    its gradients' verdict stands on; ``none_needed`` (no scale at all): ``enabled=False``, the line the answer
+    pastes (GradScaler's defaults would start at 2^16 and skip steps backing off, which the answer does not do)."""
     kwargs = dict(rec.grad_scaler_kwargs)
     k = rec.evidence.get("backward_log2_scale") if isinstance(rec.evidence, dict) else None
     if "init_scale" not in kwargs and k is not None:
         kwargs["init_scale"] = math.ldexp(1.0, int(k))
+    if not kwargs and str(rec.verdict) == "none_needed":
+        kwargs["enabled"] = False
     return kwargs
 
 
@@ -205,6 +209,22 @@ def rows(steps: int, seeds: int, names: list[str] | None = None) -> list[dict[st
     return out
 
 
+def naive_variance_at(bias: float) -> Case:
+    """The cancelling variance (``naive_variance``) with its Linear's bias at ``bias``: the bias dials fp16's error
+    (E[x^2] and E[x]^2 grow as bias^2 while their difference, the variance, stays about 1)."""
+    from tests.fixtures.evidence_models import NaiveNorm
+
+    def build() -> torch.nn.Module:
+        model = NaiveNorm()
+        with torch.no_grad():
+            model.inp.bias.fill_(float(bias))
+        return model
+
+    base = CASES["naive_variance"]
+    return dataclasses.replace(base, name=f"naive_variance bias {bias:g}", build=build,
+                               what=f"E[x^2]-E[x]^2 variance after a Linear with bias {bias:g}")
+
+
 def _g(v: float) -> str:
     return "nan" if not math.isfinite(v) else f"{v:.3g}"
 
@@ -230,9 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--cases", nargs="*", default=None, choices=list(CASES))
+    p.add_argument("--naive-bias", nargs="+", type=float, default=None, metavar="BIAS",
+                   help="instead of the cases: the cancelling variance at these biases (docs/evidence.md's sweep)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(table(rows(a.steps, a.seeds, a.cases)))
+    if a.naive_bias:
+        print(table([run_case(naive_variance_at(b), a.steps, a.seeds) for b in a.naive_bias]))
+    else:
+        print(table(rows(a.steps, a.seeds, a.cases)))
     return 0
 
 
