@@ -259,6 +259,18 @@ def test_every_caveat_code_the_analysis_writes_has_its_words():
     assert answer.caveat_text(Caveat("silent_modules", {"count": 2})) == "silent_modules: {'count': 2}"
 
 
+def test_within_the_noise_the_words_follow_the_evidence():
+    """Under a tenth of the noise every evidence model trained like fp32: "training will not feel it". From there up
+    to the alarm's half both outcomes were measured (docs/evidence.md's sweep): the words say so and point at
+    --trial."""
+    data = dict(CAVEAT_SAMPLES["error_within_noise"])
+    low = answer.caveat_text(Caveat("error_within_noise", {**data, "error": 0.09, "noise": 1.0}))
+    mid = answer.caveat_text(Caveat("error_within_noise", {**data, "error": 0.3, "noise": 1.0}))
+    assert "training will not feel it" in low and "--trial" not in low
+    assert "training will not feel it" not in mid and "30% of it, under the alarm's line" in mid
+    assert "fp16probe profile --trial STEPS" in mid and "docs/evidence.md" in mid
+
+
 # -- HTML -----------------------------------------------------------------------------------
 def test_report_html_has_the_summary_numbers(hand):
     page = html.report_html(hand, figure=False)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp16probe
-from fp16probe.analysis.effect import NOISE_SHARE, TOLERANCE, effect_at, judged
+from fp16probe.analysis.effect import AMBIGUOUS_SHARE, NOISE_SHARE, TOLERANCE, effect_at, judged
 from fp16probe.presentation.answer import fix_code
 from fp16probe.analysis.recommend import analyze
 from fp16probe.presentation.answer import short_answer
@@ -228,7 +228,13 @@ def test_rounding_within_the_gradients_noise_is_not_an_alarm():
     assert TOLERANCE < caveat.data["error"] < NOISE_SHARE * caveat.data["noise"] and caveat.data["noise_batches"] == 3
     assert rec.evidence["emulated"]["noise"] > 0.3 and rec.evidence["emulated"]["noise_batches"] == 3
     text = "\n".join(line.text for line in short_answer(report, rec))
-    assert "against batch-to-batch noise of" in text and "training will not feel it" in text
+    assert "against batch-to-batch noise of" in text
+    # fc1.bias at 0.11 of its noise when written: over AMBIGUOUS_SHARE, where the evidence went both ways (this
+    # model trains like fp32, test_the_judgement_predicts_real_training; docs/evidence.md's sweep), so the answer
+    # points at --trial rather than promising "training will not feel it"
+    ambiguous = caveat.data["error"] >= AMBIGUOUS_SHARE * caveat.data["noise"]
+    assert ("fp16probe profile --trial STEPS" in text) == ambiguous
+    assert ("training will not feel it" in text) == (not ambiguous)
 
 
 def test_rounding_that_puts_gradients_off_is_named_with_a_fix_that_works():

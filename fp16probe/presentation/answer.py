@@ -375,7 +375,8 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         "answer, not \"no single scale\"."),
     "error_within_noise": lambda d: (f"{d['format']} error {num.percent(d['error'])} of the gradient "
         f"({escape.text(str(d['parameter']))}), against batch-to-batch noise of {num.percent(d['noise'])} (fp32 gradients of "
-        f"{d['noise_batches']} batches): training will not feel it. An error within {num.percent(d['noise_share'])} "
+        f"{d['noise_batches']} batches): {_within_noise_words(d['error'], d['noise'], d.get('ambiguous_share'))}. "
+        f"An error within {num.percent(d['noise_share'])} "
         "of the noise SGD already tolerates adds to it as a slightly smaller batch would (McCandlish et al., \"An "
         "Empirical Model of Large-Batch Training\", arXiv:1812.06162), so no alarm; an error the same from step to "
         "step (a bias, not noise) would not average out."),
@@ -391,6 +392,18 @@ CAVEAT_WORDS: dict[str, Callable[[Mapping[str, Any]], str]] = {
         "as an fp16 number, so any S of 65520 or more overflows on every step. Compute the loss in fp32 to lift that "
         "cap: loss_fn(output.float(), target)."),
 }
+
+
+def _within_noise_words(error: float, noise: float, ambiguous: Any = None) -> str:
+    """"training will not feel it", or, from AMBIGUOUS_SHARE of the noise up, what the evidence says there."""
+    from fp16probe.analysis.effect import AMBIGUOUS_SHARE
+
+    line = AMBIGUOUS_SHARE if ambiguous is None else float(ambiguous)
+    if not noise or error / noise < line:
+        return "training will not feel it"
+    return (f"{num.percent(error / noise)} of it, under the alarm's line; but from {num.percent(line)} of the noise up, "
+            "models have both trained like fp32 and not (a cancelling variance at 13-34% of its noise trained 2-8% "
+            "worse, docs/evidence.md): fp16probe profile --trial STEPS trains both to see")
 
 
 def caveat_text(c: Caveat) -> str:
@@ -715,7 +728,7 @@ def precision_cost_lines(report: Report) -> list[str]:
     against = (f"against batch-to-batch noise of {num.percent(v.noise)} (the fp32 gradient's change between rerun "
                f"steps, {num.percent(v.change)}, over sqrt(2))")
     if v.judgement is CostJudgement.WITHIN_NOISE:
-        return [f"{what}, {against}: training will not feel it"]
+        return [f"{what}, {against}: {_within_noise_words(v.error, v.noise)}"]
     return [f"{what}, {against}: more than {num.percent(NOISE_SHARE)} of it, training may feel it; "
             "fp16probe profile --trial STEPS trains both to see"]
 
