@@ -111,6 +111,12 @@ def _reference() -> tuple[Report, Report]:
     return acts.report(), weights.report()
 
 
+# A rank's C++ runtime aborting as the process ends (a gloo worker thread still joinable when the interpreter
+# finalises: pytorch/pytorch PR #179291 describes it and was abandoned). Seen once in a loaded CI run of the
+# FSDP2 job (rank 1 SIGABRT, then 3 of 3 reruns passed); the job is run once more when this is how it ended.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _torchrun_two_ranks(worker: str, out: Path) -> tuple[Report, Report, Report]:
     """Run ``tests/<worker>`` on two gloo ranks; return the merged report and each rank's."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -119,6 +125,8 @@ def _torchrun_two_ranks(worker: str, out: Path) -> tuple[Report, Report, Report]
         str(Path(__file__).parent / worker), str(out),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0 and _TEARDOWN_ABORT in done.stderr:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return Report.load(out / "merged.json"), Report.load(out / "rank0.json"), Report.load(out / "rank1.json")
 
