@@ -183,6 +183,17 @@ def test_a_fix_of_many_long_names_wraps_within_80_columns_and_is_listed_once(gra
     assert names[0] not in text and "the 28 modules the fix names" in text
 
 
+def test_the_loss_in_fp32_line_takes_only_an_autocast_device():
+    from fp16probe.presentation.paste import loss_in_fp32_call
+
+    for device in AUTOCAST_TARGETS:
+        code = loss_in_fp32_call(device)
+        assert code is not None
+        with_ = ast.parse(code).body[0]
+        assert isinstance(with_, ast.With) and ast.literal_eval(with_.items[0].context_expr.args[0]) == device
+    assert loss_in_fp32_call("cuda" + EVIL) is None and loss_in_fp32_call("xpu") is None
+
+
 # -- the fuzz: every printed code line parses to exactly the intended call --------------------------
 _NUMBER = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 10**6), st.booleans(),
                     st.text(max_size=8), st.none())

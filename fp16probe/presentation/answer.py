@@ -21,7 +21,7 @@ from fp16probe.presentation.cite import PAPER
 from fp16probe.formats import Format, get_format
 from fp16probe.formatting import KIND_WORDS
 from fp16probe.presentation import escape
-from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call
+from fp16probe.presentation.paste import grad_scaler_call, keep_in_fp32_call, loss_in_fp32_call
 from fp16probe.presentation.schedule import rule_label
 from fp16probe.analysis.trial import HURT_UNSEEN, agreement, ran_trial
 from fp16probe.presentation.trial import end_words, trial_line
@@ -248,7 +248,7 @@ def _trial_refutes(report: Report | None, rec: Recommendation) -> str:
     ends = ", ".join(f"{v:.4g}" if math.isfinite(v) else "not finite" for v in band.target)
     why = ("The harm is outside what one step at the profiled weights measures (a loss or statistic computed in low "
            "precision, or an effect that builds up over steps): "
-           + (f"{end_words(t.end, t.steps)}" if t.end is not None else
+           + (end_words(t.end, t.steps) if t.end is not None else
               "keep fp32 where it arises, or train in fp32; the trial line below has the figures"))
     return (f"but trained for real, this is not fine: {escape.text(t.format)} at these settings ended OUTSIDE fp32's "
             f"seed band over {num.count(t.steps)} steps x {len(t.seeds)} data orders (last-{band.last}-step loss "
@@ -564,10 +564,6 @@ def _fix_line(em: Mapping[str, Any]) -> str:
             if em.get("noise") is not None and em.get("noise_share") is not None else line)
 
 
-def _loss_fix_code(device: str) -> str:
-    return (f"with torch.autocast({device!r}, enabled=False): loss = loss_fn(output.float(), ...)")
-
-
 def _fix_refuted(rec: Recommendation) -> str:
     """For ``gradient_error``, the fixes the emulated step measured that are not offered as code: the loss
     computed in fp32 when that holds, else each measured fix that did not bring the gradients within tolerance
@@ -579,9 +575,9 @@ def _fix_refuted(rec: Recommendation) -> str:
     loss = loss if isinstance(loss, Mapping) else None
     tolerance = _fix_line(em)
     if loss is not None and em.get("loss_fix_holds") is True and em.get("fix_holds") is not True:
-        device = str(rec.evidence.get("fix_device") or em.get("target") or "cuda")
-        device = device if device in ("cuda", "cpu") else "cuda"
-        return (f"fix: compute the loss in fp32 ({_loss_fix_code(device)}): the loss rounds in {rec.format} "
+        code = loss_in_fp32_call(rec.evidence.get("fix_device") or em.get("target") or "cuda")
+        how = f" ({code})" if code is not None else " (no code: the report's device is not one autocast takes)"
+        return (f"fix: compute the loss in fp32{how}: the loss rounds in {rec.format} "
                 f"(it reads the autocast state or casts itself), and with it in fp32 the emulated gradients are "
                 f"{_error_words(loss.get('error'), loss.get('nonfinite'))}, every parameter within {tolerance}")
     tried = []

@@ -26,7 +26,7 @@ from fp16probe.errors import ReportFieldError
 from fp16probe.validation import AUTOCAST_TARGETS, SCALER_DEVICES, check_grad_scaler_kwargs
 
 __all__ = ["FRAMEWORKS", "Arg", "call_text", "deepspeed_fp16_block", "form_notes", "framework_settings", "grad_scaler_args",
-           "grad_scaler_call", "keep_in_fp32_call", "megatron_flags", "sharded_grad_scaler_call", "string_literal"]
+           "grad_scaler_call", "keep_in_fp32_call", "loss_in_fp32_call", "megatron_flags", "sharded_grad_scaler_call", "string_literal"]
 
 Arg = Union[str, tuple[str, ...]]
 """An argument already written as Python: an expression, or the items of a list literal."""
@@ -94,6 +94,14 @@ def keep_in_fp32_call(modules: Any, device: Any, width: int | None = None) -> st
     names = tuple(string_literal(m) for m in modules)
     call = call_text("fp16probe.keep_in_fp32", ["model", names, f'device_type="{device}"'], width)  # a fixed-set device
     return "import fp16probe\n" + call
+
+
+def loss_in_fp32_call(device: Any) -> str | None:
+    """``with torch.autocast('device', enabled=False): loss = loss_fn(output.float(), ...)``: the loss computed in
+    fp32 on the model's output. None when ``device`` is not one of :data:`~fp16probe.validation.AUTOCAST_TARGETS`."""
+    if device not in AUTOCAST_TARGETS:
+        return None
+    return f"with torch.autocast({device!r}, enabled=False): loss = loss_fn(output.float(), ...)"  # a fixed-set device
 
 
 def string_literal(value: str) -> str:

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from fp16probe import formatting as num
-from fp16probe.analysis.trial import (AGREES_ALARM, AGREES_FINE, ALARM_NOT_FELT, HURT_UNSEEN, agreement,
+from fp16probe.analysis.trial import (AGREES_ALARM, AGREES_FINE, ALARM_NOT_FELT, ALARMS, HURT_UNSEEN, agreement,
                                       judge_curves)
 from fp16probe.presentation import escape
 from fp16probe.sections import Trial, TrialEnd
@@ -52,7 +52,7 @@ def _scaler(t: Trial) -> str:
 def end_words(end: TrialEnd, steps: int) -> str:
     """The emulated step at the weights the trial's first fp32 run ended on, in words: its verdict, worst parameter
     against its noise, and the fix that holds there."""
-    alarm = end.verdict in ("forward_underflow", "forward_overflow", "gradient_error")
+    alarm = end.verdict in ALARMS
     line = (f"at the weights fp32 training reached in {num.count(steps)} steps, the emulated step finds "
             + (escape.text(end.verdict) if alarm else f"no alarm ({escape.text(end.verdict)})"))
     if end.parameter is not None and end.error is not None:

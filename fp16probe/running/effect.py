@@ -124,7 +124,7 @@ def with_effect(report: Report, model: nn.Module, batches: Sequence[Any], loss: 
         if audited is not None:  # the loss is fp16 in the target run, which the audit did not see: S capped
             report = audited
             rec = analyze(report, fmt if fmt is not None else rec.format, kind=kind)
-            scales = scales_to_check(rec) or [0]
+            scales = scales_to_check(rec)  # the capped S and its neighbours
             k = scales[len(scales) // 2]
             data = measure_effect(model, runs[:1], format=rec.format, target=target, regime=regime,
                                   settings=[(j, ()) for j in scales])
