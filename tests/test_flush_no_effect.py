@@ -25,6 +25,7 @@ from torch import nn
 import fp16probe
 from fp16probe.analysis.recommend import analyze
 from fp16probe.presentation.answer import short_answer
+from tests.test_trust import TinyInputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,16 +82,6 @@ def test_a_flush_the_gradients_do_not_feel_leaves_a_constant_scale():
     assert max(q) < 0.01
 
 
-class _Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
 _W = 2.0 ** -torch.linspace(0, 18, 4)  # per-output loss weights 1 .. 2^-18: output gradients span 36 bits
 
 
@@ -101,7 +92,8 @@ def _weighted_mse(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -
 def test_a_flush_the_gradients_feel_stays_no_single_scale():
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
-    model = _Tiny()
+    torch.manual_seed(0)
+    model = TinyInputs()  # tests/test_trust.py's MLP, whose loss there is this one (weighted_mse(18))
     report = fp16probe.profile(copy.deepcopy(model), batches, _weighted_mse, steps=len(batches), target="cpu")
     rec = report.recommendation
     assert analyze(report, "fp16").verdict == "no_single_scale"

@@ -23,21 +23,22 @@ from fp16probe.presentation.answer import short_answer
 from tests.fixtures.evidence_models import close_student, kl_in_run_precision
 
 
-_reads_state = kl_in_run_precision  # KL(teacher || student) in the run's precision: the autocast dtype when on
-_student = close_student
+def _in_fp32(loss):
+    """The answer's fix: the loss on the output cast to fp32, with autocast off."""
+    def fixed(out, batch):
+        with torch.autocast("cpu", enabled=False):
+            return loss(out.float(), batch)
+
+    return fixed
 
 
-def _real(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
-    """Plain torch: fp32, bf16 autocast with the loss as written, or bf16 with the loss as the answer's fix."""
+def _real(model: nn.Module, loss, batch: tuple[torch.Tensor, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
+    """Plain torch: fp32, bf16 autocast with ``loss`` as written, or bf16 with the loss as the answer's fix."""
     m = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how != "fp32"):
         out = m(batch[0])
-        if how == "loss_in_fp32":
-            with torch.autocast("cpu", enabled=False):
-                loss = _reads_state(out.float(), batch)
-        else:
-            loss = _reads_state(out, batch)
-    loss.backward()
+        value = _in_fp32(loss)(out, batch) if how == "loss_in_fp32" else loss(out, batch)
+    value.backward()
     return {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
@@ -51,12 +52,13 @@ def _worst(g: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
 
 
 def test_the_loss_kept_in_fp32_is_emulated_as_the_real_run_with_the_loss_in_fp32():
-    model, batch = _student()
-    fp32 = _real(model, batch, "fp32")
-    real_low, real_fixed = _error(_real(model, batch, "bf16"), fp32), _error(_real(model, batch, "loss_in_fp32"), fp32)
+    model, batch = close_student()
+    fp32 = _real(model, kl_in_run_precision, batch, "fp32")
+    real_low = _error(_real(model, kl_in_run_precision, batch, "bf16"), fp32)
+    real_fixed = _error(_real(model, kl_in_run_precision, batch, "loss_in_fp32"), fp32)
     m = copy.deepcopy(model)
-    low = emulated_step(m, lambda: _reads_state(m(batch[0]), batch), format="bf16", target="cpu")
-    fixed = emulated_step(m, lambda: _reads_state(m(batch[0]), batch), format="bf16", target="cpu", keep_fp32=[LOSS])
+    low = emulated_step(m, lambda: kl_in_run_precision(m(batch[0]), batch), format="bf16", target="cpu")
+    fixed = emulated_step(m, lambda: kl_in_run_precision(m(batch[0]), batch), format="bf16", target="cpu", keep_fp32=[LOSS])
     e_low, e_fixed = _error(low.grads, fp32), _error(fixed.grads, fp32)
     # written: real 21.0% as written, 12.9% with the loss in fp32; emulated 18.7% and 12.9%. What stays with the
     # loss in fp32 is the model's own bf16 rounding (the student is close to its teacher: a small gradient), in
@@ -80,10 +82,10 @@ class _Island(nn.Module):
 
 
 def test_the_answer_offers_the_loss_in_fp32_when_it_holds_and_the_real_run_bears_it_out():
-    student, batch = _student()
+    student, batch = close_student()
     model = _Island(student)
     # one batch: no batch-to-batch noise to judge against, so the 5% tolerance alone decides (the answer says so)
-    report = fp16probe.profile(copy.deepcopy(model), [batch], _reads_state, steps=1, format="bf16", target="cpu")
+    report = fp16probe.profile(copy.deepcopy(model), [batch], kl_in_run_precision, steps=1, format="bf16", target="cpu")
     rec = report.recommendation
     assert str(rec.verdict) == "gradient_error"
     em = rec.evidence["emulated"]
@@ -93,9 +95,9 @@ def test_the_answer_offers_the_loss_in_fp32_when_it_holds_and_the_real_run_bears
     assert "torch.autocast('cpu', enabled=False)" in line and "output.float()" in line
     assert not any(t.startswith("no fix found") for t in text)
     assert "made in the loss, outside the model" in text[0]
-    fp32 = _real(model, batch, "fp32")
-    assert _worst(_real(model, batch, "loss_in_fp32"), fp32) < em["tolerance"] < _worst(_real(model, batch, "bf16"),
-                                                                                            fp32)
+    fp32 = _real(model, kl_in_run_precision, batch, "fp32")
+    fixed = _worst(_real(model, kl_in_run_precision, batch, "loss_in_fp32"), fp32)
+    assert fixed < em["tolerance"] < _worst(_real(model, kl_in_run_precision, batch, "bf16"), fp32)
 
 
 @pytest.mark.slow
@@ -122,9 +124,9 @@ def test_on_the_distilled_student_near_convergence_the_loss_in_fp32_is_the_fix_t
     text = [x.text for x in short_answer(report, rec)]
     assert any(t.startswith("fix: compute the loss in fp32") for t in text)
     # real bf16 gradients on the first batch, the loss as written and in fp32: the same order as the emulated
-    ref = _real_case(model, case, data[0], "fp32")
-    real_low = _error(_real_case(model, case, data[0], "bf16"), ref)
-    real_fixed = _error(_real_case(model, case, data[0], "loss_in_fp32"), ref)
+    ref = _real(model, case.loss, data[0], "fp32")
+    real_low = _error(_real(model, case.loss, data[0], "bf16"), ref)
+    real_fixed = _error(_real(model, case.loss, data[0], "loss_in_fp32"), ref)
     assert 0.05 < real_fixed < 0.5 * real_low, (real_low, real_fixed)
     # and training: 60 steps x 3 data orders from the initial weights, as tests/test_evidence.py trains it
     fixed = dataclasses.replace(case, loss=_in_fp32(case.loss))
@@ -132,23 +134,6 @@ def test_on_the_distilled_student_near_convergence_the_loss_in_fp32_is_the_fix_t
     assert judge_curves(fp32, [train(fixed, "bf16", s, 60)[0] for s in range(3)]).inside
     assert not judge_curves(fp32, [train(case, "bf16", s, 60)[0] for s in range(3)]).inside
 
-
-def _in_fp32(loss):
-    """The answer's fix: the loss on the output cast to fp32, with autocast off."""
-    def fixed(out, batch):
-        with torch.autocast("cpu", enabled=False):
-            return loss(out.float(), batch)
-
-    return fixed
-
-
-def _real_case(model: nn.Module, case, batch, how: str) -> dict[str, torch.Tensor]:
-    m = copy.deepcopy(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how != "fp32"):
-        out = m(batch[0])
-        loss = _in_fp32(case.loss)(out, batch) if how == "loss_in_fp32" else case.loss(out, batch)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
 @pytest.mark.slow
