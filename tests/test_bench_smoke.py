@@ -96,3 +96,16 @@ def test_forward_cost_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert {m["model"] for m in loaded["models"]} == {"conv", "transformer", "gpt-mid", "mlp-200"}
     assert all(m["forward_capture"] > 0 and m["audit_over_plain"] > 0 for m in loaded["models"])
     assert "ForwardAudit / plain" in capsys.readouterr().out
+
+
+def test_hook_floor_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import hook_floor
+
+    out = tmp_path / "floor.json"
+    assert hook_floor.main(["--quick", "--models", "mlp-200", "--json", str(out)]) == 0
+    loaded = json.loads(out.read_text())
+    assert [m["model"] for m in loaded["models"]] == ["mlp-200"]
+    (m,) = loaded["models"]
+    assert set(m["over_plain"]) == set(hook_floor.VARIANTS) - {"plain"}
+    assert all(v > 0 for v in m["over_plain"].values())
+    assert "capture points" in capsys.readouterr().out
