@@ -13,13 +13,11 @@ thread, the variants interleaved round by round, the median of per-round ratios 
 The audit wraps the whole step (forward, loss, backward and the optimizer's own ops), which
 is what it costs a profile step.
 
-    python bench/forward_cost.py [--quick] [--json out.json]
+    python bench/forward_cost.py [--quick] [--models conv,mlp-200] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import FULL, QUICK, Sizes, Workload, make_workloads  # noqa: E402
+from bench.run import Sizes, Workload, make_workloads, table_main  # noqa: E402
 from fp16probe import Probe  # noqa: E402
 from fp16probe.capture.forward import ForwardAudit  # noqa: E402
 
@@ -113,15 +111,7 @@ def format_table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurement and print the table (and write JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the code path, timings mean nothing")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args(argv)
-    r = run(QUICK if args.quick else FULL)
-    print(format_table(r))
-    if args.json:
-        args.json.write_text(json.dumps(r, indent=2))
-    return 0
+    return table_main(__doc__, run, format_table, argv)
 
 
 if __name__ == "__main__":

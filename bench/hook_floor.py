@@ -26,8 +26,6 @@ each round at least 60 ms of steps, the median of per-round ratios to the plain 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import FULL, QUICK, Sizes, Workload, make_workloads  # noqa: E402
+from bench.run import Sizes, Workload, make_workloads, table_main  # noqa: E402
 from fp16probe import Probe  # noqa: E402
 
 VARIANTS = ("plain", "forward_hooks", "node_prehooks", "capture_points", "retain_grad", "probe")
@@ -129,19 +127,12 @@ def bench_model(w: Workload, s: Sizes) -> dict:
     }
 
 
-def run(sizes: Sizes, models: tuple[str, ...] | None = None) -> dict:
-    """The chosen models of the benchmark (all: None); the machine's load beside the figures."""
+def run(sizes: Sizes) -> dict:
+    """The models of ``sizes``; the machine's load beside the figures."""
     torch.set_num_threads(1)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
-    workloads = make_workloads(sizes if models is None else _only(sizes, models))
     return {"torch": torch.__version__, "threads": 1, "load_average": load, "target": TARGET,
-            "models": [bench_model(w, sizes) for w in workloads]}
-
-
-def _only(sizes: Sizes, models: tuple[str, ...]) -> Sizes:
-    import dataclasses
-
-    return dataclasses.replace(sizes, models=models)
+            "models": [bench_model(w, sizes) for w in make_workloads(sizes)]}
 
 
 def format_table(r: dict) -> str:
@@ -159,17 +150,7 @@ def format_table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurement and print the table (and write JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the code path, timings mean nothing")
-    ap.add_argument("--models", default=None, help="comma-separated subset of conv,transformer,gpt-mid,mlp-200")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args(argv)
-    models = tuple(args.models.split(",")) if args.models else None
-    r = run(QUICK if args.quick else FULL, models)
-    print(format_table(r))
-    if args.json:
-        args.json.write_text(json.dumps(r, indent=2))
-    return 0
+    return table_main(__doc__, run, format_table, argv)
 
 
 if __name__ == "__main__":

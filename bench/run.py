@@ -652,6 +652,25 @@ def _progress(what: str, fn: Callable, *args: object):
     return out
 
 
+def table_main(doc: str, measure: Callable[[Sizes], dict], table: Callable[[dict], str],
+               argv: list[str] | None = None) -> int:
+    """The command line of the one-table benchmarks (``bench/forward_cost.py``, ``bench/hook_floor.py``):
+    ``--quick``, ``--models``, ``--json``; measures, prints the table, writes the JSON when asked."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the code path, timings mean nothing")
+    ap.add_argument("--models", default=None, help="comma-separated subset of conv,transformer,gpt-mid,mlp-200")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.models:
+        sizes = Sizes(**(sizes.__dict__ | {"models": tuple(args.models.split(","))}))
+    r = measure(sizes)
+    print(table(r))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
