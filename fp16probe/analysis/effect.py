@@ -385,9 +385,10 @@ def judged(rec: Recommendation, data: Mapping[str, Any] | None,
     """``rec`` judged by the emulated step in ``data`` (the ``emulation`` section's JSON form, :func:`effect_of`).
 
     ``no_single_scale`` whose least bad S the step finds within TOLERANCE, its weight gradients zeroed no
-    more than the threshold allows, becomes ``constant`` at that S, with the caveat ``flush_no_effect`` (the flush the histograms count does not reach the gradients
-    it is judged by: a tiny Llama with a massive BOS activation, 0.12% flushed at S = 2^19, its real
-    fp16 gradients 0.06% off fp32). ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
+    more than the threshold allows, becomes ``constant`` at that S, with the caveat ``flush_no_effect``
+    (the flush the histograms count does not reach the gradients it is judged by: a tiny Llama with a
+    massive BOS activation, 0.12% flushed at S = 2^19, its real fp16 gradients 0.06% off fp32).
+    ``gradients_only`` is the verdict without the forward findings as verdicts (``analyze(...,
     forward_verdicts=False)``): it leads when a forward verdict's effect is within TOLERANCE.
     Adds ``evidence["emulated"]``; a forward finding without effect becomes the caveat
     ``forward_no_effect``. Gradients more than TOLERANCE off with no overflow: where the

@@ -173,10 +173,14 @@ class _Emulator:
 
     # -- module stack ---------------------------------------------------------------------
     @property
+    def outside(self) -> bool:
+        """Whether the op running now is outside the model's forward (the root's frame: the loss)."""
+        return not self.stack.top.name
+
+    @property
     def kept(self) -> bool:
         """Whether the op running now is inside a module kept in fp32 (or outside the model, the loss kept)."""
-        top = self.stack.top
-        return top.selected or (self.loss_kept and not top.name)
+        return self.stack.top.selected or (self.loss_kept and self.outside)
 
     def push(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -231,7 +235,7 @@ class _Emulator:
         """``t`` as the target holds it in the low format (rounded, with a rounding gradient)."""
         r = _round(t, self.dtype)
         self.rounded += 1
-        if not self.stack.top.name:  # the root's frame: outside the model's forward
+        if self.outside:
             self.rounded_outside += 1
         self.mark(r, True)
         return r

@@ -138,13 +138,17 @@ def fix_code(rec: Recommendation, width: int | None = None) -> str | None:
     '' when the verdict offers no such fix; None when it offers one whose names or device do not fit
     (then no code is shown, and the answer says why). A report's stored ``fix_code`` is never used.
     """
-    ev = rec.evidence
-    modules = ev.get("fix_modules")
+    modules = rec.evidence.get("fix_modules")
     if rec.verdict not in _FIX_VERDICTS or not modules:
         return ""
-    device = (ev["fix_device"] if "fix_device" in ev  # older reports: the target the verdict was judged for
-              else ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda")
-    return keep_in_fp32_call(modules, device, width)
+    return keep_in_fp32_call(modules, _fix_device(rec.evidence), width)
+
+
+def _fix_device(ev: Mapping[str, Any]) -> Any:
+    """The device whose autocast a fix turns off: the evidence's ``fix_device``, or in older reports the target
+    the verdict was judged for. Unchecked here: the paste functions take only a device of a fixed set."""
+    return (ev["fix_device"] if "fix_device" in ev
+            else ev.get("target") or (ev.get("emulated") or {}).get("target") or "cuda")
 
 
 _FIX_VERDICTS = (Verdict.FORWARD_OVERFLOW, Verdict.FORWARD_UNDERFLOW, Verdict.GRADIENT_ERROR)
@@ -575,7 +579,7 @@ def _fix_refuted(rec: Recommendation) -> str:
     loss = loss if isinstance(loss, Mapping) else None
     tolerance = _fix_line(em)
     if loss is not None and em.get("loss_fix_holds") is True and em.get("fix_holds") is not True:
-        code = loss_in_fp32_call(rec.evidence.get("fix_device") or em.get("target") or "cuda")
+        code = loss_in_fp32_call(_fix_device(rec.evidence))
         how = f" ({code})" if code is not None else " (no code: the report's device is not one autocast takes)"
         return (f"fix: compute the loss in fp32{how}: the loss rounds in {rec.format} "
                 f"(it reads the autocast state or casts itself), and with it in fp32 the emulated gradients are "
